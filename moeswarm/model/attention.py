@@ -1,0 +1,196 @@
+"""Attention with a KV cache: grouped-query attention (with optional q/k norms, biases, sinks and
+sliding windows) and DeepSeek's multi-head latent attention.  float32 throughout.
+
+Shapes: B batch, T new tokens, P cached tokens, S = P + T, nh query heads, nkv key/value heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import ModelConfig
+from .experts import f32
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    var = np.mean(np.square(x), axis=-1, keepdims=True)
+    return (x / np.sqrt(var + np.float32(eps))) * f32(w)
+
+
+def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    y = x @ f32(w).T
+    if b is not None:
+        y += f32(b)
+    return y
+
+
+class Rope:
+    """cos/sin tables for positions, grown on demand."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.inv_freq, self.scale = cfg.rope.inv_freq()  # (dim/2,)
+        self.interleaved = cfg.rope.interleaved
+
+    def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """positions (T,) -> cos, sin (T, dim/2), already multiplied by the attention factor."""
+        freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
+        return (np.cos(freqs) * np.float32(self.scale)).astype(np.float32), (
+            np.sin(freqs) * np.float32(self.scale)
+        ).astype(np.float32)
+
+    def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x (B, heads, T, dim).  Halves layout rotates (x[:d/2], x[d/2:]); DeepSeek's interleaved
+        layout rotates (x[0::2], x[1::2]) and returns the halves layout, like transformers does."""
+        if self.interleaved:
+            a, b = x[..., 0::2], x[..., 1::2]
+        else:
+            a, b = np.split(x, 2, axis=-1)
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+@dataclass
+class LayerCache:
+    """Keys and values of the tokens seen so far, with amortised growth along the sequence axis."""
+
+    k: np.ndarray | None = None  # (B, nkv, capacity, Dk)
+    v: np.ndarray | None = None  # (B, nkv, capacity, Dv)
+    length: int = 0
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        B, h, T, _ = k.shape
+        need = self.length + T
+        if self.k is None or need > self.k.shape[2]:
+            cap = max(need, 2 * (self.k.shape[2] if self.k is not None else 0), 16)
+            nk = np.zeros((B, h, cap, k.shape[-1]), np.float32)
+            nv = np.zeros((B, h, cap, v.shape[-1]), np.float32)
+            if self.k is not None:
+                nk[:, :, : self.length] = self.k[:, :, : self.length]
+                nv[:, :, : self.length] = self.v[:, :, : self.length]  # type: ignore[index]
+            self.k, self.v = nk, nv
+        self.k[:, :, self.length : need] = k
+        self.v[:, :, self.length : need] = v  # type: ignore[index]
+        self.length = need
+        return self.k[:, :, :need], self.v[:, :, :need]  # type: ignore[index]
+
+    def truncate(self, length: int) -> None:
+        """Forget everything after ``length`` tokens (speculative decoding rolls back this way)."""
+        self.length = min(self.length, length)
+
+
+@dataclass
+class KVCache:
+    layers: list[LayerCache] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, num_layers: int) -> "KVCache":
+        return cls([LayerCache() for _ in range(num_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            layer.truncate(length)
+
+
+def _attend(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    past: int,
+    scale: float,
+    window: int | None,
+    sinks: np.ndarray | None,
+) -> np.ndarray:
+    """q (B, nh, T, D), k (B, nkv, S, D), v (B, nkv, S, Dv) -> (B, T, nh * Dv)."""
+    B, nh, T, D = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    g = nh // nkv
+    qg = q.reshape(B, nkv, g, T, D)
+    scores = np.matmul(qg, k[:, :, None].swapaxes(-1, -2)) * np.float32(scale)  # (B, nkv, g, T, S)
+    qpos = past + np.arange(T)[:, None]
+    kpos = np.arange(S)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    scores = np.where(allowed, scores, np.float32(-np.inf))
+    if sinks is not None:
+        sink = np.broadcast_to(f32(sinks).reshape(1, nkv, g, 1, 1), (B, nkv, g, T, 1))
+        scores = np.concatenate([scores, sink], axis=-1)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    out = np.matmul(probs, v[:, :, None])  # (B, nkv, g, T, Dv)
+    return out.reshape(B, nh, T, -1).transpose(0, 2, 1, 3).reshape(B, T, -1)
+
+
+def gqa(
+    w: dict[str, np.ndarray | None],
+    x: np.ndarray,
+    cfg: ModelConfig,
+    rope: Rope,
+    cache: LayerCache,
+    positions: np.ndarray,
+    window: int | None,
+) -> np.ndarray:
+    """Grouped-query attention.  x (B, T, H) -> (B, T, H).  ``w`` holds this layer's attn.* tensors."""
+    B, T, _ = x.shape
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = linear(x, w["q"], w.get("q_bias"))  # (B, T, nh*hd)
+    k = linear(x, w["k"], w.get("k_bias"))
+    v = linear(x, w["v"], w.get("v_bias"))
+    if cfg.clip_qkv is not None:
+        q, k, v = (np.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    if cfg.qk_norm == "full":  # OLMoE: over the whole projection
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
+    q = q.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)  # (B, nh, T, hd)
+    k = k.reshape(B, T, nkv, hd).transpose(0, 2, 1, 3)
+    v = v.reshape(B, T, nkv, hd).transpose(0, 2, 1, 3)
+    if cfg.qk_norm == "head":  # Qwen3: per head
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
+    cos, sin = rope.tables(positions)
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    past = cache.length
+    keys, values = cache.append(k, v)
+    out = _attend(q, keys, values, past, cfg.scale, window, w.get("sinks"))
+    return linear(out, w["o"], w.get("o_bias"))  # type: ignore[arg-type]
+
+
+def mla(
+    w: dict[str, np.ndarray | None],
+    x: np.ndarray,
+    cfg: ModelConfig,
+    rope: Rope,
+    cache: LayerCache,
+    positions: np.ndarray,
+) -> np.ndarray:
+    """DeepSeek multi-head latent attention.  The cache keeps expanded per-head keys and values."""
+    B, T, _ = x.shape
+    nh, nope, rd, vd = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    if cfg.q_lora_rank:
+        q = linear(rms_norm(linear(x, w["q_a"]), w["q_a_norm"], cfg.rms_norm_eps), w["q_b"])  # type: ignore[arg-type]
+    else:
+        q = linear(x, w["q"])  # type: ignore[arg-type]
+    q = q.reshape(B, T, nh, nope + rd).transpose(0, 2, 1, 3)  # (B, nh, T, nope+rd)
+    q_pass, q_rot = q[..., :nope], q[..., nope:]
+    kv = linear(x, w["kv_a"])  # type: ignore[arg-type]  # (B, T, kv_lora + rd)
+    latent, k_rot = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
+    latent = rms_norm(latent, w["kv_a_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
+    k_rot = k_rot.reshape(B, 1, T, rd)
+    cos, sin = rope.tables(positions)
+    q_rot, k_rot = rope.apply(q_rot, cos, sin), rope.apply(k_rot, cos, sin)
+    kv_full = linear(latent, w["kv_b"]).reshape(B, T, nh, nope + vd).transpose(0, 2, 1, 3)  # type: ignore[arg-type]
+    k_nope, value = kv_full[..., :nope], kv_full[..., nope:]
+    key = np.concatenate([k_nope, np.broadcast_to(k_rot, (B, nh, T, rd))], axis=-1)
+    query = np.concatenate([q_pass, q_rot], axis=-1)
+    past = cache.length
+    keys, values = cache.append(key, value)
+    out = _attend(query, keys, values, past, cfg.scale, None, None)
+    return linear(out, w["o"])  # type: ignore[arg-type]

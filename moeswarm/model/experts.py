@@ -1,0 +1,129 @@
+"""Routed-expert math and the expert backends (seed 004: eager, grouped, batched, auto).
+
+A backend takes the tokens of one MoE layer, the router's choice and the layer's experts, and
+returns the weighted sum of the chosen experts' outputs.  All backends compute the same thing;
+they differ only in how they group the work:
+
+* ``eager``   -- loop over the experts that were hit; the correctness reference.
+* ``grouped`` -- sort (token, slot) pairs by expert once, one matmul per hit expert.
+* ``batched`` -- per token, gather its k experts and run them as matrix-vector products;
+  avoids OpenBLAS's small-M gemm cliff (M=2 costs ~9x M=1, spike finding 10) at tiny batches.
+* ``auto``    -- ``batched`` for a handful of tokens, ``grouped`` above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from ..errors import ConfigError
+from .config import ModelConfig
+from .weights import ExpertWeights
+
+BACKENDS = ("auto", "eager", "grouped", "batched")
+_AUTO_BATCHED_MAX_TOKENS = 4  # at or below this many tokens, auto picks "batched"
+
+
+def f32(a: np.ndarray) -> np.ndarray:
+    """fp32 view or converted copy (fp16/bf16 checkpoints are computed in fp32)."""
+    return a if a.dtype == np.float32 else a.astype(np.float32)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def expert_ffn(w: ExpertWeights, x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """One expert on ``x (T, H)`` -> ``(T, H)``, float32."""
+    gate = x @ f32(w.gate).T  # (T, I)
+    up = x @ f32(w.up).T  # (T, I)
+    if w.gate_bias is not None:
+        gate += f32(w.gate_bias)
+    if w.up_bias is not None:
+        up += f32(w.up_bias)
+    if cfg.expert_activation == "clamped_swiglu":  # gpt-oss
+        gate = np.minimum(gate, np.float32(cfg.swiglu_limit))
+        up = np.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        hidden = (up + 1) * (gate * sigmoid(gate * np.float32(cfg.swiglu_alpha)))
+    else:
+        hidden = gate * sigmoid(gate) * up  # SiLU(gate) * up
+    out = hidden.astype(np.float32, copy=False) @ f32(w.down).T  # (T, H)
+    if w.down_bias is not None:
+        out += f32(w.down_bias)
+    return out
+
+
+def dense_ffn(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """A plain SwiGLU MLP (dense layers and shared experts)."""
+    g = x @ f32(gate).T
+    return (g * sigmoid(g) * (x @ f32(up).T)) @ f32(down).T
+
+
+Backend = Callable[[Mapping[int, ExpertWeights], np.ndarray, np.ndarray, np.ndarray, ModelConfig], np.ndarray]
+
+
+def _missing(store: Mapping[int, ExpertWeights], ids: np.ndarray) -> None:
+    absent = sorted(set(np.unique(ids).tolist()) - set(store))
+    if absent:
+        raise ConfigError(f"experts {absent} are not held by this process")
+
+
+def eager(store: Mapping[int, ExpertWeights], x: np.ndarray, ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """x (T, H), ids (T, k), weights (T, k) -> (T, H)."""
+    _missing(store, ids)
+    out = np.zeros_like(x)
+    for e in np.unique(ids):
+        rows, slots = np.nonzero(ids == e)  # a token picks an expert at most once
+        y = expert_ffn(store[int(e)], x[rows], cfg)
+        out[rows] += weights[rows, slots, None] * y
+    return out
+
+
+def grouped(store: Mapping[int, ExpertWeights], x: np.ndarray, ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    _missing(store, ids)
+    k = ids.shape[1]
+    flat = ids.ravel()
+    order = np.argsort(flat, kind="stable")
+    starts = np.flatnonzero(np.r_[True, flat[order][1:] != flat[order][:-1]])
+    ends = np.r_[starts[1:], flat.size]
+    out = np.zeros_like(x)
+    flat_w = weights.ravel()
+    for s, t in zip(starts, ends):
+        pairs = order[s:t]
+        rows = pairs // k
+        y = expert_ffn(store[int(flat[pairs[0]])], x[rows], cfg)
+        out[rows] += flat_w[pairs, None] * y
+    return out
+
+
+def batched(store: Mapping[int, ExpertWeights], x: np.ndarray, ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    _missing(store, ids)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        row = x[t : t + 1]
+        for j in range(ids.shape[1]):
+            out[t] += weights[t, j] * expert_ffn(store[int(ids[t, j])], row, cfg)[0]
+    return out
+
+
+def auto(store: Mapping[int, ExpertWeights], x: np.ndarray, ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    if x.shape[0] <= _AUTO_BATCHED_MAX_TOKENS:
+        return batched(store, x, ids, weights, cfg)
+    return grouped(store, x, ids, weights, cfg)
+
+
+_BY_NAME: dict[str, Backend] = {"auto": auto, "eager": eager, "grouped": grouped, "batched": batched}
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ConfigError(f"unknown expert backend {name!r}; choose one of {', '.join(BACKENDS)}") from None
+
+
+def expert_flops(cfg: ModelConfig, tokens: int) -> int:
+    """Multiply-adds x 2 of ``tokens`` rows through one routed expert: three H x I matmuls."""
+    return 2 * tokens * 3 * cfg.hidden_size * cfg.moe_intermediate_size

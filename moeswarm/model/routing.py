@@ -1,0 +1,77 @@
+"""Routers: hidden states -> (expert ids, combine weights) per token, for each architecture.
+
+Read from transformers 5.24's modeling files (see ``shared/spikes/moe/tensors/*_router.md``):
+
+* ``softmax_topk`` (Mixtral, Qwen2/3-MoE, OLMoE): softmax over all experts in fp32, top-k of the
+  probabilities, renormalised over the k when ``norm_topk_prob`` (Mixtral always).
+* ``sigmoid_group`` (DeepSeek-V3 noaux_tc): sigmoid scores; choice uses scores +
+  ``e_score_correction_bias``; each of ``n_group`` groups is scored by the sum of its top two;
+  only the best ``topk_group`` groups compete; the weights are the *unbiased* scores at the
+  chosen experts, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``.
+* ``topk_softmax`` (gpt-oss): logits with a bias, top-k on the logits, softmax over only those k.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelConfig
+from .experts import f32, sigmoid
+
+
+def _topk(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest per row, largest first.  scores (T, E) -> (T, k)."""
+    part = np.argpartition(-scores, k - 1, axis=-1)[:, :k]
+    order = np.argsort(-np.take_along_axis(scores, part, axis=-1), axis=-1, kind="stable")
+    return np.take_along_axis(part, order, axis=-1)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def router_logits(cfg: ModelConfig, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    logits = x.astype(np.float32, copy=False) @ f32(w).T  # (T, E)
+    if bias is not None:
+        logits += f32(bias)
+    return logits
+
+
+def route(
+    cfg: ModelConfig,
+    x: np.ndarray,
+    w: np.ndarray,
+    bias: np.ndarray | None = None,
+    score_bias: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """x (T, H) -> ids (T, k) int64, weights (T, k) float32."""
+    k = cfg.top_k
+    logits = router_logits(cfg, w, x, bias if cfg.router == "topk_softmax" else None)
+    if cfg.router == "softmax_topk":
+        probs = _softmax(logits)
+        ids = _topk(probs, k)
+        weights = np.take_along_axis(probs, ids, axis=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+    elif cfg.router == "topk_softmax":
+        ids = _topk(logits, k)
+        weights = _softmax(np.take_along_axis(logits, ids, axis=-1))
+    elif cfg.router == "sigmoid_group":
+        scores = sigmoid(logits)
+        choice = scores + (f32(score_bias) if score_bias is not None else 0)
+        T, E = choice.shape
+        groups = choice.reshape(T, cfg.n_group, E // cfg.n_group)
+        group_scores = np.sort(groups, axis=-1)[..., -2:].sum(axis=-1)  # (T, n_group)
+        keep = _topk(group_scores, cfg.topk_group)
+        mask = np.zeros((T, cfg.n_group), dtype=bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        masked = np.where(np.repeat(mask, E // cfg.n_group, axis=-1), choice, -np.inf)
+        ids = _topk(masked, k)
+        weights = np.take_along_axis(scores, ids, axis=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        weights = weights * np.float32(cfg.routed_scaling_factor)
+    else:  # pragma: no cover - config parsing only produces the three above
+        raise ValueError(cfg.router)
+    return ids.astype(np.int64), weights.astype(np.float32)

@@ -1,0 +1,116 @@
+"""The decoder: embeddings -> (attention, MLP or MoE) x layers -> norm -> LM head.
+
+The routed experts are behind an ``ExpertExecutor`` so that the same forward pass runs with the
+experts in this process (``LocalExperts``) or spread over a swarm (the backbone in
+``moeswarm.node`` supplies a remote executor).  ``submit`` starts the work and returns a handle;
+the shared expert is computed while the routed experts are in flight; ``result`` joins them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+
+from .attention import KVCache, Rope, gqa, mla, rms_norm
+from .config import ModelConfig
+from .experts import dense_ffn, f32, get_backend, sigmoid
+from .routing import route
+from .weights import ExpertWeights, Weights
+
+
+class ExpertHandle(Protocol):
+    def result(self) -> np.ndarray:
+        """The combined routed-expert output ``(T, H)``."""
+        ...
+
+
+class ExpertExecutor(Protocol):
+    def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> ExpertHandle:
+        """x (T, H), ids (T, k), weights (T, k): start computing the layer's routed experts."""
+        ...
+
+
+class _Done:
+    def __init__(self, value: np.ndarray) -> None:
+        self._value = value
+
+    def result(self) -> np.ndarray:
+        return self._value
+
+
+class LocalExperts:
+    """Routed experts computed in this process from the memory-mapped checkpoint."""
+
+    def __init__(self, experts: Mapping[int, Mapping[int, ExpertWeights]], cfg: ModelConfig, backend: str = "auto") -> None:
+        self.experts = experts
+        self.cfg = cfg
+        self.backend = get_backend(backend)
+        self.backend_name = backend
+
+    def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> ExpertHandle:
+        return _Done(self.backend(self.experts[layer], x, ids, weights, self.cfg))
+
+
+class RouteObserver(Protocol):
+    def __call__(self, layer: int, ids: np.ndarray) -> None: ...
+
+
+class Model:
+    """A loaded MoE model.  ``forward`` is pure numpy; all state lives in the ``KVCache``."""
+
+    def __init__(self, weights: Weights, experts: ExpertExecutor | None = None, backend: str = "auto") -> None:
+        self.weights = weights
+        self.config = cfg = weights.config
+        self.experts: ExpertExecutor = experts or LocalExperts(weights.experts, cfg, backend)
+        self.rope = Rope(cfg)
+        self.observers: list[RouteObserver] = []
+        self._attn = [
+            {name.split(".", 2)[2]: a for name, a in weights.tensors.items() if name.startswith(f"{L}.attn.")}
+            for L in range(cfg.num_layers)
+        ]
+
+    def new_cache(self) -> KVCache:
+        return KVCache.empty(self.config.num_layers)
+
+    def forward(self, ids: np.ndarray, cache: KVCache, *, last_only: bool = False) -> np.ndarray:
+        """ids (B, T) int -> logits (B, T, V) float32 (or (B, 1, V) with ``last_only``)."""
+        cfg, w = self.config, self.weights
+        ids = np.asarray(ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        B, T = ids.shape
+        past = cache.length
+        positions = np.arange(past, past + T)
+        x = f32(w["embed"][ids])  # (B, T, H)
+        for L in range(cfg.num_layers):
+            h = rms_norm(x, w[f"{L}.attn_norm"], cfg.rms_norm_eps)
+            if cfg.attention == "mla":
+                h = mla(self._attn[L], h, cfg, self.rope, cache.layers[L], positions)
+            else:
+                h = gqa(self._attn[L], h, cfg, self.rope, cache.layers[L], positions, cfg.sliding_windows[L])
+            x = x + h
+            h = rms_norm(x, w[f"{L}.mlp_norm"], cfg.rms_norm_eps).reshape(B * T, -1)
+            x = x + self._mlp(L, h).reshape(B, T, -1)
+        if last_only:
+            x = x[:, -1:]
+        x = rms_norm(x, w["final_norm"], cfg.rms_norm_eps)
+        return (x @ f32(w["lm_head"]).T).astype(np.float32)
+
+    def _mlp(self, L: int, h: np.ndarray) -> np.ndarray:
+        """h (N, H) -> (N, H): a dense MLP, or router + routed experts + shared expert."""
+        cfg, w = self.config, self.weights
+        if not cfg.moe_layers[L]:
+            return dense_ffn(w[f"{L}.mlp.gate"], w[f"{L}.mlp.up"], w[f"{L}.mlp.down"], h)
+        ids, weights = route(cfg, h, w[f"{L}.router"], w.get(f"{L}.router_bias"), w.get(f"{L}.router_score_bias"))
+        for observe in self.observers:
+            observe(L, ids)
+        handle = self.experts.submit(L, h, ids, weights)
+        shared = None
+        if cfg.shared_intermediate_size:  # overlaps with remote experts in flight
+            shared = dense_ffn(w[f"{L}.shared.gate"], w[f"{L}.shared.up"], w[f"{L}.shared.down"], h)
+            if cfg.shared_expert_gate:
+                shared = sigmoid(h @ f32(w[f"{L}.shared_gate"]).T) * shared
+        out = handle.result()
+        return out if shared is None else out + shared

@@ -1,0 +1,163 @@
+"""Open a Hugging Face model folder as canonical, memory-mapped, shape-checked tensors.
+
+Opening reads ``config.json`` and the safetensors headers, never the tensors' bytes: every
+tensor is a view into the file's memory map, paged in by the kernel on first touch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ._safetensors import TensorRef, open_folder
+from .config import ModelConfig
+from .convert import convert
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One routed expert, ``nn.Linear`` orientation: gate/up ``[I, H]``, down ``[H, I]``."""
+
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+    gate_bias: np.ndarray | None = None
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
+
+    def arrays(self) -> list[np.ndarray]:
+        return [a for a in (self.gate, self.up, self.down, self.gate_bias, self.up_bias, self.down_bias) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+
+@dataclass
+class Weights:
+    config: ModelConfig
+    folder: str
+    tensors: dict[str, np.ndarray]  # canonical name -> view
+    sources: dict[str, TensorRef]
+    experts: dict[int, dict[int, ExpertWeights]] = field(default_factory=dict)  # layer -> expert -> weights
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.tensors[name]
+
+    def get(self, name: str) -> np.ndarray | None:
+        return self.tensors.get(name)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape that ``cfg`` implies, for every non-expert tensor."""
+    H, V, nh, nkv, hd = cfg.hidden_size, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    s: dict[str, tuple[int, ...]] = {"embed": (V, H), "final_norm": (H,)}
+    if not cfg.tie_word_embeddings:
+        s["lm_head"] = (V, H)
+    for L in range(cfg.num_layers):
+        p = f"{L}."
+        s[p + "attn_norm"] = s[p + "mlp_norm"] = (H,)
+        if cfg.attention == "mla":
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            if cfg.q_lora_rank:
+                s[p + "attn.q_a"] = (cfg.q_lora_rank, H)
+                s[p + "attn.q_a_norm"] = (cfg.q_lora_rank,)
+                s[p + "attn.q_b"] = (nh * qk, cfg.q_lora_rank)
+            else:
+                s[p + "attn.q"] = (nh * qk, H)
+            s[p + "attn.kv_a"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H)
+            s[p + "attn.kv_a_norm"] = (cfg.kv_lora_rank,)
+            s[p + "attn.kv_b"] = (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+            s[p + "attn.o"] = (H, nh * cfg.v_head_dim)
+        else:
+            s[p + "attn.q"], s[p + "attn.k"], s[p + "attn.v"] = (nh * hd, H), (nkv * hd, H), (nkv * hd, H)
+            s[p + "attn.o"] = (H, nh * hd)
+            if cfg.qkv_bias:
+                s[p + "attn.q_bias"], s[p + "attn.k_bias"], s[p + "attn.v_bias"] = (nh * hd,), (nkv * hd,), (nkv * hd,)
+            if cfg.o_bias:
+                s[p + "attn.o_bias"] = (H,)
+            if cfg.qk_norm == "head":
+                s[p + "attn.q_norm"] = s[p + "attn.k_norm"] = (hd,)
+            elif cfg.qk_norm == "full":
+                s[p + "attn.q_norm"], s[p + "attn.k_norm"] = (nh * hd,), (nkv * hd,)
+            if cfg.sinks:
+                s[p + "attn.sinks"] = (nh,)
+        if not cfg.moe_layers[L]:
+            inter = cfg.dense_intermediate_size
+            s[p + "mlp.gate"] = s[p + "mlp.up"] = (inter, H)
+            s[p + "mlp.down"] = (H, inter)
+            continue
+        s[p + "router"] = (cfg.num_experts, H)
+        if cfg.router == "topk_softmax":
+            s[p + "router_bias"] = (cfg.num_experts,)
+        if cfg.router == "sigmoid_group":
+            s[p + "router_score_bias"] = (cfg.num_experts,)
+        if cfg.shared_intermediate_size:
+            inter = cfg.shared_intermediate_size
+            s[p + "shared.gate"] = s[p + "shared.up"] = (inter, H)
+            s[p + "shared.down"] = (H, inter)
+        if cfg.shared_expert_gate:
+            s[p + "shared_gate"] = (1, H)
+    return s
+
+
+def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    s = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    if cfg.expert_bias:
+        s.update(gate_bias=(I,), up_bias=(I,), down_bias=(H,))
+    return s
+
+
+def load_weights(
+    folder: str | os.PathLike[str],
+    *,
+    config: ModelConfig | None = None,
+    keep_expert: Callable[[int, int], bool] | None = None,
+) -> Weights:
+    """Map a model folder.  ``keep_expert(layer, expert)`` selects the experts to hold (default: all)."""
+    folder = str(folder)
+    if not Path(folder).is_dir():
+        raise CheckpointError("model folder not found", path=folder)
+    cfg = config or ModelConfig.from_folder(folder)
+    keys = open_folder(folder)
+    conv = convert(cfg.arch, keys, keep=keep_expert, num_layers=cfg.num_layers)
+    w = Weights(cfg, folder, {}, conv.sources)
+
+    def check(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        a = conv.tensors.get(name)
+        if a is None:
+            raise CheckpointError(f"missing tensor {name!r} required by config.json", path=folder)
+        if a.shape != shape:
+            src = conv.sources[name]
+            raise CheckpointError(
+                f"shape {list(a.shape)} does not match config.json, which implies {list(shape)}",
+                path=src.path,
+                tensor=src.key,
+            )
+        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+            src = conv.sources[name]
+            raise CheckpointError(f"unsupported dtype {a.dtype} for a weight", path=src.path, tensor=src.key)
+        return a
+
+    for name, shape in expected_shapes(cfg).items():
+        w.tensors[name] = check(name, shape)
+    if cfg.tie_word_embeddings:
+        w.tensors["lm_head"] = w.tensors["embed"]
+    eshapes = expert_shapes(cfg)
+    for L in range(cfg.num_layers):
+        if not cfg.moe_layers[L]:
+            continue
+        layer: dict[int, ExpertWeights] = {}
+        for e in range(cfg.num_experts):
+            if keep_expert is not None and not keep_expert(L, e):
+                continue
+            parts = {k: check(f"{L}.experts.{e}.{k}", shape) for k, shape in eshapes.items()}
+            layer[e] = ExpertWeights(**parts)
+        w.experts[L] = layer
+    return w

@@ -1,0 +1,95 @@
+"""Constants of protocol v1: versions, error codes, size limits, signature domains.
+
+Every number here is normative: it is written down in ``protocol_spec/README.md``.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Final
+
+PROTOCOL_VERSION: Final = 1
+"""The version this module speaks."""
+
+SUPPORTED_VERSIONS: Final[tuple[int, ...]] = (1,)
+"""Versions offered in ``Hello``, ascending."""
+
+DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024
+"""Default largest frame body a receiver accepts, in bytes (configurable per receiver)."""
+
+MIN_MAX_FRAME: Final = 1024 * 1024
+"""A receiver must accept frame bodies of at least this many bytes."""
+
+FRAME_HEADER_SIZE: Final = 4
+"""The length prefix: unsigned 32-bit big-endian."""
+
+U32_MAX: Final = 2**32 - 1
+U64_MAX: Final = 2**64 - 1
+
+PEER_ID_SIZE: Final = 38
+PUBLIC_KEY_SIZE: Final = 32
+SIGNATURE_SIZE: Final = 64
+NONCE_SIZE: Final = 32
+REQUEST_ID_SIZE: Final = 16
+HASH_SIZE: Final = 32
+
+MAX_VERSIONS: Final = 16
+MAX_MODEL_ID_BYTES: Final = 128
+MAX_EXPERTS_PER_REQUEST: Final = 65536
+MAX_TENSOR_RANK: Final = 8
+MAX_ERROR_MESSAGE_BYTES: Final = 4096
+MAX_CHANNEL_BINDING_BYTES: Final = 64
+MAX_ENDPOINTS: Final = 8
+MAX_ENDPOINT_BYTES: Final = 256
+MAX_SOFTWARE_BYTES: Final = 64
+MAX_RECORD_BYTES: Final = 8192
+MAX_RECORD_TTL_MS: Final = 24 * 3600 * 1000
+"""An announcement may not expire more than this far in the future."""
+CLOCK_SKEW_MS: Final = 5 * 60 * 1000
+"""Tolerance added to ``MAX_RECORD_TTL_MS`` for clocks that disagree."""
+LOAD_SCALE: Final = 1000
+"""``load_permille`` runs from 0 (idle) to 1000 (saturated)."""
+
+DOMAIN_PREFIX: Final = b"moeswarm/v1/"
+"""Signatures are over ``DOMAIN_PREFIX + kind + b"\\0" + payload``."""
+
+
+class SignatureKind:
+    """The ``kind`` part of each signature's domain-separation prefix."""
+
+    AUTH: Final = "auth"
+    RECEIPT: Final = "receipt"
+    RECEIPT_COUNTERSIGN: Final = "receipt-countersign"
+    ANNOUNCEMENT: Final = "announcement"
+
+
+class ErrorCode(IntEnum):
+    """The ``code`` of an ``Error`` message and of every ``ProtocolError`` raised here."""
+
+    MALFORMED_FRAME = 1  # not one msgpack map with string keys; truncated; ext types
+    UNSUPPORTED_VERSION = 2  # no protocol version in common
+    FRAME_TOO_LARGE = 3  # length prefix above the receiver's limit
+    BAD_FIELD = 4  # required field missing, mistyped, out of range, inconsistent
+    BAD_TENSOR = 5  # tensor map wrong: dtype, rank, shape, data length
+    NON_FINITE = 6  # tensor holds NaN or +-Inf
+    UNKNOWN_EXPERT = 7  # model, layer or expert not served here
+    OVERLOADED = 8  # server busy: retry later or elsewhere
+    AUTH_FAILED = 9  # a signature or identity check failed
+    INTERNAL = 10  # the sender of the error failed; not the receiver's fault
+    UNKNOWN_MESSAGE = 11  # message type not understood
+    UNEXPECTED_MESSAGE = 12  # valid message in the wrong state (e.g. request before Auth)
+    DEADLINE_EXCEEDED = 13  # request's deadline_ms passed before compute could start
+    STALE = 14  # replayed sequence number, or a record not newer than the stored one
+    EXPIRED = 15  # a record whose expires_at_ms is in the past
+
+
+FATAL_CODES: Final = frozenset(
+    {
+        ErrorCode.MALFORMED_FRAME,
+        ErrorCode.UNSUPPORTED_VERSION,
+        ErrorCode.FRAME_TOO_LARGE,
+        ErrorCode.AUTH_FAILED,
+        ErrorCode.UNEXPECTED_MESSAGE,
+    }
+)
+"""Codes after which the sender of the ``Error`` closes the connection."""
