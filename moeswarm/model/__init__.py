@@ -1,0 +1,58 @@
+"""The numpy MoE inference engine: checkpoints, converters, architectures, backends, generation.
+
+Typical use::
+
+    from moeswarm.model import SamplingParams, Tokenizer, generate, load_model
+    model = load_model("path/to/model")          # memory-maps the checkpoint
+    ids = Tokenizer.from_folder("path/to/model").encode("Hello")
+    for token in generate(model, ids, SamplingParams(max_new_tokens=20)): ...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from .attention import KVCache
+from .config import ARCHITECTURES, ModelConfig
+from .experts import BACKENDS, expert_ffn, expert_flops, get_backend
+from .generate import SamplingParams, generate, sample
+from .tokenizer import StreamDecoder, Tokenizer
+from .transformer import ExpertExecutor, ExpertHandle, LocalExperts, Model
+from .weights import ExpertWeights, Weights, load_weights
+
+
+def load_model(
+    folder: str | os.PathLike[str],
+    *,
+    backend: str = "auto",
+    keep_expert: Callable[[int, int], bool] | None = None,
+    experts: ExpertExecutor | None = None,
+) -> Model:
+    """Open a model folder (memory-mapped; nothing but headers is read) as a ready ``Model``."""
+    get_backend(backend)  # fail early on a bad name
+    return Model(load_weights(folder, keep_expert=keep_expert), experts=experts, backend=backend)
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "BACKENDS",
+    "ExpertExecutor",
+    "ExpertHandle",
+    "ExpertWeights",
+    "KVCache",
+    "LocalExperts",
+    "Model",
+    "ModelConfig",
+    "SamplingParams",
+    "StreamDecoder",
+    "Tokenizer",
+    "Weights",
+    "expert_ffn",
+    "expert_flops",
+    "generate",
+    "get_backend",
+    "load_model",
+    "load_weights",
+    "sample",
+]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .config import ModelConfig
-from .experts import f32
+from .experts import f32, mm
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -20,7 +20,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    y = x @ f32(w).T
+    y = mm(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
     if b is not None:
         y += f32(b)
     return y
