@@ -84,7 +84,7 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
             tokenizer = Tokenizer.from_folder(model_dir, cfg.bos_token_id)
         except ConfigError:
             tokenizer = None  # ids in, ids out: text is optional
-    stream = tokenizer.stream() if tokenizer else None
+    stream = tokenizer.stream(ids) if tokenizer else None
     if tokenizer is not None and prompt_ids is None:
         click.echo(tokenizer.decode(ids), nl=False)  # the prompt, as the tokenizer reads it
     out: list[int] = []

@@ -66,22 +66,30 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._decode(list(ids)))
 
-    def stream(self) -> "StreamDecoder":
-        return StreamDecoder(self)
+    def stream(self, prefix: list[int] | None = None) -> "StreamDecoder":
+        """A decoder for text that continues ``prefix`` (the prompt), so spacing comes out right."""
+        return StreamDecoder(self, prefix or [])
 
 
 class StreamDecoder:
-    """Feed token ids one at a time; get back the text they complete (possibly empty)."""
+    """Feed token ids one at a time; get back the text they complete (possibly empty).
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    Decodes a short window (the last few settled tokens plus the new ones) and emits what the new
+    tokens add, the way text-generation servers do: SentencePiece drops a leading space at the
+    start of a decode, and a byte-level token may end inside a UTF-8 character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prefix: list[int]) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = 0
+        self.ids = list(prefix)
+        self.prefix_offset = max(0, len(self.ids) - 6)
+        self.read_offset = len(self.ids)
 
     def feed(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        settled = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(text) <= len(settled) or text.endswith("\ufffd"):  # incomplete character: wait
             return ""
-        piece, self.emitted = text[self.emitted :], len(text)
-        return piece
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(settled) :]

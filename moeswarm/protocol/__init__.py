@@ -1,0 +1,95 @@
+"""Wire protocol v1 of moeswarm: the Python binding of ``protocol_spec/README.md``.
+
+Messages are frozen dataclasses; ``encode``/``decode`` convert them to and from canonical
+msgpack frame bodies; ``decode`` validates everything and raises ``ProtocolError`` (with an
+``ErrorCode``) for anything else. No networking here: the data plane and the libp2p adapter
+build on these pieces.
+"""
+
+from ._codec import decode, encode, peek_request_id, receipt_body, announcement_body, to_wire
+from ._framing import frame, frame_body, parse_frame_header, read_frame, read_message, write_message
+from ._handshake import ClientHandshake, ServerHandshake, auth_transcript
+from ._identity import (
+    Identity,
+    b58decode,
+    b58encode,
+    is_peer_id,
+    peer_id_from_public_key,
+    peer_id_from_str,
+    peer_id_to_str,
+    public_key_from_peer_id,
+    signing_payload,
+    verify,
+    verify_body,
+)
+from ._limits import (
+    DEFAULT_MAX_FRAME,
+    FATAL_CODES,
+    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+    ErrorCode,
+    SignatureKind,
+)
+from ._messages import (
+    Announcement,
+    Auth,
+    CountersignedReceipt,
+    Error,
+    ExpertRequest,
+    ExpertResponse,
+    ExpertRows,
+    Hello,
+    HelloAck,
+    Message,
+    Ping,
+    Pong,
+    Receipt,
+)
+from ._receipts import (
+    check_response,
+    countersign,
+    input_hash,
+    make_receipt,
+    output_hash,
+    verify_countersigned,
+    verify_receipt,
+)
+from ._records import (
+    DHT_NAMESPACE,
+    announcement_key,
+    parse_announcement_key,
+    provider_key,
+    select_record,
+    sign_announcement,
+    validate_record,
+    verify_announcement,
+)
+from ._tensor import WIRE_DTYPES, tensor_from_wire, tensor_hash, tensor_to_wire
+from ._wire import canonical
+
+__all__ = [
+    # constants
+    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "DEFAULT_MAX_FRAME", "ErrorCode", "FATAL_CODES",
+    "SignatureKind", "WIRE_DTYPES", "DHT_NAMESPACE",
+    # messages
+    "Message", "Hello", "HelloAck", "Auth", "ExpertRows", "ExpertRequest", "ExpertResponse",
+    "Receipt", "CountersignedReceipt", "Error", "Ping", "Pong", "Announcement",
+    # codec and framing
+    "encode", "decode", "to_wire", "peek_request_id", "canonical", "receipt_body",
+    "announcement_body", "frame", "frame_body", "parse_frame_header", "read_frame",
+    "read_message", "write_message",
+    # tensors
+    "tensor_to_wire", "tensor_from_wire", "tensor_hash",
+    # identity and signatures
+    "Identity", "peer_id_from_public_key", "public_key_from_peer_id", "peer_id_to_str",
+    "peer_id_from_str", "is_peer_id", "b58encode", "b58decode", "signing_payload", "verify",
+    "verify_body",
+    # handshake
+    "ClientHandshake", "ServerHandshake", "auth_transcript",
+    # receipts
+    "make_receipt", "verify_receipt", "countersign", "verify_countersigned", "check_response",
+    "input_hash", "output_hash",
+    # DHT records
+    "provider_key", "announcement_key", "parse_announcement_key", "sign_announcement",
+    "verify_announcement", "validate_record", "select_record",
+]

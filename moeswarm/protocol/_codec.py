@@ -1,0 +1,357 @@
+"""The one codec: messages <-> canonical msgpack frame bodies, with full validation on decode.
+
+``decode`` turns any bytes into a message or raises ``ProtocolError`` carrying the spec's
+error code; it never raises anything else.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from operator import index
+from typing import Any, Final
+
+import numpy as np
+
+from moeswarm.errors import ConfigError, ProtocolError
+
+from ._identity import is_peer_id
+from ._limits import (
+    HASH_SIZE,
+    LOAD_SCALE,
+    MAX_ENDPOINT_BYTES,
+    MAX_ENDPOINTS,
+    MAX_ERROR_MESSAGE_BYTES,
+    MAX_EXPERTS_PER_REQUEST,
+    MAX_MODEL_ID_BYTES,
+    MAX_SOFTWARE_BYTES,
+    MAX_VERSIONS,
+    NONCE_SIZE,
+    PUBLIC_KEY_SIZE,
+    REQUEST_ID_SIZE,
+    SIGNATURE_SIZE,
+    U32_MAX,
+    U64_MAX,
+    ErrorCode,
+)
+from ._messages import (
+    Announcement,
+    Auth,
+    CountersignedReceipt,
+    Error,
+    ExpertRequest,
+    ExpertResponse,
+    ExpertRows,
+    Hello,
+    HelloAck,
+    Message,
+    Ping,
+    Pong,
+    Receipt,
+)
+from ._tensor import tensor_from_wire, tensor_to_wire
+from ._wire import Fields, bad, check_text, check_uint, pack, sorted_map, unpack
+
+MODEL_ID_RE: Final = re.compile(r"[A-Za-z0-9._@+-]+(?:/[A-Za-z0-9._@+-]+)*")
+ENDPOINT_RE: Final = re.compile(r"[a-z][a-z0-9+.-]*://[\x21-\x7e]+")
+SOFTWARE_RE: Final = re.compile(r"[\x20-\x7e]*")
+U16_MAX: Final = 2**16 - 1
+
+
+# ---------------------------------------------------------------- shared field helpers
+
+
+def _u(value: Any) -> int:
+    """An int for the wire: any integer type (not float) within uint64, else ``ConfigError``."""
+    v = index(value)
+    if not 0 <= v <= U64_MAX:
+        raise ConfigError(f"{v} is outside the uint64 range")
+    return v
+
+
+def _peer(f: Fields, name: str) -> bytes:
+    value = f.bin(name)
+    if not is_peer_id(value):
+        bad(f"{name} is not an Ed25519 peer ID")
+    return value
+
+
+def _model_id(f: Fields) -> str:
+    return f.text("model_id", max_bytes=MAX_MODEL_ID_BYTES, pattern=MODEL_ID_RE)
+
+
+def _range(f: Fields, name: str) -> tuple[int, int]:
+    items = f.array(name, lo=2, hi=2)
+    first = check_uint(items[0], f"{name}[0]", hi=U32_MAX)
+    last = check_uint(items[1], f"{name}[1]", hi=U32_MAX)
+    if first > last:
+        bad(f"{name} = [{first}, {last}] is empty")
+    return first, last
+
+
+# ---------------------------------------------------------------- handshake, control
+
+
+def _enc_hello(m: Hello) -> dict[str, Any]:
+    return {"nonce": m.nonce, "peer_id": m.peer_id, "public_key": m.public_key,
+            "versions": [_u(v) for v in m.versions]}
+
+
+def _dec_hello(f: Fields) -> Hello:
+    raw = f.array("versions", lo=1, hi=MAX_VERSIONS)
+    versions = tuple(check_uint(v, "versions[]", lo=1, hi=U16_MAX) for v in raw)
+    if any(a >= b for a, b in zip(versions, versions[1:])):
+        bad("versions must be strictly ascending")
+    return Hello(versions, _peer(f, "peer_id"), f.bin("public_key", size=PUBLIC_KEY_SIZE),
+                 f.bin("nonce", size=NONCE_SIZE))
+
+
+def _enc_hello_ack(m: HelloAck) -> dict[str, Any]:
+    return {"nonce": m.nonce, "peer_id": m.peer_id, "public_key": m.public_key, "sig": m.sig,
+            "version": _u(m.version)}
+
+
+def _dec_hello_ack(f: Fields) -> HelloAck:
+    return HelloAck(f.uint("version", lo=1, hi=U16_MAX), _peer(f, "peer_id"),
+                    f.bin("public_key", size=PUBLIC_KEY_SIZE), f.bin("nonce", size=NONCE_SIZE),
+                    f.bin("sig", size=SIGNATURE_SIZE))
+
+
+def _enc_auth(m: Auth) -> dict[str, Any]:
+    return {"sig": m.sig}
+
+
+def _dec_auth(f: Fields) -> Auth:
+    return Auth(f.bin("sig", size=SIGNATURE_SIZE))
+
+
+def _enc_error(m: Error) -> dict[str, Any]:
+    out: dict[str, Any] = {"code": _u(m.code), "message": m.message}
+    if m.request_id is not None:
+        out["request_id"] = m.request_id
+    return out
+
+
+def _dec_error(f: Fields) -> Error:
+    return Error(f.uint("code", hi=U32_MAX), f.text("message", max_bytes=MAX_ERROR_MESSAGE_BYTES),
+                 f.opt_bin("request_id", size=REQUEST_ID_SIZE))
+
+
+def _enc_ping(m: Ping | Pong) -> dict[str, Any]:
+    return {"ts": _u(m.ts)}
+
+
+def _dec_ping(f: Fields) -> Ping:
+    return Ping(f.uint("ts"))
+
+
+def _dec_pong(f: Fields) -> Pong:
+    return Pong(f.uint("ts"))
+
+
+# ---------------------------------------------------------------- expert calls
+
+
+def rows_bytes(rows: np.ndarray) -> bytes:
+    arr = np.asarray(rows)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ConfigError("ExpertRows.rows must be a 1-D integer array")
+    return arr.astype("<u4").tobytes()
+
+
+def _enc_expert_request(m: ExpertRequest) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "experts": [{"expert": _u(e.expert), "rows": rows_bytes(e.rows)} for e in m.experts],
+        "hidden": tensor_to_wire(m.hidden),
+        "layer": _u(m.layer),
+        "model_id": m.model_id,
+        "request_id": m.request_id,
+        "seq": _u(m.seq),
+    }
+    if m.deadline_ms is not None:
+        out["deadline_ms"] = _u(m.deadline_ms)
+    return out
+
+
+def _dec_rows(f: Fields, tokens: int, covered: np.ndarray) -> np.ndarray:
+    raw = f.bin("rows")
+    if not 4 <= len(raw) <= 4 * tokens:
+        bad(f"rows must be 1..{tokens} little-endian uint32 values")
+    rows = np.frombuffer(raw, dtype="<u4")
+    if rows[-1] >= tokens or (rows.size > 1 and not np.all(rows[1:] > rows[:-1])):
+        bad(f"rows must be strictly ascending indices below {tokens}")
+    covered[rows] = True
+    return rows
+
+
+def _dec_expert_request(f: Fields) -> ExpertRequest:
+    request_id = f.bin("request_id", size=REQUEST_ID_SIZE)
+    hidden = tensor_from_wire(f.raw("hidden"), "hidden", rank=2)  # (N, H)
+    tokens, width = hidden.shape
+    if tokens < 1 or width < 1:
+        bad("hidden must be at least 1 x 1", ErrorCode.BAD_TENSOR)
+    covered = np.zeros(tokens, dtype=bool)
+    experts: list[ExpertRows] = []
+    seen: set[int] = set()
+    for i, item in enumerate(f.array("experts", lo=1, hi=MAX_EXPERTS_PER_REQUEST)):
+        g = Fields(item, f"experts[{i}]")
+        expert = g.uint("expert", hi=U32_MAX)
+        if expert in seen:
+            bad(f"expert {expert} appears twice")
+        seen.add(expert)
+        experts.append(ExpertRows(expert, _dec_rows(g, tokens, covered)))
+    if not covered.all():
+        bad("every row of hidden must be routed to at least one expert")
+    return ExpertRequest(request_id, _model_id(f), f.uint("layer", hi=U32_MAX), f.uint("seq"),
+                         hidden, tuple(experts), f.opt_uint("deadline_ms", lo=1, hi=U32_MAX))
+
+
+def receipt_body(r: Receipt) -> dict[str, Any]:
+    """The fields of a receipt that both signatures cover (everything but ``sig``)."""
+    return sorted_map({
+        "client": r.client, "expert_flops": _u(r.expert_flops),
+        "experts": [_u(e) for e in r.experts], "input_hash": r.input_hash,
+        "layer": _u(r.layer), "model_id": r.model_id, "output_hash": r.output_hash,
+        "pairs": _u(r.pairs), "request_id": r.request_id, "seq": _u(r.seq),
+        "server": r.server, "time_ms": _u(r.time_ms), "tokens": _u(r.tokens),
+    })
+
+
+def _enc_receipt(r: Receipt) -> dict[str, Any]:
+    return sorted_map({**receipt_body(r), "sig": r.sig})
+
+
+def _dec_receipt(f: Fields) -> Receipt:
+    raw = f.array("experts", lo=1, hi=MAX_EXPERTS_PER_REQUEST)
+    experts = tuple(check_uint(e, "receipt.experts[]", hi=U32_MAX) for e in raw)
+    if len(set(experts)) != len(experts):
+        bad("receipt.experts repeats an expert")
+    tokens = f.uint("tokens", lo=1, hi=U32_MAX)
+    pairs = f.uint("pairs", lo=len(experts), hi=tokens * len(experts))
+    return Receipt(
+        f.bin("request_id", size=REQUEST_ID_SIZE), _peer(f, "client"), _peer(f, "server"),
+        _model_id(f), f.uint("layer", hi=U32_MAX), experts, tokens, pairs, f.uint("expert_flops"),
+        f.bin("input_hash", size=HASH_SIZE), f.bin("output_hash", size=HASH_SIZE),
+        f.uint("time_ms"), f.uint("seq"), f.bin("sig", size=SIGNATURE_SIZE),
+    )
+
+
+def _enc_expert_response(m: ExpertResponse) -> dict[str, Any]:
+    return {"compute_us": _u(m.compute_us), "load_permille": _u(m.load_permille),
+            "outputs": tensor_to_wire(m.outputs), "receipt": _enc_receipt(m.receipt),
+            "request_id": m.request_id}
+
+
+def _dec_expert_response(f: Fields) -> ExpertResponse:
+    request_id = f.bin("request_id", size=REQUEST_ID_SIZE)
+    outputs = tensor_from_wire(f.raw("outputs"), "outputs", rank=2)  # (P, H)
+    if outputs.shape[0] < 1 or outputs.shape[1] < 1:
+        bad("outputs must be at least 1 x 1", ErrorCode.BAD_TENSOR)
+    receipt = _dec_receipt(f.map("receipt"))
+    if receipt.request_id != request_id:
+        bad("receipt.request_id differs from request_id")
+    if receipt.pairs != outputs.shape[0]:
+        bad(f"receipt.pairs = {receipt.pairs} but outputs has {outputs.shape[0]} rows")
+    return ExpertResponse(request_id, outputs, receipt, f.uint("compute_us"),
+                          f.uint("load_permille", hi=LOAD_SCALE))
+
+
+def _enc_countersigned(m: CountersignedReceipt) -> dict[str, Any]:
+    return {"client_sig": m.client_sig, "receipt": _enc_receipt(m.receipt)}
+
+
+def _dec_countersigned(f: Fields) -> CountersignedReceipt:
+    return CountersignedReceipt(_dec_receipt(f.map("receipt")), f.bin("client_sig", size=SIGNATURE_SIZE))
+
+
+# ---------------------------------------------------------------- DHT record
+
+
+def announcement_body(a: Announcement) -> dict[str, Any]:
+    """The fields of an announcement its signature covers: its wire map without ``sig``."""
+    return sorted_map({
+        "capacity_bytes": _u(a.capacity_bytes), "endpoints": list(a.endpoints),
+        "experts": [_u(a.experts[0]), _u(a.experts[1])],
+        "expires_at_ms": _u(a.expires_at_ms),
+        "layers": [_u(a.layers[0]), _u(a.layers[1])],
+        "load_permille": _u(a.load_permille), "model_id": a.model_id, "peer_id": a.peer_id,
+        "public_key": a.public_key, "seq": _u(a.seq), "software": a.software,
+        "throughput": _u(a.throughput), "type": Announcement.TYPE,
+    })
+
+
+def _enc_announcement(a: Announcement) -> dict[str, Any]:
+    return {**announcement_body(a), "sig": a.sig}
+
+
+def _dec_announcement(f: Fields) -> Announcement:
+    raw = f.array("endpoints", lo=1, hi=MAX_ENDPOINTS)
+    endpoints = tuple(check_text(e, "endpoints[]", max_bytes=MAX_ENDPOINT_BYTES, pattern=ENDPOINT_RE)
+                      for e in raw)
+    return Announcement(
+        _model_id(f), _range(f, "layers"), _range(f, "experts"), endpoints,
+        f.uint("capacity_bytes"), f.uint("throughput"), f.uint("load_permille", hi=LOAD_SCALE),
+        f.text("software", max_bytes=MAX_SOFTWARE_BYTES, pattern=SOFTWARE_RE),
+        f.uint("seq"), f.uint("expires_at_ms"), _peer(f, "peer_id"),
+        f.bin("public_key", size=PUBLIC_KEY_SIZE), f.bin("sig", size=SIGNATURE_SIZE),
+    )
+
+
+# ---------------------------------------------------------------- dispatch
+
+_ENCODERS: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
+    Hello: _enc_hello, HelloAck: _enc_hello_ack, Auth: _enc_auth, Error: _enc_error,
+    Ping: _enc_ping, Pong: _enc_ping, ExpertRequest: _enc_expert_request,
+    ExpertResponse: _enc_expert_response, CountersignedReceipt: _enc_countersigned,
+    Announcement: _enc_announcement,
+}
+_DECODERS: Final[dict[str, Callable[[Fields], Message]]] = {
+    Hello.TYPE: _dec_hello, HelloAck.TYPE: _dec_hello_ack, Auth.TYPE: _dec_auth,
+    Error.TYPE: _dec_error, Ping.TYPE: _dec_ping, Pong.TYPE: _dec_pong,
+    ExpertRequest.TYPE: _dec_expert_request, ExpertResponse.TYPE: _dec_expert_response,
+    CountersignedReceipt.TYPE: _dec_countersigned, Announcement.TYPE: _dec_announcement,
+}
+
+
+def to_wire(msg: Message) -> dict[str, Any]:
+    """The wire map of a message, keys in canonical order, ``type`` included."""
+    encoder = _ENCODERS.get(type(msg))
+    if encoder is None:
+        raise ConfigError(f"{type(msg).__name__} is not a protocol message")
+    try:
+        fields = encoder(msg)
+    except (TypeError, IndexError) as exc:
+        raise ConfigError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+    return sorted_map({**fields, "type": msg.TYPE})
+
+
+def encode(msg: Message) -> bytes:
+    """The canonical msgpack frame body of ``msg`` (no length prefix)."""
+    return pack(to_wire(msg))
+
+
+def decode(body: bytes) -> Message:
+    """Parse and validate one frame body; ``ProtocolError`` with the spec's code otherwise."""
+    obj = unpack(body)
+    if type(obj) is not dict:
+        raise ProtocolError("a frame body must be a msgpack map", code=ErrorCode.MALFORMED_FRAME)
+    kind = obj.get("type")
+    if type(kind) is not str:
+        raise ProtocolError("frame has no string 'type'", code=ErrorCode.MALFORMED_FRAME)
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise ProtocolError(f"unknown message type {kind[:64]!r}", code=ErrorCode.UNKNOWN_MESSAGE)
+    return decoder(Fields(obj, kind))
+
+
+def peek_request_id(body: bytes) -> bytes | None:
+    """The ``request_id`` of a frame body that failed to decode, if one can be read from it."""
+    try:
+        obj = unpack(body)
+    except ProtocolError:
+        return None
+    if type(obj) is dict:
+        rid = obj.get("request_id")
+        if type(rid) is bytes and len(rid) == REQUEST_ID_SIZE:
+            return rid
+    return None

@@ -1,0 +1,173 @@
+"""The typed messages of protocol v1 (see ``protocol_spec/README.md`` for each field).
+
+Byte fields are ``bytes``; peer IDs are the 38 raw bytes (``peer_id_to_str`` for text).
+Messages that hold numpy arrays compare by identity (``eq=False``): compare encodings.
+Construction does not validate; ``decode`` does, and ``encode`` writes what it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Client -> server, first frame of a data-plane connection."""
+
+    TYPE: ClassVar[str] = "hello"
+    versions: tuple[int, ...]  # protocol versions the client speaks, strictly ascending
+    peer_id: bytes  # client's peer ID (38 bytes)
+    public_key: bytes  # client's Ed25519 public key (32 bytes)
+    nonce: bytes  # 32 fresh random bytes
+
+
+@dataclass(frozen=True, slots=True)
+class HelloAck:
+    """Server -> client: chosen version, server identity, and the server's transcript signature."""
+
+    TYPE: ClassVar[str] = "hello_ack"
+    version: int  # the highest version both sides speak
+    peer_id: bytes  # server's peer ID (38 bytes)
+    public_key: bytes  # server's Ed25519 public key (32 bytes)
+    nonce: bytes  # 32 fresh random bytes
+    sig: bytes  # server's signature over the auth transcript (64 bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """Client -> server: the client's signature over the auth transcript."""
+
+    TYPE: ClassVar[str] = "auth"
+    sig: bytes  # 64 bytes
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertRows:
+    """One expert of a request and the hidden rows routed to it."""
+
+    expert: int  # expert index within the layer
+    rows: np.ndarray  # (n,) uint32, strictly ascending indices into ExpertRequest.hidden
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertRequest:
+    """Client -> server: all tokens and experts of one MoE layer that this server holds."""
+
+    TYPE: ClassVar[str] = "expert_request"
+    request_id: bytes  # 16 bytes, unique per client
+    model_id: str
+    layer: int  # MoE layer index (the model's layer numbering)
+    seq: int  # per (client, server) pair, never reused; copied into the receipt
+    hidden: np.ndarray  # (N, H) f32/f16/bf16, the distinct token rows
+    experts: tuple[ExpertRows, ...]  # distinct experts, in the order outputs come back
+    deadline_ms: int | None = None  # budget from arrival to start of compute, milliseconds
+
+    @property
+    def pairs(self) -> int:
+        """P, the number of (expert, token) pairs = rows of the response."""
+        return sum(len(e.rows) for e in self.experts)
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """Server-signed statement of one served request (nested in ``ExpertResponse``)."""
+
+    request_id: bytes  # 16 bytes
+    client: bytes  # client's peer ID, as authenticated by the handshake
+    server: bytes  # server's peer ID; its key verifies ``sig``
+    model_id: str
+    layer: int
+    experts: tuple[int, ...]  # expert ids in request order
+    tokens: int  # N, rows of hidden
+    pairs: int  # P, rows of outputs
+    expert_flops: int  # floating-point operations spent in expert FFNs (2 per multiply-add)
+    input_hash: bytes  # SHA-256, see ``input_hash``
+    output_hash: bytes  # SHA-256 of the canonical outputs tensor map
+    time_ms: int  # unix time the response was produced, milliseconds
+    seq: int  # the request's seq
+    sig: bytes = b""  # server's signature (64 bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class CountersignedReceipt:
+    """A receipt the client checked and countersigned, as submitted to the ledger."""
+
+    TYPE: ClassVar[str] = "countersigned_receipt"
+    receipt: Receipt
+    client_sig: bytes  # client's signature over the receipt body + server sig (64 bytes)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertResponse:
+    """Server -> client: unweighted expert outputs, one row per (expert, token) pair."""
+
+    TYPE: ClassVar[str] = "expert_response"
+    request_id: bytes
+    outputs: np.ndarray  # (P, H), same dtype as the request's hidden
+    receipt: Receipt
+    compute_us: int  # server's measured compute time for this request, microseconds
+    load_permille: int  # server's current load, 0 (idle) .. 1000 (saturated)
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Either direction: a failure with a code from ``ErrorCode``."""
+
+    TYPE: ClassVar[str] = "error"
+    code: int
+    message: str
+    request_id: bytes | None = None  # the request it answers, when it answers one
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Either direction: keepalive and RTT probe."""
+
+    TYPE: ClassVar[str] = "ping"
+    ts: int  # opaque to the receiver; the sender's clock, e.g. monotonic microseconds
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """Answer to ``Ping``, echoing its ``ts``."""
+
+    TYPE: ClassVar[str] = "pong"
+    ts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """Signed DHT record: this peer serves these experts at these endpoints."""
+
+    TYPE: ClassVar[str] = "announcement"
+    model_id: str
+    layers: tuple[int, int]  # first, last MoE layer held, inclusive
+    experts: tuple[int, int]  # first, last expert held in each of those layers, inclusive
+    endpoints: tuple[str, ...]  # data-plane URLs, preferred first
+    capacity_bytes: int  # memory offered for expert weights in total, bytes
+    throughput: int  # measured (expert, token) pairs per second
+    load_permille: int  # 0 (idle) .. 1000 (saturated)
+    software: str  # implementation name and version, e.g. "moeswarm/0.1.0"
+    seq: int  # increases with every new record from this peer
+    expires_at_ms: int  # unix milliseconds after which the record is void
+    peer_id: bytes
+    public_key: bytes
+    sig: bytes = b""
+
+
+Message = (
+    Hello
+    | HelloAck
+    | Auth
+    | ExpertRequest
+    | ExpertResponse
+    | Error
+    | Ping
+    | Pong
+    | CountersignedReceipt
+    | Announcement
+)
+"""Every top-level object ``encode`` and ``decode`` handle."""
