@@ -21,7 +21,7 @@ def run_engine(model, ref):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES + ("deepseek_v3_no_q_lora",))
 def test_logits_and_greedy_tokens_match_transformers(oracle_checkpoints, arch: str, layout: str) -> None:
     folder, ref = oracle_checkpoints.get(arch, layout)
     model = load_model(folder, backend="eager")

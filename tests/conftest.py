@@ -1,0 +1,75 @@
+"""Shared pytest fixtures.
+
+The environment variables are set at import, before numpy / huggingface_hub are imported by any test module:
+no hub access ever, no tokenizer thread pools, single-threaded OpenBLAS (several engine processes may share the
+2 cores; OpenBLAS with 2 threads collapses next to a busy neighbour).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["OPENBLAS_NUM_THREADS"] = "1"
+
+import importlib  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _oracle():
+    """tests/oracle.py, imported lazily (it imports torch + transformers, a few seconds)."""
+    try:
+        return importlib.import_module("oracle")
+    except ModuleNotFoundError:  # tests/ became a package
+        return importlib.import_module("tests.oracle")
+
+
+class OracleCheckpoints:
+    """Lazily built, session-cached oracle checkpoints.
+
+    ``get(arch, layout)`` -> ``(model_dir, Reference)``: the checkpoint dir written by
+    ``oracle.build_checkpoint(arch, layout, ...)`` (seed 0) and ``oracle.reference_run(model_dir, oracle.PROMPT)``
+    (16-token prefill + 8 greedy decode steps). Each (arch, layout) is built once per session.
+    ``get(arch, layout, legacy_rope=True)``: a copy of that dir whose config.json has been rewritten by
+    ``oracle.write_legacy_rope_config`` (top-level ``rope_theta``, old ``rope_scaling``), with its own reference.
+    Treat the returned dirs as read-only.
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._cache: dict[tuple[str, str, bool], tuple[Path, Any]] = {}
+
+    @property
+    def oracle(self):
+        return _oracle()
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(self.oracle.PROMPT)
+
+    def get(self, arch: str, layout: str, *, legacy_rope: bool = False) -> tuple[Path, Any]:
+        key = (arch, layout, bool(legacy_rope))
+        if key not in self._cache:
+            o = self.oracle
+            if arch not in o.ARCHS + o.EXTRA_ARCHS or layout not in o.LAYOUTS:
+                raise ValueError(f"unknown oracle checkpoint {arch!r}/{layout!r}")
+            d = self.root / (f"{arch}-{layout}" + ("-legacy_rope" if legacy_rope else ""))
+            if legacy_rope:
+                src, _ = self.get(arch, layout)
+                shutil.copytree(src, d)
+                o.write_legacy_rope_config(d)
+            else:
+                o.build_checkpoint(arch, layout, d)
+            self._cache[key] = (d, o.reference_run(d, o.PROMPT))
+        return self._cache[key]
+
+    __call__ = get
+
+
+@pytest.fixture(scope="session")
+def oracle_checkpoints(tmp_path_factory) -> OracleCheckpoints:
+    return OracleCheckpoints(tmp_path_factory.mktemp("oracle"))
