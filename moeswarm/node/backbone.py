@@ -1,0 +1,214 @@
+"""The backbone's expert executor: routed experts computed by the swarm.
+
+The model's forward pass runs in a worker thread; for each MoE layer it calls ``submit``, which
+schedules the dispatch on the event loop and returns at once, so the shared expert is computed
+while the requests are in flight.  The dispatch groups the layer's (token, expert) pairs by
+holder, sends one request per holder in parallel, checks and countersigns every receipt,
+retries failed experts on other replicas, optionally falls back to the local memory-mapped
+checkpoint, and otherwise fails with an error that names the missing experts.  Outputs are
+combined in slot order, the same on every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ConfigError, NetworkError, ProtocolError, SwarmError
+from ..model import ModelConfig, Weights, expert_ffn
+from ..protocol import (
+    CountersignedReceipt,
+    ErrorCode,
+    ExpertRequest,
+    ExpertResponse,
+    ExpertRows,
+    Identity,
+    check_response,
+    countersign,
+)
+from .dataplane import ExpertClient
+from .routing_table import Holder, SwarmTable, plan_dispatch
+
+log = logging.getLogger(__name__)
+
+
+class MissingExperts(SwarmError):
+    """No replica (and no local fallback) could compute these experts."""
+
+    def __init__(self, layer: int, experts: list[int], reasons: list[str]) -> None:
+        self.layer, self.experts = layer, experts
+        why = "; ".join(reasons[-3:]) or "no holder announced them"
+        super().__init__(f"layer {layer}: experts {experts} unavailable in the swarm ({why})")
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    timeout_s: float = 10.0  # per expert call
+    attempts: int = 3  # holders tried per expert before falling back or failing
+    wire_dtype: str = "float32"  # hidden states on the wire: float32 (exact) or float16
+
+
+ReceiptSink = Callable[[CountersignedReceipt], None]
+
+
+class Connections:
+    """One ``ExpertClient`` per peer, opened on first use, replaced when it breaks."""
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+        self._clients: dict[bytes, ExpertClient] = {}
+        self._locks: dict[bytes, asyncio.Lock] = {}
+
+    async def get(self, holder: Holder, timeout: float) -> ExpertClient:
+        client = self._clients.get(holder.peer_id)
+        if client is not None and not client.closed:
+            return client
+        lock = self._locks.setdefault(holder.peer_id, asyncio.Lock())
+        async with lock:
+            client = self._clients.get(holder.peer_id)
+            if client is not None and not client.closed:
+                return client
+            error: Exception | None = None
+            for endpoint in holder.endpoints:
+                try:
+                    client = await ExpertClient.connect(endpoint, self.identity, expected_peer=holder.peer_id,
+                                                        timeout=timeout)
+                    self._clients[holder.peer_id] = client
+                    return client
+                except (NetworkError, ProtocolError, ConfigError) as e:
+                    error = e
+            raise error or NetworkError("holder announced no endpoint")
+
+    async def drop(self, peer: bytes) -> None:
+        client = self._clients.pop(peer, None)
+        if client is not None:
+            await client.aclose()
+
+    async def aclose(self) -> None:
+        for peer in list(self._clients):
+            await self.drop(peer)
+
+
+class _Handle:
+    def __init__(self, future: Future[np.ndarray]) -> None:
+        self._future = future
+
+    def result(self) -> np.ndarray:
+        return self._future.result()
+
+
+class RemoteExperts:
+    """``ExpertExecutor`` over the swarm (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, identity: Identity, table: SwarmTable, loop: asyncio.AbstractEventLoop,
+                 *, config: DispatchConfig = DispatchConfig(), local: Weights | None = None,
+                 receipts: ReceiptSink | None = None) -> None:
+        self.cfg = cfg
+        self.identity = identity
+        self.table = table
+        self.loop = loop
+        self.config = config
+        self.local = local  # memory-mapped checkpoint for --local-fallback, or None
+        self.receipts = receipts
+        self.connections = Connections(identity)
+        self._seq = itertools.count(int(time.time() * 1000) * 1000)  # never reused across restarts
+        self.served_by: dict[bytes, set[tuple[int, int]]] = {}  # peer -> (layer, expert) it computed
+        self.calls = 0
+        self.fallbacks = 0
+
+    def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> _Handle:
+        if _on_loop(self.loop):
+            raise ConfigError("run the model's forward pass in a worker thread, not on the event loop")
+        return _Handle(asyncio.run_coroutine_threadsafe(self.dispatch(layer, x, ids, weights), self.loop))
+
+    async def dispatch(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """x (T, H), ids (T, k), weights (T, k) -> (T, H)."""
+        T, k = ids.shape
+        y = np.zeros((T, k, x.shape[1]), np.float32)  # each (token, slot) expert output
+        pending = sorted(set(int(e) for e in np.unique(ids)))
+        tried: dict[int, set[bytes]] = {e: set() for e in pending}
+        reasons: list[str] = []
+        for _ in range(self.config.attempts):
+            if not pending:
+                break
+            plan, unheld = plan_dispatch(layer, pending, self.table.live(),
+                                         exclude=set().union(*(tried[e] for e in pending)))
+            calls = [self._call(peer, layer, x, ids, experts, y) for peer, experts in plan.items()]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            failed = list(unheld)
+            for (peer, experts), result in zip(plan.items(), results):
+                if isinstance(result, BaseException):
+                    if not isinstance(result, (SwarmError, OSError)):
+                        raise result
+                    reasons.append(f"{type(result).__name__}: {result}")
+                    for e in experts:
+                        tried[e].add(peer)
+                    failed.extend(experts)
+            pending = sorted(failed)
+            if unheld and len(unheld) == len(pending):
+                break  # nobody else to ask
+        if pending:
+            if self.local is None or any(e not in self.local.experts.get(layer, {}) for e in pending):
+                raise MissingExperts(layer, pending, reasons)
+            await asyncio.to_thread(self._compute_locally, layer, x, ids, pending, y)
+            self.fallbacks += 1
+        return (weights[:, :, None] * y).sum(axis=1, dtype=np.float32) if k > 1 else weights * y[:, 0]
+
+    async def _call(self, peer: bytes, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int],
+                    y: np.ndarray) -> None:
+        holder = self.table.holders[peer]
+        token_sets = [np.nonzero((ids == e).any(axis=1))[0] for e in experts]
+        rows_used = np.unique(np.concatenate(token_sets))
+        local_index = np.full(ids.shape[0], -1, np.int64)
+        local_index[rows_used] = np.arange(rows_used.size)
+        request = ExpertRequest(
+            request_id=os.urandom(16), model_id=self.table.model_id, layer=layer, seq=next(self._seq),
+            hidden=x[rows_used].astype(self.config.wire_dtype),
+            experts=tuple(ExpertRows(e, local_index[t].astype(np.uint32)) for e, t in zip(experts, token_sets)),
+        )
+        t0 = time.perf_counter()
+        try:
+            client = await self.connections.get(holder, self.config.timeout_s)
+            response: ExpertResponse = await client.call(request, self.config.timeout_s)
+            receipt = check_response(request, response, client=self.identity.peer_id, server=peer)
+        except (NetworkError, ProtocolError) as e:
+            holder.fail(time.monotonic())
+            if not (isinstance(e, ProtocolError) and e.code == ErrorCode.OVERLOADED):
+                await self.connections.drop(peer)
+            raise
+        holder.observe(max(0.0, time.perf_counter() - t0 - response.compute_us / 1e6), response.load_permille)
+        self.calls += 1
+        outputs = response.outputs.astype(np.float32, copy=False)
+        offset = 0
+        for e, tokens in zip(experts, token_sets):
+            slots = np.argmax(ids[tokens] == e, axis=1)
+            y[tokens, slots] = outputs[offset : offset + tokens.size]
+            offset += tokens.size
+        self.served_by.setdefault(peer, set()).update((layer, e) for e in experts)
+        if self.receipts is not None:
+            self.receipts(countersign(self.identity, receipt))
+
+    def _compute_locally(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int], y: np.ndarray) -> None:
+        assert self.local is not None
+        for e in experts:
+            tokens = np.nonzero((ids == e).any(axis=1))[0]
+            slots = np.argmax(ids[tokens] == e, axis=1)
+            y[tokens, slots] = expert_ffn(self.local.experts[layer][e], x[tokens], self.cfg)
+
+    async def aclose(self) -> None:
+        await self.connections.aclose()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    with contextlib.suppress(RuntimeError):
+        return asyncio.get_running_loop() is loop
+    return False

@@ -1,0 +1,161 @@
+"""The expert server: computes a node's experts for ``ExpertRequest``s and signs receipts.
+
+Requests that arrive while a batch is computing wait in a queue; the worker then takes all
+queued requests at once and runs each (layer, expert) once over the rows of every request that
+routed to it, so concurrent backbones share one matmul per expert.  Compute runs in a worker
+thread; the event loop only decodes, queues and answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..model import ExpertWeights, Weights, expert_ffn, expert_flops
+from ..protocol import ErrorCode, ExpertRequest, ExpertResponse, Identity, make_receipt
+
+
+@dataclass(frozen=True)
+class ExpertServerConfig:
+    model_id: str  # the model id announced and required in requests
+    layers: tuple[int, int]  # first, last layer held (inclusive)
+    experts: tuple[int, int]  # first, last expert held in each layer (inclusive)
+    max_queue: int = 256  # queued requests beyond this are refused with OVERLOADED
+    max_batch_requests: int = 64  # requests merged into one compute batch
+
+
+@dataclass
+class _Job:
+    client: bytes
+    request: ExpertRequest
+    future: asyncio.Future[ExpertResponse]
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class ExpertServer:
+    def __init__(self, weights: Weights, identity: Identity, config: ExpertServerConfig) -> None:
+        self.weights = weights
+        self.cfg = weights.config
+        self.identity = identity
+        self.config = config
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._worker: asyncio.Task[None] | None = None
+        self.pairs_served = 0
+        self.requests_served = 0
+        self._rate = 0.0  # (expert, token) pairs per second of compute, smoothed
+
+    @property
+    def load_permille(self) -> int:
+        return min(1000, 1000 * self._queue.qsize() // max(1, self.config.max_queue))
+
+    @property
+    def throughput(self) -> int:
+        return int(self._rate)
+
+    async def start(self) -> None:
+        self._worker = asyncio.create_task(self._work())
+
+    async def aclose(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        while not self._queue.empty():
+            job = self._queue.get_nowait()
+            if not job.future.done():
+                job.future.set_exception(ProtocolError("server shutting down", code=ErrorCode.OVERLOADED))
+
+    def _experts(self, layer: int) -> dict[int, ExpertWeights]:
+        return self.weights.experts.get(layer, {})
+
+    def validate(self, request: ExpertRequest) -> None:
+        """Everything the codec cannot know: is this model/layer/expert served here, shapes."""
+        c = self.config
+        if request.model_id != c.model_id:
+            raise ProtocolError(f"model {request.model_id!r} is not served here", code=ErrorCode.UNKNOWN_EXPERT)
+        held = self._experts(request.layer)
+        if not held:
+            raise ProtocolError(f"layer {request.layer} is not served here", code=ErrorCode.UNKNOWN_EXPERT)
+        missing = [e.expert for e in request.experts if e.expert not in held]
+        if missing:
+            raise ProtocolError(f"experts {missing} of layer {request.layer} are not served here",
+                                code=ErrorCode.UNKNOWN_EXPERT)
+        if request.hidden.ndim != 2 or request.hidden.shape[1] != self.cfg.hidden_size:
+            raise ProtocolError(f"hidden must be (N, {self.cfg.hidden_size}), got {list(request.hidden.shape)}",
+                                code=ErrorCode.BAD_TENSOR)
+
+    async def handle(self, client: bytes, request: ExpertRequest) -> ExpertResponse:
+        self.validate(request)
+        if self._queue.qsize() >= self.config.max_queue:
+            raise ProtocolError("expert queue is full", code=ErrorCode.OVERLOADED)
+        job = _Job(client, request, asyncio.get_running_loop().create_future())
+        self._queue.put_nowait(job)
+        return await job.future
+
+    async def _work(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty() and len(batch) < self.config.max_batch_requests:
+                batch.append(self._queue.get_nowait())
+            now = time.monotonic()
+            live = []
+            for job in batch:
+                deadline = job.request.deadline_ms
+                if deadline is not None and (now - job.arrived) * 1000 > deadline:
+                    job.future.set_exception(ProtocolError("deadline passed before compute",
+                                                           code=ErrorCode.DEADLINE_EXCEEDED))
+                elif not job.future.done():  # the caller may have gone away
+                    live.append(job)
+            if not live:
+                continue
+            t0 = time.perf_counter()
+            try:
+                responses = await asyncio.to_thread(self._compute, live)
+            except Exception as e:  # noqa: BLE001 - report to every caller, keep serving
+                for job in live:
+                    if not job.future.done():
+                        job.future.set_exception(e)
+                continue
+            seconds = time.perf_counter() - t0
+            pairs = sum(job.request.pairs for job in live)
+            self._rate = 0.8 * self._rate + 0.2 * (pairs / max(seconds, 1e-6)) if self._rate else pairs / max(seconds, 1e-6)
+            self.pairs_served += pairs
+            self.requests_served += len(live)
+            for job, response in zip(live, responses):
+                if not job.future.done():
+                    job.future.set_result(response)
+
+    def _compute(self, jobs: list[_Job]) -> list[ExpertResponse]:
+        """Thread: one matmul chain per (layer, expert) over all jobs' rows, then sign."""
+        t0 = time.perf_counter()
+        inputs = [j.request.hidden.astype(np.float32, copy=False) for j in jobs]
+        outputs = [np.empty((j.request.pairs, self.cfg.hidden_size), np.float32) for j in jobs]
+        work: dict[tuple[int, int], list[tuple[int, np.ndarray, int]]] = defaultdict(list)
+        for i, job in enumerate(jobs):
+            offset = 0
+            for e in job.request.experts:
+                work[(job.request.layer, int(e.expert))].append((i, e.rows, offset))
+                offset += len(e.rows)
+        for (layer, expert), parts in work.items():
+            x = np.concatenate([inputs[i][rows] for i, rows, _ in parts])
+            y = expert_ffn(self._experts(layer)[expert], x, self.cfg)
+            start = 0
+            for i, rows, offset in parts:
+                outputs[i][offset : offset + len(rows)] = y[start : start + len(rows)]
+                start += len(rows)
+        compute_us = int((time.perf_counter() - t0) * 1e6)
+        now_ms = int(time.time() * 1000)
+        responses = []
+        for job, out in zip(jobs, outputs):
+            req = job.request
+            out = out.astype(req.hidden.dtype, copy=False)
+            flops = sum(expert_flops(self.cfg, len(e.rows)) for e in req.experts)
+            receipt = make_receipt(self.identity, req, out, client=job.client, expert_flops=flops, time_ms=now_ms)
+            responses.append(ExpertResponse(req.request_id, out, receipt, compute_us, self.load_permille))
+        return responses

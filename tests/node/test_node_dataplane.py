@@ -1,0 +1,150 @@
+"""Data plane + expert server + backbone executor in one process, on real loopback TLS sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeswarm.errors import ProtocolError
+from moeswarm.model import Model, load_model, load_weights
+from moeswarm.node.backbone import MissingExperts, RemoteExperts
+from moeswarm.node.dataplane import DataPlaneServer, ExpertClient
+from moeswarm.node.expert_server import ExpertServer, ExpertServerConfig
+from moeswarm.node.routing_table import SwarmTable
+from moeswarm.protocol import ErrorCode, ExpertRequest, ExpertRows, Identity, sign_announcement, verify_countersigned
+
+
+class Node:
+    def __init__(self, folder: Path, model_id: str, layers: tuple[int, int], experts: tuple[int, int]) -> None:
+        self.identity = Identity.generate()
+        keep = lambda L, e: layers[0] <= L <= layers[1] and experts[0] <= e <= experts[1]  # noqa: E731
+        weights = load_weights(folder, keep_expert=keep)
+        self.server = ExpertServer(weights, self.identity, ExpertServerConfig(model_id, layers, experts))
+        self.dataplane = DataPlaneServer(self.identity, self.server.handle)
+        self.layers, self.experts, self.model_id = layers, experts, model_id
+
+    async def __aenter__(self) -> "Node":
+        await self.server.start()
+        await self.dataplane.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.dataplane.aclose()
+        await self.server.aclose()
+
+    def announcement(self, seq: int = 1):  # type: ignore[no-untyped-def]
+        return sign_announcement(
+            self.identity, model_id=self.model_id, layers=self.layers, experts=self.experts,
+            endpoints=[self.dataplane.endpoint], capacity_bytes=1 << 30, throughput=0, load_permille=0,
+            software="moeswarm/test", seq=seq, expires_at_ms=int(time.time() * 1000) + 600_000,
+        )
+
+
+def split_ranges(num_experts: int, parts: int) -> list[tuple[int, int]]:
+    step = num_experts // parts
+    return [(i * step, num_experts - 1 if i == parts - 1 else (i + 1) * step - 1) for i in range(parts)]
+
+
+async def swarm_logits(folder: Path, ids: list[int], decode: list[int], nodes: list[Node], **kw) -> tuple[np.ndarray, RemoteExperts]:  # type: ignore[no-untyped-def]
+    cfg = load_weights(folder, keep_expert=lambda L, e: False).config
+    table = SwarmTable(nodes[0].model_id)
+    for node in nodes:
+        table.update(node.announcement())
+    receipts: list = []
+    executor = RemoteExperts(cfg, Identity.generate(), table, asyncio.get_running_loop(), receipts=receipts.append, **kw)
+    model = Model(load_weights(folder, keep_expert=lambda L, e: False), experts=executor)
+    executor.receipts_list = receipts  # type: ignore[attr-defined]
+
+    def run() -> np.ndarray:
+        cache = model.new_cache()
+        out = [model.forward(np.asarray([ids]), cache)[0]]
+        out += [model.forward(np.asarray([[t]]), cache)[0] for t in decode]
+        return np.concatenate(out)
+
+    try:
+        return await asyncio.to_thread(run), executor
+    finally:
+        await executor.aclose()
+
+
+def local_logits(folder: Path, ids: list[int], decode: list[int]) -> np.ndarray:
+    model = load_model(folder)
+    cache = model.new_cache()
+    out = [model.forward(np.asarray([ids]), cache)[0]]
+    out += [model.forward(np.asarray([[t]]), cache)[0] for t in decode]
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_swarm_forward_equals_single_process(oracle_checkpoints, arch: str) -> None:
+    folder, ref = oracle_checkpoints.get(arch, "packed")
+    cfg = load_weights(folder, keep_expert=lambda L, e: False).config
+
+    async def main() -> tuple[np.ndarray, RemoteExperts]:
+        nodes = [Node(folder, "m", (0, cfg.num_layers - 1), r) for r in split_ranges(cfg.num_experts, 3)]
+        async with nodes[0], nodes[1], nodes[2]:
+            return await swarm_logits(folder, ref.prompt_ids, ref.decode_tokens, nodes)
+
+    got, executor = asyncio.run(main())
+    expected = local_logits(folder, ref.prompt_ids, ref.decode_tokens)
+    assert np.abs(got - expected).max() <= 1e-5
+    assert np.abs(got[len(ref.prompt_ids) :] - ref.decode_logits).max() <= 1e-4
+    assert len(executor.served_by) == 3
+    for receipt in executor.receipts_list:  # type: ignore[attr-defined]
+        verify_countersigned(receipt)
+    moe_layers = sum(cfg.moe_layers)
+    assert len(executor.receipts_list) == executor.calls >= moe_layers * (1 + len(ref.decode_tokens))  # type: ignore[attr-defined]
+
+
+def test_missing_experts_fail_loudly_or_fall_back(oracle_checkpoints) -> None:
+    folder, ref = oracle_checkpoints.get("mixtral", "packed")
+
+    async def main(fallback: bool) -> np.ndarray:
+        node = Node(folder, "m", (0, 1), (0, 3))  # experts 4..7 held by nobody
+        async with node:
+            local = load_weights(folder) if fallback else None
+            got, _ = await swarm_logits(folder, ref.prompt_ids, [], [node], local=local)
+            return got
+
+    with pytest.raises(MissingExperts, match=r"experts \[.*\] unavailable"):
+        asyncio.run(main(False))
+    got = asyncio.run(main(True))
+    assert np.abs(got - local_logits(folder, ref.prompt_ids, [])).max() <= 1e-5
+
+
+def test_bad_requests_get_protocol_errors_and_server_keeps_serving(oracle_checkpoints) -> None:
+    folder, ref = oracle_checkpoints.get("mixtral", "packed")
+
+    async def main() -> None:
+        async with Node(folder, "m", (0, 1), (0, 7)) as node:
+            client = await ExpertClient.connect(node.dataplane.endpoint, Identity.generate(),
+                                                expected_peer=node.identity.peer_id)
+            hidden = np.ones((2, 64), np.float32)
+
+            def req(**kw) -> ExpertRequest:  # type: ignore[no-untyped-def]
+                base = dict(request_id=np.random.bytes(16), model_id="m", layer=0, seq=1, hidden=hidden,
+                            experts=(ExpertRows(1, np.array([0, 1], np.uint32)),))
+                return ExpertRequest(**{**base, **kw})
+
+            for bad, code in [(req(model_id="other"), ErrorCode.UNKNOWN_EXPERT),
+                              (req(layer=5), ErrorCode.UNKNOWN_EXPERT),
+                              (req(experts=(ExpertRows(9, np.array([0, 1], np.uint32)),)), ErrorCode.UNKNOWN_EXPERT),
+                              (req(experts=(ExpertRows(1, np.array([0], np.uint32)),)), ErrorCode.BAD_FIELD),
+                              (req(hidden=np.ones((2, 63), np.float32)), ErrorCode.BAD_TENSOR)]:
+                with pytest.raises(ProtocolError) as info:
+                    await client.call(bad, timeout=10)
+                assert info.value.code == code
+            response = await client.call(req(), timeout=10)
+            assert response.outputs.shape == (2, 64)
+            assert await client.ping() > 0
+            # A second client with a forged expectation of the server's identity is refused.
+            with pytest.raises(ProtocolError):
+                await ExpertClient.connect(node.dataplane.endpoint, Identity.generate(),
+                                           expected_peer=Identity.generate().peer_id)
+            await client.aclose()
+
+    asyncio.run(main())
