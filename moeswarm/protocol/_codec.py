@@ -175,7 +175,7 @@ def _enc_expert_request(m: ExpertRequest) -> dict[str, Any]:
 
 def _dec_rows(f: Fields, tokens: int, covered: np.ndarray) -> np.ndarray:
     raw = f.bin("rows")
-    if not 4 <= len(raw) <= 4 * tokens:
+    if not 4 <= len(raw) <= 4 * tokens or len(raw) % 4:
         bad(f"rows must be 1..{tokens} little-endian uint32 values")
     rows = np.frombuffer(raw, dtype="<u4")
     if rows[-1] >= tokens or (rows.size > 1 and not np.all(rows[1:] > rows[:-1])):

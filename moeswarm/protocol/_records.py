@@ -4,8 +4,9 @@ py-libp2p 0.8.1 keeps one value per key, so each peer writes its own key per lay
 
     /moeswarm/v1/<model_id>/L<layer>/<peer_id base58btc>     value: the Announcement
 
-and advertises itself as a provider of ``/moeswarm/v1/<model_id>/L<layer>``; readers
-``find_providers`` on that key, then ``get_value`` each provider's own key.
+and advertises itself as a provider of ``/moeswarm/v1/<model_id>/L<layer>`` (the UTF-8 bytes of
+that text are the provider key); readers ``find_providers`` on that key, then ``get_value``
+each provider's own key.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ _KEY_RE: Final = re.compile(r"/moeswarm/v1/(.+)/L(0|[1-9][0-9]{0,9})/([1-9A-HJ-N
 
 
 def provider_key(model_id: str, layer: int) -> str:
-    """The key whose providers are the peers holding experts of ``layer``."""
+    """The key whose providers are the peers holding experts of ``layer``.
+
+    At most 80 UTF-8 bytes fit a provider key in go-libp2p, i.e. a ``model_id`` of 55 bytes
+    for any ``u32`` layer; longer keys are the DHT adapter's to refuse.
+    """
     if MODEL_ID_RE.fullmatch(model_id) is None or not 0 <= layer <= U32_MAX:
         raise ConfigError(f"bad model_id {model_id!r} or layer {layer}")
     return f"{KEY_PREFIX}{model_id}/L{layer}"

@@ -57,7 +57,7 @@ def _raw_bytes(array: np.ndarray, name: str) -> memoryview:
     flat = np.ascontiguousarray(array).view(bits.newbyteorder("="))
     if not _LITTLE:  # pragma: no cover - big-endian hosts only
         flat = flat.astype(bits)
-    return memoryview(flat.reshape(-1).view(np.uint8))
+    return memoryview(flat.reshape(-1).view(np.uint8).data)
 
 
 def tensor_to_wire(array: np.ndarray) -> dict[str, Any]:
@@ -130,7 +130,8 @@ def tensor_from_wire(obj: Any, field: str = "tensor", *, rank: int | None = None
         raise _bad(f"{field}.data is not bin")
     dtype = WIRE_DTYPES[name]
     if len(data) != count * dtype.itemsize:
-        raise _bad(f"{field}.data has {len(data)} bytes; shape {shape} x {name} needs {count * dtype.itemsize}")
+        raise _bad(f"{field}.data has {len(data)} bytes; shape {shape} of {name} needs "
+                   f"{count * dtype.itemsize}")
     if _LITTLE:
         array = np.frombuffer(data, dtype=dtype)
     else:  # pragma: no cover - big-endian hosts only

@@ -48,17 +48,19 @@ def canonical(obj: Any) -> bytes:
     shortest form, bytes are ``bin`` and text is ``str``, floats are float64.
     """
     try:
-        return msgpack.packb(_canon(obj), use_bin_type=True)
+        out: bytes = msgpack.packb(_canon(obj), use_bin_type=True)
     except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as exc:
         raise ConfigError(f"cannot encode value: {exc}") from exc
+    return out
 
 
 def pack(obj: Any) -> bytes:
     """Encode an object whose maps were already built in canonical order (``sorted_map``)."""
     try:
-        return msgpack.packb(obj, use_bin_type=True)
+        out: bytes = msgpack.packb(obj, use_bin_type=True)
     except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as exc:
         raise ConfigError(f"cannot encode message: {exc}") from exc
+    return out
 
 
 # ---------------------------------------------------------------- defensive decoding
