@@ -4,33 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
-from functools import wraps
-from typing import Any, TypeVar
 
 import click
 
-from .errors import SwarmError
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def friendly_errors(fn: F) -> F:
-    """Turn our own errors into one line on stderr and exit code 2 (no traceback)."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except SwarmError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
-
-    return wrapper  # type: ignore[return-value]
-
+from ._cli_util import friendly_errors
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="moeswarm")
@@ -56,17 +33,61 @@ def _default_model() -> str:
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--seed", default=None, type=int, help="Seed for sampling (same seed, same text).")
 @click.option("--print-token-ids", is_flag=True, help="Print the generated token ids as a JSON list on the last line.")
+@click.option("--swarm", multiple=True, metavar="MULTIADDR",
+              help="Compute the routed experts in the swarm reached through this bootstrap peer (repeatable); "
+                   "this process runs the backbone and reads no expert weights.")
+@click.option("--local-fallback", is_flag=True, help="With --swarm: compute experts nobody serves locally.")
+@click.option("--show-experts", is_flag=True, help="With --swarm: print which peer served which experts (stderr).")
 @friendly_errors
 def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, max_new_tokens: int, backend: str,
-             temperature: float, top_p: float, seed: int | None, print_token_ids: bool) -> None:
-    """Generate text from a checkpoint in this process, streaming it to stdout."""
-    from .demo import DEFAULT_PROMPT
-    from .errors import ConfigError
-    from .model import SamplingParams, Tokenizer, load_model
-    from .model import generate as run
+             temperature: float, top_p: float, seed: int | None, print_token_ids: bool, swarm: tuple[str, ...],
+             local_fallback: bool, show_experts: bool) -> None:
+    """Generate text from a checkpoint, streaming it to stdout: in this process, or with --swarm."""
+    from .model import load_model
 
     model_dir = model_dir or _default_model()
+    if swarm:
+        import asyncio
+
+        from .node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+
+        config = BackboneConfig(SwarmConfig(model_dir, bootstrap=swarm, client_mode=True),
+                                local_fallback=local_fallback)
+
+        async def in_swarm() -> None:
+            async with SwarmBackbone(config) as backbone:
+                assert backbone.model is not None and backbone.executor is not None
+                await asyncio.to_thread(_generate_with, backbone.model, model_dir, prompt, prompt_ids,
+                                        max_new_tokens, temperature, top_p, seed, print_token_ids)
+                if show_experts:
+                    _print_placement(backbone.executor.served_by)
+
+        asyncio.run(in_swarm())
+        return
     model = load_model(model_dir, backend=backend)
+    _generate_with(model, model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, print_token_ids)
+
+
+def _print_placement(served_by: dict[bytes, set[tuple[int, int]]]) -> None:
+    from .protocol import peer_id_to_str
+
+    click.echo("experts served, by peer:", err=True)
+    for peer, pairs in sorted(served_by.items()):
+        layers: dict[int, list[int]] = {}
+        for layer, expert in sorted(pairs):
+            layers.setdefault(layer, []).append(expert)
+        summary = "; ".join(f"layer {L}: {experts}" for L, experts in layers.items())
+        click.echo(f"  {peer_id_to_str(peer)[-12:]}  {summary}", err=True)
+
+
+def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | None,  # type: ignore[no-untyped-def]
+                   max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
+                   print_token_ids: bool) -> None:
+    from .demo import DEFAULT_PROMPT
+    from .errors import ConfigError
+    from .model import SamplingParams, Tokenizer
+    from .model import generate as run
+
     cfg = model.config
     tokenizer = None
     if prompt_ids is not None:
@@ -97,6 +118,29 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
     if print_token_ids:
         click.echo(json.dumps(out))
 
+
+@main.command()
+@click.option("--model", "model_dir", type=click.Path(), default=None, help="Model folder. Default: the shipped demo.")
+@click.option("--prompt", default=None, help="Text to continue. Default: the demo prompt.")
+@click.option("--nodes", default=3, show_default=True, type=click.IntRange(1, 64), help="Expert node processes.")
+@click.option("--max-new-tokens", default=48, show_default=True, type=click.IntRange(0, 100_000))
+@friendly_errors
+def demo(model_dir: str | None, prompt: str | None, nodes: int, max_new_tokens: int) -> None:
+    """Start a local swarm on loopback, generate through it, show who served what, stop it."""
+    from .demo import DEFAULT_PROMPT
+    from .demo.swarm import run_demo
+
+    run_demo(model_dir or _default_model(), prompt or DEFAULT_PROMPT, nodes, max_new_tokens)
+
+
+def _register() -> None:
+    from .node.cli import backbone, node
+
+    for command in (node, backbone):
+        main.add_command(command)
+
+
+_register()
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -19,6 +19,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+ALPN = "moeswarm/1"  # protocol_spec section 8
+
 
 def self_signed_server_context(common_name: str) -> tuple[ssl.SSLContext, bytes]:
     """A server context with a fresh P-256 key and self-signed certificate, and the cert's DER."""
@@ -36,7 +38,8 @@ def self_signed_server_context(common_name: str) -> tuple[ssl.SSLContext, bytes]
         .sign(key, hashes.SHA256())
     )
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.set_alpn_protocols([ALPN])
     # ssl only loads key material from files: write both to a private temp file, load, delete.
     fd, path = tempfile.mkstemp(prefix="moeswarm-tls-", suffix=".pem")
     try:
@@ -53,7 +56,8 @@ def self_signed_server_context(common_name: str) -> tuple[ssl.SSLContext, bytes]
 def client_context() -> ssl.SSLContext:
     """Encrypts; authentication is the handshake's job (see the module docstring)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.set_alpn_protocols([ALPN])
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     return ctx

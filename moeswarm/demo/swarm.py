@@ -1,0 +1,136 @@
+"""``moeswarm demo``: a whole swarm on loopback, as separate processes, on one checkpoint.
+
+Starts a bootstrap expert node and more expert nodes that split the experts between them,
+waits for each one's ``READY`` line, runs a backbone in this process that reads no expert
+weights, generates a completion through the swarm, prints which peer served which experts,
+and stops every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO, Any
+
+from ..errors import ConfigError, Timeout
+
+
+@dataclass
+class Daemon:
+    name: str
+    process: subprocess.Popen[str]
+    info: dict[str, Any]
+
+
+def _wait_ready(name: str, process: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+    """Read the process's stdout until its READY line (in a thread, so the wait is bounded)."""
+    found: dict[str, Any] = {}
+    done = threading.Event()
+
+    def reader(stream: IO[str]) -> None:
+        for line in stream:
+            if line.startswith("READY ") and not found:
+                found.update(json.loads(line[6:]))
+                done.set()
+        done.set()
+
+    threading.Thread(target=reader, args=(process.stdout,), daemon=True).start()
+    if not done.wait(timeout_s) or not found:
+        process.kill()
+        stderr = process.stderr.read() if process.stderr and process.poll() is not None else ""
+        raise Timeout(f"{name} did not print READY within {timeout_s:.0f}s{': ' + stderr[-500:] if stderr else ''}")
+    return found
+
+
+def start_daemon(name: str, args: list[str], timeout_s: float = 120.0, env: dict[str, str] | None = None) -> Daemon:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moeswarm.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})},
+    )
+    return Daemon(name, process, _wait_ready(name, process, timeout_s))
+
+
+def stop_daemon(daemon: Daemon, timeout_s: float = 15.0) -> None:
+    if daemon.process.poll() is None:
+        daemon.process.send_signal(signal.SIGTERM)
+        try:
+            daemon.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            daemon.process.kill()
+            daemon.process.wait(5)
+
+
+@contextmanager
+def local_swarm(model_dir: str, nodes: int, *, experts_per_layer: int) -> Iterator[list[Daemon]]:
+    """``nodes`` expert processes splitting the experts evenly; the first is the bootstrap peer."""
+    if not 1 <= nodes <= experts_per_layer:
+        raise ConfigError(f"nodes must be between 1 and {experts_per_layer}")
+    bounds = [round(i * experts_per_layer / nodes) for i in range(nodes + 1)]
+    started: list[Daemon] = []
+    try:
+        for i in range(nodes):
+            args = ["node", "--model", model_dir, "--experts", f"{bounds[i]}-{bounds[i + 1] - 1}"]
+            if started:
+                args += ["--bootstrap", started[0].info["multiaddrs"][0]]
+            started.append(start_daemon(f"node {i}", args))
+        yield started
+    finally:
+        for daemon in reversed(started):
+            stop_daemon(daemon)
+
+
+def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int) -> None:
+    import asyncio
+
+    import click
+
+    from ..model import ModelConfig, SamplingParams, generate
+    from ..node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+    from ..protocol import peer_id_to_str
+
+    cfg = ModelConfig.from_folder(model_dir)
+    t0 = time.monotonic()
+    with local_swarm(model_dir, nodes, experts_per_layer=cfg.num_experts) as daemons:
+        click.echo(f"started {len(daemons)} expert nodes in {time.monotonic() - t0:.1f}s:", err=True)
+        for d in daemons:
+            click.echo(f"  {d.name}: peer ...{d.info['peer_id'][-12:]} experts {d.info['experts']} "
+                       f"at {d.info['endpoint']}", err=True)
+        bootstrap = (daemons[0].info["multiaddrs"][0],)
+
+        async def generate_through_swarm() -> dict[bytes, set[tuple[int, int]]]:
+            config = BackboneConfig(SwarmConfig(model_dir, bootstrap=bootstrap, client_mode=True))
+            async with SwarmBackbone(config) as backbone:
+                assert backbone.model is not None and backbone.executor is not None
+                tokenizer = backbone.tokenizer()
+                ids = tokenizer.encode(prompt)
+                stream = tokenizer.stream(ids)
+                click.echo(tokenizer.decode(ids), nl=False)
+                params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=cfg.eos_token_ids)
+
+                def run() -> None:
+                    for token in generate(backbone.model, ids, params):  # type: ignore[arg-type]
+                        click.echo(stream.feed(token), nl=False)
+                        sys.stdout.flush()
+
+                await asyncio.to_thread(run)
+                click.echo()
+                return backbone.executor.served_by
+
+        served_by = asyncio.run(generate_through_swarm())
+        names = {d.info["peer_id"]: d.name for d in daemons}
+        click.echo("which node served which experts:", err=True)
+        for peer, pairs in sorted(served_by.items(), key=lambda kv: names.get(peer_id_to_str(kv[0]), "")):
+            layers: dict[int, list[int]] = {}
+            for layer, expert in sorted(pairs):
+                layers.setdefault(layer, []).append(expert)
+            summary = "; ".join(f"layer {L}: experts {e}" for L, e in layers.items())
+            click.echo(f"  {names.get(peer_id_to_str(peer), peer_id_to_str(peer))}: {summary}", err=True)
+    click.echo("all nodes stopped", err=True)

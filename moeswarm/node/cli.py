@@ -1,0 +1,92 @@
+"""``moeswarm node`` and ``moeswarm backbone``: the swarm daemons' command lines."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import click
+
+from .._cli_util import friendly_errors
+from ..errors import ConfigError
+
+
+def swarm_options(fn):  # type: ignore[no-untyped-def]
+    """Options shared by every process that joins a swarm."""
+    options = [
+        click.option("--model", "model_dir", required=True, type=click.Path(),
+                     help="Hugging Face model folder (the same checkpoint every peer of this model uses)."),
+        click.option("--bootstrap", multiple=True, metavar="MULTIADDR",
+                     help="A peer to join through, e.g. /ip4/1.2.3.4/tcp/4001/p2p/12D3Koo... (repeatable). "
+                          "Without it this process is a bootstrap peer."),
+        click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on."),
+        click.option("--announce-host", default=None, help="Address others dial, if not --host (e.g. your public IP)."),
+        click.option("--p2p-port", default=0, type=int, show_default=True, help="libp2p TCP port (0 = any free)."),
+        click.option("--client-mode", is_flag=True, help="Behind NAT: use the DHT without serving it."),
+        click.option("--model-id", default=None, help="Name of the model in the swarm (default: from config.json)."),
+        click.option("--identity", "identity_file", default=None, type=click.Path(),
+                     help="File holding this peer's Ed25519 key (created if missing). Default: a new key each run."),
+        click.option("-v", "--verbose", count=True, help="More logging on stderr."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def swarm_config(model_dir: str, bootstrap: tuple[str, ...], host: str, announce_host: str | None, p2p_port: int,
+                 client_mode: bool, model_id: str | None, identity_file: str | None, verbose: int):  # type: ignore[no-untyped-def]
+    from .daemon import SwarmConfig
+
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(asctime)s %(name)s %(message)s")
+    return SwarmConfig(model_dir, tuple(bootstrap), host, announce_host, p2p_port, client_mode, model_id,
+                       identity_file)
+
+
+def host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"expected HOST:PORT, not {text!r}")
+    return host, int(port)
+
+
+@click.command()
+@swarm_options
+@click.option("--layers", default=None, metavar="A-B", help="Layers to hold, inclusive (default: all).")
+@click.option("--experts", default=None, metavar="X-Y",
+              help="Experts to hold in each of those layers, inclusive: 0-31 is 32 experts (default: all).")
+@click.option("--port", "data_port", default=0, type=int, show_default=True,
+              help="Data-plane (expert calls, TLS) port; 0 = any free.")
+@friendly_errors
+def node(layers: str | None, experts: str | None, data_port: int, **swarm: object) -> None:
+    """Volunteer a share of a model's experts to the swarm.
+
+    Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
+    the swarm's DHT until stopped (Ctrl-C withdraws the announcement). Example:
+
+        moeswarm node --model ./mixtral --layers 0-31 --experts 0-3 --bootstrap /ip4/.../p2p/12D3Koo...
+
+    Prints `READY {json}` (peer_id, multiaddrs, endpoint) on stdout once serving.
+    """
+    from .daemon import NodeConfig, run_node
+
+    config = NodeConfig(swarm_config(**swarm), layers, experts, data_port)  # type: ignore[arg-type]
+    asyncio.run(run_node(config))
+
+
+@click.command()
+@swarm_options
+@click.option("--http", "http", default="127.0.0.1:8000", show_default=True, metavar="HOST:PORT",
+              help="Serve the OpenAI-compatible API here (port 0 = any free).")
+@click.option("--local-fallback", is_flag=True, help="Compute experts nobody serves from the local checkpoint.")
+@click.option("--coverage-timeout", default=60.0, show_default=True, help="Seconds to wait for every expert to be announced.")
+@friendly_errors
+def backbone(http: str, local_fallback: bool, coverage_timeout: float, **swarm: object) -> None:
+    """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
+
+    Serves /v1/models, /v1/completions and /v1/chat/completions. Prints `READY {json}`
+    (peer_id, multiaddrs, http) on stdout once serving.
+    """
+    from .daemon import BackboneConfig, run_backbone
+
+    config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout)  # type: ignore[arg-type]
+    asyncio.run(run_backbone(config))

@@ -1,0 +1,229 @@
+"""The long-running processes: an expert node and a backbone.  Each prints one
+``READY {json}`` line on stdout once it serves, and shuts down cleanly on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, Unreachable
+from ..model import Model, ModelConfig, Tokenizer, load_weights
+from ..protocol import Identity
+from .announce import AnnounceConfig, Announcer
+from .backbone import DispatchConfig, RemoteExperts
+from .dataplane import DataPlaneServer, ServerConfig
+from .discovery import Discovery
+from .expert_server import ExpertServer, ExpertServerConfig
+from .routing_table import SwarmTable
+
+
+def parse_range(text: str | None, upper: int, what: str) -> tuple[int, int]:
+    """``"A-B"`` (inclusive, as a person writes it) or ``"A"``; ``None`` means all of ``0..upper-1``."""
+    if text is None or text == "all":
+        return 0, upper - 1
+    try:
+        a, _, b = text.partition("-")
+        first, last = int(a), int(b) if b else int(a)
+    except ValueError:
+        raise ConfigError(f"--{what} takes an inclusive range like 0-31, not {text!r}") from None
+    if not 0 <= first <= last < upper:
+        raise ConfigError(f"--{what} {text} is outside 0-{upper - 1}")
+    return first, last
+
+
+def model_id_for(folder: str, cfg: ModelConfig) -> str:
+    """A stable id for a checkpoint: its architecture plus a hash of its config.json, so every
+    holder of the same checkpoint agrees without naming it (override with --model-id)."""
+    digest = hashlib.sha256(Path(folder, "config.json").read_bytes()).hexdigest()[:12]
+    return f"{cfg.arch}-{digest}"
+
+
+def load_identity(path: str | None) -> Identity:
+    """The node's Ed25519 key from ``path`` (created, mode 0600, if missing), or a fresh one."""
+    if path is None:
+        return Identity.generate()
+    p = Path(path)
+    if p.exists():
+        seed = p.read_bytes()
+        if len(seed) != 32:
+            raise ConfigError(f"identity file {path} must hold a 32-byte Ed25519 seed")
+        return Identity.from_seed(seed)
+    identity = Identity.generate()
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(identity.seed())
+    return identity
+
+
+def ready(info: dict[str, Any]) -> None:
+    sys.stdout.write("READY " + json.dumps(info, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """What every swarm process shares: where the model is and how to reach the DHT."""
+
+    model_dir: str
+    bootstrap: tuple[str, ...] = ()  # multiaddrs with /p2p/<peer id>; none = this is a bootstrap peer
+    host: str = "127.0.0.1"  # address to listen on (libp2p and data plane)
+    announce_host: str | None = None  # address others should dial, if not ``host``
+    p2p_port: int = 0  # 0 picks a free port
+    client_mode: bool = False  # behind NAT: DHT client mode
+    model_id: str | None = None  # default: derived from config.json
+    identity_file: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    swarm: SwarmConfig
+    layers: str | None = None  # inclusive range, default all
+    experts: str | None = None  # inclusive range, default all
+    data_port: int = 0
+    announce_interval_s: float = 240.0  # protocol_spec: refresh every 4 minutes
+    record_ttl_s: float = 600.0  # ... with records that expire 10 minutes ahead
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    swarm: SwarmConfig
+    http: tuple[str, int] | None = None  # serve the OpenAI API here
+    local_fallback: bool = False  # compute unreachable experts from the local checkpoint
+    coverage_timeout_s: float = 60.0  # wait this long for every expert to be announced
+    discovery_interval_s: float = 10.0
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+
+
+@contextlib.asynccontextmanager
+async def p2p_node(identity: Identity, cfg: SwarmConfig) -> AsyncIterator[Any]:
+    from .p2p import P2PConfig, P2PNode  # imports libp2p (1-2 s): only when a daemon starts
+
+    node = P2PNode(identity, P2PConfig(listen=f"/ip4/{cfg.host}/tcp/{cfg.p2p_port}", bootstrap=cfg.bootstrap,
+                                       client_mode=cfg.client_mode))
+    await node.start()
+    try:
+        yield node
+    finally:
+        await node.stop()
+
+
+def stop_event() -> asyncio.Event:
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, event.set)
+    return event
+
+
+async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
+                   stop: asyncio.Event | None = None) -> None:
+    sc = config.swarm
+    cfg = ModelConfig.from_folder(sc.model_dir)
+    layers = parse_range(config.layers, cfg.num_layers, "layers")
+    experts = parse_range(config.experts, cfg.num_experts, "experts")
+    moe = tuple(L for L in range(layers[0], layers[1] + 1) if cfg.moe_layers[L])
+    if not moe:
+        raise ConfigError(f"layers {layers[0]}-{layers[1]} hold no MoE layer")
+    keep = lambda L, e: layers[0] <= L <= layers[1] and experts[0] <= e <= experts[1]  # noqa: E731
+    weights = load_weights(sc.model_dir, config=cfg, keep_expert=keep)
+    model_id = sc.model_id or model_id_for(sc.model_dir, cfg)
+    identity = load_identity(sc.identity_file)
+    stop = stop or stop_event()
+    server = ExpertServer(weights, identity, ExpertServerConfig(model_id, layers, experts))
+    dataplane = DataPlaneServer(identity, server.handle, ServerConfig(host=sc.host, port=config.data_port))
+    await server.start()
+    await dataplane.start()
+    try:
+        async with p2p_node(identity, sc) as p2p:
+            host = sc.announce_host or sc.host
+            endpoint = f"tcp+tls://{host}:{dataplane.port}"
+            capacity = sum(w.nbytes for layer in weights.experts.values() for w in layer.values())
+            announcer = Announcer(p2p, identity, AnnounceConfig(
+                model_id, layers, moe, experts, (endpoint,), capacity, config.announce_interval_s,
+                config.record_ttl_s), stats=lambda: (server.throughput, server.load_permille))
+            await announcer.start()
+            on_ready({"peer_id": identity.peer_id_str, "multiaddrs": p2p.multiaddrs, "endpoint": endpoint,
+                      "model_id": model_id, "layers": list(layers), "experts": list(experts)})
+            await stop.wait()
+            await announcer.withdraw()
+    finally:
+        await dataplane.aclose()
+        await server.aclose()
+
+
+class SwarmBackbone:
+    """A backbone inside this process: non-expert weights local, routed experts from the swarm."""
+
+    def __init__(self, config: BackboneConfig) -> None:
+        self.config = config
+        sc = config.swarm
+        self.cfg = ModelConfig.from_folder(sc.model_dir)
+        self.model_id = sc.model_id or model_id_for(sc.model_dir, self.cfg)
+        self.identity = load_identity(sc.identity_file)
+        self.table = SwarmTable(self.model_id)
+        self._stack = contextlib.AsyncExitStack()
+        self.p2p: Any = None
+        self.model: Model | None = None
+        self.executor: RemoteExperts | None = None
+
+    async def __aenter__(self) -> "SwarmBackbone":
+        sc, cfg = self.config.swarm, self.cfg
+        try:
+            self.p2p = await self._stack.enter_async_context(p2p_node(self.identity, sc))
+            moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
+            self.discovery = Discovery(self.p2p, self.table, moe, self.config.discovery_interval_s)
+            missing = await self.discovery.wait_for_coverage(cfg.num_experts, self.config.coverage_timeout_s)
+            if missing and not self.config.local_fallback:
+                sample = sorted(missing)[:8]
+                raise Unreachable(f"{len(missing)} (layer, expert) pairs have no holder in the swarm, e.g. {sample}")
+            await self.discovery.start()
+            self._stack.push_async_callback(self.discovery.aclose)
+            local = load_weights(sc.model_dir, config=cfg) if self.config.local_fallback else None
+            self.executor = RemoteExperts(cfg, self.identity, self.table, asyncio.get_running_loop(),
+                                          config=self.config.dispatch, local=local)
+            self._stack.push_async_callback(self.executor.aclose)
+            weights = load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
+            self.model = Model(weights, experts=self.executor)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_folder(self.config.swarm.model_dir, self.cfg.bos_token_id)
+
+
+async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
+                       stop: asyncio.Event | None = None) -> None:
+    from .http_api import serve_http
+    from .service import GenerationService
+
+    stop = stop or stop_event()
+    async with SwarmBackbone(config) as backbone:
+        assert backbone.model is not None
+        service = GenerationService(backbone.model, backbone.tokenizer(), backbone.model_id)
+        info: dict[str, Any] = {"peer_id": backbone.identity.peer_id_str, "multiaddrs": backbone.p2p.multiaddrs,
+                                "model_id": backbone.model_id}
+        runner = None
+        if config.http is not None:
+            runner, port = await serve_http(service, config.http[0], config.http[1])
+            info["http"] = f"http://{config.http[0]}:{port}"
+        try:
+            on_ready(info)
+            await stop.wait()
+        finally:
+            if runner is not None:
+                await runner.cleanup()

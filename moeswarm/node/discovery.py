@@ -1,0 +1,83 @@
+"""Discovery: keeps a ``SwarmTable`` of who holds which experts, refreshed in the background.
+
+Lookups go to the DHT on a period and never on the per-token path; the table is what the
+backbone's dispatch reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+from ..errors import ProtocolError, SwarmError
+from ..protocol import announcement_key, peer_id_from_str, provider_key, validate_record
+from .announce import DHT
+from .routing_table import SwarmTable
+
+log = logging.getLogger(__name__)
+
+
+class Discovery:
+    def __init__(self, dht: DHT, table: SwarmTable, moe_layers: Sequence[int], interval_s: float = 10.0) -> None:
+        self.dht, self.table = dht, table
+        self.moe_layers = list(moe_layers)
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+        self.refreshes = 0
+
+    async def refresh(self) -> None:
+        """One pass: every MoE layer's providers, each provider's record (once per pass)."""
+        seen: set[str] = set()
+        for layer in self.moe_layers:
+            try:
+                providers = await self.dht.find_providers(provider_key(self.table.model_id, layer))
+            except SwarmError as e:
+                log.info("find_providers for layer %d failed: %s", layer, e)
+                continue
+            for peer in providers:
+                if peer in seen:
+                    continue  # its record, read under an earlier layer, covers its whole range
+                key = announcement_key(self.table.model_id, layer, peer_id_from_str(peer))
+                try:
+                    value = await self.dht.get(key)
+                    if value is None:
+                        continue
+                    record = validate_record(key, value)
+                except (SwarmError, ProtocolError) as e:
+                    log.info("record of %s for layer %d rejected: %s", peer, layer, e)
+                    continue
+                seen.add(peer)
+                self.table.update(record)
+        self.refreshes += 1
+
+    async def wait_for_coverage(self, num_experts: int, timeout_s: float) -> set[tuple[int, int]]:
+        """Refresh until every (layer, expert) has a live holder or ``timeout_s`` passes; returns what is missing."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.2
+        while True:
+            await self.refresh()
+            missing = self.table.coverage(self.moe_layers, num_experts)
+            if not missing or time.monotonic() + delay > deadline:
+                return missing
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 1.5)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.refresh()
+            except SwarmError as e:
+                log.warning("discovery refresh failed: %s", e)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
