@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -28,37 +29,59 @@ class Daemon:
     name: str
     process: subprocess.Popen[str]
     info: dict[str, Any]
+    log: IO[str]  # the process's stderr, in a temporary file
+
+    def log_tail(self, chars: int = 2000) -> str:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as fh:
+            return fh.read()[-chars:]
 
 
-def _wait_ready(name: str, process: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+def _wait_ready(name: str, process: subprocess.Popen[str], timeout_s: float, log: IO[str]) -> dict[str, Any]:
     """Read the process's stdout until its READY line (in a thread, so the wait is bounded)."""
     found: dict[str, Any] = {}
     done = threading.Event()
 
     def reader(stream: IO[str]) -> None:
-        for line in stream:
-            if line.startswith("READY ") and not found:
-                found.update(json.loads(line[6:]))
-                done.set()
-        done.set()
+        try:
+            for line in stream:  # keeps draining stdout so the daemon never blocks on a full pipe
+                if line.startswith("READY ") and not found:
+                    found.update(json.loads(line[6:]))
+                    done.set()
+        except (ValueError, OSError):  # closed by stop_daemon
+            pass
+        finally:
+            done.set()
 
     threading.Thread(target=reader, args=(process.stdout,), daemon=True).start()
     if not done.wait(timeout_s) or not found:
         process.kill()
-        stderr = process.stderr.read() if process.stderr and process.poll() is not None else ""
-        raise Timeout(f"{name} did not print READY within {timeout_s:.0f}s{': ' + stderr[-500:] if stderr else ''}")
+        process.wait(5)
+        log.flush()
+        with open(log.name, errors="replace") as fh:
+            tail = fh.read()[-800:]
+        raise Timeout(f"{name} did not print READY within {timeout_s:.0f}s; its stderr ends: {tail}")
     return found
 
 
 def start_daemon(name: str, args: list[str], timeout_s: float = 120.0, env: dict[str, str] | None = None) -> Daemon:
+    """Start ``moeswarm ARGS`` and wait for its READY line; stderr goes to a temporary file."""
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"moeswarm-{name.replace(' ', '-')}-", suffix=".log")
     process = subprocess.Popen(
-        [sys.executable, "-m", "moeswarm.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "moeswarm.cli", *args], stdout=subprocess.PIPE, stderr=log, text=True,
         env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})},
     )
-    return Daemon(name, process, _wait_ready(name, process, timeout_s))
+    try:
+        return Daemon(name, process, _wait_ready(name, process, timeout_s, log), log)
+    except BaseException:
+        if process.stdout is not None:
+            process.stdout.close()
+        log.close()
+        raise
 
 
 def stop_daemon(daemon: Daemon, timeout_s: float = 15.0) -> None:
+    """SIGTERM (clean shutdown: the node withdraws its announcement), SIGKILL if it hangs."""
     if daemon.process.poll() is None:
         daemon.process.send_signal(signal.SIGTERM)
         try:
@@ -66,6 +89,9 @@ def stop_daemon(daemon: Daemon, timeout_s: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             daemon.process.kill()
             daemon.process.wait(5)
+    if daemon.process.stdout is not None:
+        daemon.process.stdout.close()
+    daemon.log.close()
 
 
 @contextmanager
