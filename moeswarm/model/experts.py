@@ -13,7 +13,9 @@ they differ only in how they group the work:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 
 import numpy as np
 
@@ -39,6 +41,55 @@ def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     if 1 < x.shape[0] <= _GEMV_MAX_ROWS:
         return np.stack([w @ row for row in x])
     return x @ w.T
+
+
+class F32Experts(Mapping[int, ExpertWeights]):
+    """A layer's experts as float32, converting fp16/bf16 ones on first use and keeping the most
+    recently used conversions up to a byte budget (shared by all layers through ``F32Cache``).
+    float32 checkpoints pass through untouched: their views are already what the math needs."""
+
+    def __init__(self, layer: int, experts: Mapping[int, ExpertWeights], cache: "F32Cache") -> None:
+        self.layer, self.experts, self.cache = layer, experts, cache
+
+    def __getitem__(self, expert: int) -> ExpertWeights:
+        w = self.experts[expert]
+        if w.gate.dtype == np.float32:
+            return w
+        return self.cache.get((self.layer, expert), w)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.experts)
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+
+class F32Cache:
+    """LRU of float32 copies of experts, bounded in bytes (0 disables it)."""
+
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
+
+    def get(self, key: tuple[int, int], w: ExpertWeights) -> ExpertWeights:
+        hit = self._items.get(key)
+        if hit is not None:
+            self._items.move_to_end(key)
+            return hit
+        converted = replace(w, **{k: f32(getattr(w, k)) for k in ("gate", "up", "down", "gate_bias", "up_bias",
+                                                                     "down_bias") if getattr(w, k) is not None})
+        size = converted.nbytes
+        if size <= self.max_bytes:
+            while self.bytes + size > self.max_bytes and self._items:
+                _, old = self._items.popitem(last=False)
+                self.bytes -= old.nbytes
+            self._items[key] = converted
+            self.bytes += size
+        return converted
+
+    def layer(self, layer: int, experts: Mapping[int, ExpertWeights]) -> F32Experts:
+        return F32Experts(layer, experts, self)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:

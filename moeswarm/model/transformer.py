@@ -15,7 +15,7 @@ import numpy as np
 
 from .attention import KVCache, Rope, gqa, mla, rms_norm
 from .config import ModelConfig
-from .experts import dense_ffn, f32, get_backend, sigmoid
+from .experts import F32Cache, dense_ffn, f32, get_backend, sigmoid
 from .routing import route
 from .weights import ExpertWeights, Weights
 
@@ -31,6 +31,10 @@ class ExpertExecutor(Protocol):
         """x (T, H), ids (T, k), weights (T, k): start computing the layer's routed experts."""
         ...
 
+    def end_step(self) -> None:
+        """Called once after every forward pass (a remote executor settles receipts here)."""
+        ...
+
 
 class _Done:
     def __init__(self, value: np.ndarray) -> None:
@@ -43,14 +47,19 @@ class _Done:
 class LocalExperts:
     """Routed experts computed in this process from the memory-mapped checkpoint."""
 
-    def __init__(self, experts: Mapping[int, Mapping[int, ExpertWeights]], cfg: ModelConfig, backend: str = "auto") -> None:
+    def __init__(self, experts: Mapping[int, Mapping[int, ExpertWeights]], cfg: ModelConfig, backend: str = "auto",
+                 cache: F32Cache | None = None) -> None:
         self.experts = experts
         self.cfg = cfg
         self.backend = get_backend(backend)
         self.backend_name = backend
+        self.cache = cache or F32Cache()
 
     def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> ExpertHandle:
-        return _Done(self.backend(self.experts[layer], x, ids, weights, self.cfg))
+        return _Done(self.backend(self.cache.layer(layer, self.experts[layer]), x, ids, weights, self.cfg))
+
+    def end_step(self) -> None:
+        pass
 
 
 class RouteObserver(Protocol):
@@ -93,6 +102,7 @@ class Model:
             x = x + h
             h = rms_norm(x, w[f"{L}.mlp_norm"], cfg.rms_norm_eps).reshape(B * T, -1)
             x = x + self._mlp(L, h).reshape(B, T, -1)
+        self.experts.end_step()
         if last_only:
             x = x[:, -1:]
         x = rms_norm(x, w["final_norm"], cfg.rms_norm_eps)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections import deque
 import logging
 import os
 import time
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError, NetworkError, ProtocolError, SwarmError
+from ..errors import BadResponse, ConfigError, NetworkError, ProtocolError, SwarmError
 from ..model import ModelConfig, Weights, expert_ffn
 from ..protocol import (
     CountersignedReceipt,
@@ -124,6 +125,8 @@ class RemoteExperts:
         self.served_by: dict[bytes, set[tuple[int, int]]] = {}  # peer -> (layer, expert) it computed
         self.calls = 0
         self.fallbacks = 0
+        self.bad_receipts = 0
+        self._unchecked: deque[tuple[ExpertRequest, ExpertResponse, bytes]] = deque()
 
     def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> _Handle:
         if _on_loop(self.loop):
@@ -179,7 +182,9 @@ class RemoteExperts:
         try:
             client = await self.connections.get(holder, self.config.timeout_s)
             response: ExpertResponse = await client.call(request, self.config.timeout_s)
-            receipt = check_response(request, response, client=self.identity.peer_id, server=peer)
+            if response.outputs.shape != (request.pairs, x.shape[1]):
+                raise BadResponse(f"outputs have shape {list(response.outputs.shape)}, expected "
+                                  f"[{request.pairs}, {x.shape[1]}]", code=ErrorCode.BAD_TENSOR)
         except (NetworkError, ProtocolError) as e:
             holder.fail(time.monotonic())
             if not (isinstance(e, ProtocolError) and e.code == ErrorCode.OVERLOADED):
@@ -194,8 +199,27 @@ class RemoteExperts:
             y[tokens, slots] = outputs[offset : offset + tokens.size]
             offset += tokens.size
         self.served_by.setdefault(peer, set()).update((layer, e) for e in experts)
-        if self.receipts is not None:
-            self.receipts(countersign(self.identity, receipt))
+        self._unchecked.append((request, response, peer))  # receipts: checked off the token path
+
+    def settle_receipts(self) -> int:
+        """Check, countersign and hand over the receipts of finished calls; returns how many were bad.
+
+        Receipts cost two hashes and two signature operations each, so they are settled between
+        tokens (``Model.forward`` calls this once per step via ``after_step``), not per layer."""
+        bad = 0
+        while self._unchecked:
+            request, response, peer = self._unchecked.popleft()
+            try:
+                receipt = check_response(request, response, client=self.identity.peer_id, server=peer)
+            except BadResponse as e:
+                bad += 1
+                self.bad_receipts += 1
+                log.warning("refusing a receipt from %s: %s", peer.hex()[-12:], e)
+                self.table.holders[peer].fail(time.monotonic()) if peer in self.table.holders else None
+                continue
+            if self.receipts is not None:
+                self.receipts(countersign(self.identity, receipt))
+        return bad
 
     def _compute_locally(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int], y: np.ndarray) -> None:
         assert self.local is not None
@@ -204,7 +228,12 @@ class RemoteExperts:
             slots = np.argmax(ids[tokens] == e, axis=1)
             y[tokens, slots] = expert_ffn(self.local.experts[layer][e], x[tokens], self.cfg)
 
+    def end_step(self) -> None:
+        """After each forward pass: settle receipts on the event loop, overlapping the next step."""
+        self.loop.call_soon_threadsafe(self.settle_receipts)
+
     async def aclose(self) -> None:
+        self.settle_receipts()
         await self.connections.aclose()
 
 

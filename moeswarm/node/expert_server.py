@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import ProtocolError
 from ..model import ExpertWeights, Weights, expert_ffn, expert_flops
+from ..model.experts import F32Cache
 from ..protocol import ErrorCode, ExpertRequest, ExpertResponse, Identity, make_receipt
 
 
@@ -28,6 +29,8 @@ class ExpertServerConfig:
     experts: tuple[int, int]  # first, last expert held in each layer (inclusive)
     max_queue: int = 256  # queued requests beyond this are refused with OVERLOADED
     max_batch_requests: int = 64  # requests merged into one compute batch
+    inline_macs: int = 4_000_000  # batches smaller than this many multiply-adds run on the event loop
+    f32_cache_bytes: int = 512 << 20  # float32 copies of fp16/bf16 experts kept between calls
 
 
 @dataclass
@@ -49,6 +52,7 @@ class ExpertServer:
         self.pairs_served = 0
         self.requests_served = 0
         self._rate = 0.0  # (expert, token) pairs per second of compute, smoothed
+        self._f32 = F32Cache(config.f32_cache_bytes)
 
     @property
     def load_permille(self) -> int:
@@ -115,8 +119,12 @@ class ExpertServer:
             if not live:
                 continue
             t0 = time.perf_counter()
+            macs = sum(j.request.pairs for j in live) * 3 * self.cfg.hidden_size * self.cfg.moe_intermediate_size
             try:
-                responses = await asyncio.to_thread(self._compute, live)
+                if macs <= self.config.inline_macs:  # a thread hop costs more than this much math
+                    responses = self._compute(live)
+                else:
+                    responses = await asyncio.to_thread(self._compute, live)
             except Exception as e:  # noqa: BLE001 - report to every caller, keep serving
                 for job in live:
                     if not job.future.done():
@@ -144,7 +152,7 @@ class ExpertServer:
                 offset += len(e.rows)
         for (layer, expert), parts in work.items():
             x = np.concatenate([inputs[i][rows] for i, rows, _ in parts])
-            y = expert_ffn(self._experts(layer)[expert], x, self.cfg)
+            y = expert_ffn(self._f32.layer(layer, self._experts(layer))[expert], x, self.cfg)
             start = 0
             for i, rows, offset in parts:
                 outputs[i][offset : offset + len(rows)] = y[start : start + len(rows)]

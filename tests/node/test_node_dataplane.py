@@ -66,7 +66,9 @@ async def swarm_logits(folder: Path, ids: list[int], decode: list[int], nodes: l
         return np.concatenate(out)
 
     try:
-        return await asyncio.to_thread(run), executor
+        out = await asyncio.to_thread(run)
+        assert executor.settle_receipts() == 0
+        return out, executor
     finally:
         await executor.aclose()
 
