@@ -190,6 +190,9 @@ class SlowExperts:
         self._pause.wait(self.seconds)
         return self.inner.submit(layer, x, ids, weights)
 
+    def end_step(self) -> None:
+        self.inner.end_step()
+
 
 def test_a_client_that_disconnects_mid_stream_frees_the_slot(sdk_model_dir: Path, engine: tuple[Model, Tokenizer]) -> None:
     weights = load_weights(sdk_model_dir)
@@ -222,6 +225,9 @@ class FailingExperts:
         if self.calls >= self.fail_at:
             raise self.error
         return self.inner.submit(layer, x, ids, weights)
+
+    def end_step(self) -> None:
+        self.inner.end_step()
 
 
 @pytest.fixture(scope="module")
