@@ -35,11 +35,23 @@ class Client:
     ``Client("http://127.0.0.1:8000")``; ``model`` names the model to ask for (default: the
     one the server has).  ``timeout`` bounds connecting and each wait for data, in seconds.
 
-    Coming: a ``bootstrap=`` way to run a backbone in this process and join the swarm directly
-    (no separate server); until then, start one with the ``moeswarm`` CLI and pass its URL.
+    ``Client(bootstrap="/ip4/.../p2p/12D3Koo...", model_dir="path/to/model")`` instead runs a
+    backbone in this process that joins the swarm through that peer (it needs the model's
+    non-expert weights and tokenizer locally; the experts come from the swarm).  Close it with
+    ``close()`` or use the client as a context manager.
     """
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None, timeout: float = 300.0) -> None:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None, timeout: float = 300.0,
+                 bootstrap: str | Sequence[str] | None = None, model_dir: str | None = None) -> None:
+        self._embedded: Any = None
+        if bootstrap is not None:
+            if model_dir is None:
+                raise ConfigError("bootstrap= needs model_dir= (the backbone's non-expert weights)")
+            from ._embedded import EmbeddedBackbone
+
+            peers = (bootstrap,) if isinstance(bootstrap, str) else tuple(bootstrap)
+            self._embedded = EmbeddedBackbone(model_dir, peers)
+            base_url = self._embedded.url
         parts = urlsplit(base_url.rstrip("/"))
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"base_url must look like http://host:port, got {base_url!r}")
@@ -47,6 +59,18 @@ class Client:
         self.model = model
         self.timeout = timeout
         self._parts = urlsplit(self.base_url)
+
+    def close(self) -> None:
+        """Stop the embedded backbone, if this client started one."""
+        if self._embedded is not None:
+            self._embedded.close()
+            self._embedded = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- sync -------------------------------------------------------------------------------------
 

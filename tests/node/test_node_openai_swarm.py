@@ -45,3 +45,19 @@ def test_openai_client_streams_from_a_local_swarm() -> None:
     finally:
         for d in reversed(daemons):
             stop_daemon(d)
+
+
+def test_sdk_client_with_bootstrap_runs_a_backbone_in_process() -> None:
+    from moeswarm.sdk import Client
+
+    daemons = []
+    try:
+        daemons.append(start_daemon("node0", ["node", "--model", str(CHECKPOINT)]))
+        boot = daemons[0].info["multiaddrs"][0]
+        with Client(bootstrap=boot, model_dir=str(CHECKPOINT)) as client:
+            text = client.generate("And it came to pass", max_new_tokens=12)
+            pieces = list(client.generate("And it came to pass", max_new_tokens=12, stream=True))
+        assert text and "".join(pieces) == text
+    finally:
+        for d in daemons:
+            stop_daemon(d)
