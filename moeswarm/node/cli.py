@@ -61,9 +61,19 @@ def node(layers: str | None, experts: str | None, data_port: int, **swarm: objec
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
-    the swarm's DHT until stopped (Ctrl-C withdraws the announcement). Example:
+    the swarm's DHT until stopped (Ctrl-C withdraws the announcement). Examples:
 
-        moeswarm node --model ./mixtral --layers 0-31 --experts 0-3 --bootstrap /ip4/.../p2p/12D3Koo...
+    \b
+      # the first node of a new swarm (no --bootstrap): others join through it
+      moeswarm node --model ./mixtral --experts 0-3
+      # join an existing swarm through any peer's multiaddr (printed in its READY line)
+      moeswarm node --model ./mixtral --layers 0-31 --experts 4-7 \\
+          --bootstrap /ip4/203.0.113.5/tcp/4001/p2p/12D3KooW...
+      # behind a NAT with a forwarded port: listen on all interfaces, announce the public address
+      moeswarm node --model ./mixtral --experts 0-7 --host 0.0.0.0 --announce-host 203.0.113.9 \\
+          --p2p-port 4001 --port 4002 --identity ~/.moeswarm/node.key --bootstrap ...
+
+    Every peer must use the same checkpoint (the model id is derived from its config.json).
 
     Prints `READY {json}` (peer_id, multiaddrs, endpoint) on stdout once serving.
     """

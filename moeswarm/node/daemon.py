@@ -64,6 +64,13 @@ def load_identity(path: str | None) -> Identity:
     return identity
 
 
+def public_multiaddrs(multiaddrs: list[str], cfg: "SwarmConfig") -> list[str]:
+    """Listen addresses as others should dial them (``--announce-host`` replaces the bound host)."""
+    if not cfg.announce_host:
+        return list(multiaddrs)
+    return [m.replace(f"/ip4/{cfg.host}/", f"/ip4/{cfg.announce_host}/", 1) for m in multiaddrs]
+
+
 def ready(info: dict[str, Any]) -> None:
     sys.stdout.write("READY " + json.dumps(info, sort_keys=True) + "\n")
     sys.stdout.flush()
@@ -152,7 +159,8 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
                 model_id, layers, moe, experts, (endpoint,), capacity, config.announce_interval_s,
                 config.record_ttl_s), stats=lambda: (server.throughput, server.load_permille))
             await announcer.start()
-            on_ready({"peer_id": identity.peer_id_str, "multiaddrs": p2p.multiaddrs, "endpoint": endpoint,
+            on_ready({"peer_id": identity.peer_id_str, "multiaddrs": public_multiaddrs(p2p.multiaddrs, sc),
+                      "endpoint": endpoint,
                       "model_id": model_id, "layers": list(layers), "experts": list(experts)})
             await stop.wait()
             await announcer.withdraw()
@@ -215,7 +223,8 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
     async with SwarmBackbone(config) as backbone:
         assert backbone.model is not None
         service = GenerationService(backbone.model, backbone.tokenizer(), backbone.model_id)
-        info: dict[str, Any] = {"peer_id": backbone.identity.peer_id_str, "multiaddrs": backbone.p2p.multiaddrs,
+        info: dict[str, Any] = {"peer_id": backbone.identity.peer_id_str,
+                                "multiaddrs": public_multiaddrs(backbone.p2p.multiaddrs, config.swarm),
                                 "model_id": backbone.model_id}
         runner = None
         if config.http is not None:
