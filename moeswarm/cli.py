@@ -38,10 +38,13 @@ def _default_model() -> str:
                    "this process runs the backbone and reads no expert weights.")
 @click.option("--local-fallback", is_flag=True, help="With --swarm: compute experts nobody serves locally.")
 @click.option("--show-experts", is_flag=True, help="With --swarm: print which peer served which experts (stderr).")
+@click.option("--speculative", default=0, type=click.IntRange(0, 32), metavar="K",
+              help="Greedy only: verify up to K prompt-lookup draft tokens per forward pass (same output, "
+                   "fewer round trips through the swarm). 0 = off.")
 @friendly_errors
 def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, max_new_tokens: int, backend: str,
              temperature: float, top_p: float, seed: int | None, print_token_ids: bool, swarm: tuple[str, ...],
-             local_fallback: bool, show_experts: bool) -> None:
+             local_fallback: bool, show_experts: bool, speculative: int) -> None:
     """Generate text from a checkpoint, streaming it to stdout: in this process, or with --swarm."""
     from .model import load_model
 
@@ -58,14 +61,15 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
             async with SwarmBackbone(config) as backbone:
                 assert backbone.model is not None and backbone.executor is not None
                 await asyncio.to_thread(_generate_with, backbone.model, model_dir, prompt, prompt_ids,
-                                        max_new_tokens, temperature, top_p, seed, print_token_ids)
+                                        max_new_tokens, temperature, top_p, seed, print_token_ids, speculative)
                 if show_experts:
                     _print_placement(backbone.executor.served_by)
 
         asyncio.run(in_swarm())
         return
     model = load_model(model_dir, backend=backend)
-    _generate_with(model, model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, print_token_ids)
+    _generate_with(model, model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, print_token_ids,
+                   speculative)
 
 
 def _print_placement(served_by: dict[bytes, set[tuple[int, int]]]) -> None:
@@ -82,11 +86,12 @@ def _print_placement(served_by: dict[bytes, set[tuple[int, int]]]) -> None:
 
 def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | None,  # type: ignore[no-untyped-def]
                    max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
-                   print_token_ids: bool) -> None:
+                   print_token_ids: bool, speculative: int = 0) -> None:
     from .demo import DEFAULT_PROMPT
     from .errors import ConfigError
     from .model import SamplingParams, Tokenizer
     from .model import generate as run
+    from .model.speculative import generate_speculative
 
     cfg = model.config
     tokenizer = None
@@ -109,7 +114,10 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
     if tokenizer is not None and prompt_ids is None:
         click.echo(tokenizer.decode(ids), nl=False)  # the prompt, as the tokenizer reads it
     out: list[int] = []
-    for token in run(model, ids, params):
+    if speculative and temperature != 0:
+        raise ConfigError("--speculative needs --temperature 0 (greedy)")
+    tokens = generate_speculative(model, ids, params, k=speculative) if speculative else run(model, ids, params)
+    for token in tokens:
         out.append(token)
         if stream is not None:
             click.echo(stream.feed(token), nl=False)

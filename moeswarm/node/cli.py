@@ -56,8 +56,10 @@ def host_port(text: str) -> tuple[str, int]:
               help="Experts to hold in each of those layers, inclusive: 0-31 is 32 experts (default: all).")
 @click.option("--port", "data_port", default=0, type=int, show_default=True,
               help="Data-plane (expert calls, TLS) port; 0 = any free.")
+@click.option("--announce-port", default=None, type=int,
+              help="Data-plane port others dial, if a NAT or proxy forwards a different one to --port.")
 @friendly_errors
-def node(layers: str | None, experts: str | None, data_port: int, **swarm: object) -> None:
+def node(layers: str | None, experts: str | None, data_port: int, announce_port: int | None, **swarm: object) -> None:
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
@@ -79,7 +81,7 @@ def node(layers: str | None, experts: str | None, data_port: int, **swarm: objec
     """
     from .daemon import NodeConfig, run_node
 
-    config = NodeConfig(swarm_config(**swarm), layers, experts, data_port)  # type: ignore[arg-type]
+    config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port)  # type: ignore[arg-type]
     asyncio.run(run_node(config))
 
 

@@ -96,6 +96,7 @@ class NodeConfig:
     layers: str | None = None  # inclusive range, default all
     experts: str | None = None  # inclusive range, default all
     data_port: int = 0
+    announce_port: int | None = None  # data-plane port others dial, if not data_port (NAT, proxy)
     announce_interval_s: float = 240.0  # protocol_spec: refresh every 4 minutes
     record_ttl_s: float = 600.0  # ... with records that expire 10 minutes ahead
 
@@ -153,7 +154,7 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
     try:
         async with p2p_node(identity, sc) as p2p:
             host = sc.announce_host or sc.host
-            endpoint = f"tcp+tls://{host}:{dataplane.port}"
+            endpoint = f"tcp+tls://{host}:{config.announce_port or dataplane.port}"
             capacity = sum(w.nbytes for layer in weights.experts.values() for w in layer.values())
             announcer = Announcer(p2p, identity, AnnounceConfig(
                 model_id, layers, moe, experts, (endpoint,), capacity, config.announce_interval_s,
