@@ -142,9 +142,10 @@ def demo(model_dir: str | None, prompt: str | None, nodes: int, max_new_tokens: 
 
 
 def _register() -> None:
+    from .market.cli import market
     from .node.cli import backbone, node
 
-    for command in (node, backbone):
+    for command in (node, backbone, market):
         main.add_command(command)
 
 

@@ -1,0 +1,200 @@
+"""Assignment: which experts a joining volunteer should hold, as a pure function of the swarm.
+
+Every expert (grid cell) gets three values for this volunteer, compared lexicographically
+(a block's score is the tuple of its sums, most important first):
+
+1. cover: 1 for an expert nobody holds;
+2. redundancy: replicas the expert lacks below ``min_replicas``;
+3. serve, normalised to at most 1: where this volunteer helps most --
+   a hub: ``p_e * log(1 + t / W_e)``, the gain in ``sum_e p_e log W_e`` (whose optimum is
+   serving throughput ``W`` proportional to demand ``p``) from adding its per-expert
+   throughput ``t``: hot experts short of throughput first;
+   an edge device: ``1 / (1 + r_e)`` outside the hot set, 0 inside: the long tail, least
+   replicated first.
+
+Levels 1 and 2 weigh the volunteer's own tier fully and the other tier at ``OFF_TIER`` (hubs:
+the hot set; edges: the tail), so hubs cover and replicate hot experts first and edge devices
+the tail, yet nobody leaves an expert uncovered to stay in its tier. While any expert is
+uncovered, every volunteer that can hold one expert covers at least one.
+
+Blocks are one layer range x one expert range (what a node announces), chosen among the
+largest shapes that fit (``pareto_shapes``) with 2-D prefix sums: O(shapes x L x E).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal, NamedTuple
+
+import numpy as np
+
+from moeswarm.errors import ConfigError
+
+from ._demand import Demand
+from ._grid import Block, ModelShape, Rect, Score, best_rect
+from ._supply import Supply
+
+DeviceClass = Literal["hub", "edge"]
+OFF_TIER: Final = 0.1
+"""Weight of covering / replicating an expert of the other tier (hot for edges, tail for hubs)."""
+_TAKEN: Final = 1e30  # penalty that keeps a volunteer's blocks disjoint
+
+
+@dataclass(frozen=True)
+class Volunteer:
+    """What a joining machine offers."""
+
+    memory_bytes: int  # memory it gives to expert weights, bytes
+    throughput: float  # (expert, token) pairs per second it can compute (measured or estimated)
+    device_class: DeviceClass = "hub"  # "hub": datacenter/workstation on a fat link; "edge": phone, NAT'd box
+    bandwidth_bytes_s: float = 100e6  # its link's bandwidth, bytes per second
+    rtt_s: float = 0.01  # its round trip to the swarm's backbones, seconds
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes < 0 or self.throughput < 0 or self.bandwidth_bytes_s <= 0 or self.rtt_s < 0:
+            raise ConfigError("a volunteer needs memory >= 0, throughput >= 0, bandwidth > 0, rtt >= 0")
+        if self.device_class not in ("hub", "edge"):
+            raise ConfigError(f"device_class must be 'hub' or 'edge', not {self.device_class!r}")
+
+
+@dataclass(frozen=True)
+class AssignConfig:
+    """Policy of the assignment."""
+
+    min_replicas: int = 2  # replicas every expert should have before any expert gets more (when capacity allows)
+    max_blocks: int = 1  # blocks per volunteer; 1 = what one `moeswarm node` process announces today
+    hot_share: float = 0.5  # the most-demanded experts that carry this share of calls are "hot": for hubs
+    hub_max_rtt_s: float = 0.05  # a hub whose round trip exceeds this, seconds, is placed like an edge device
+    max_load_s: float = 3600.0  # never assign more weights than its link downloads in this long, seconds
+    width_bonus: float = 0.1  # extra score of a block spanning all experts of its layers (fewer requests)
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0 or self.max_blocks < 1 or not 0 <= self.hot_share <= 1:
+            raise ConfigError("need min_replicas >= 0, max_blocks >= 1, 0 <= hot_share <= 1")
+        if self.hub_max_rtt_s < 0 or self.max_load_s <= 0 or self.width_bonus < 0:
+            raise ConfigError("need hub_max_rtt_s >= 0, max_load_s > 0, width_bonus >= 0")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The experts a volunteer should hold."""
+
+    blocks: tuple[Block, ...]  # best first; empty if it cannot hold even one expert
+    cells: int  # experts held in all
+    bytes: int  # cells * expert_bytes; never above the volunteer's memory
+    score: Score  # (cover, redundancy, serve) sums under the state it was computed for
+
+    def node_args(self) -> list[str]:
+        """``--layers A-B --experts X-Y`` of the best block, for ``moeswarm node``.
+
+        A node process announces one block; with ``max_blocks > 1`` run one process per
+        block (or take only this one, the block worth most).
+        """
+        if not self.blocks:
+            raise ConfigError("this volunteer cannot hold a single expert")
+        return self.blocks[0].cli_args()
+
+
+def effective_class(volunteer: Volunteer, config: AssignConfig) -> DeviceClass:
+    """``edge`` for edge devices and for hubs too far away to serve hot experts quickly."""
+    if volunteer.device_class == "edge" or volunteer.rtt_s > config.hub_max_rtt_s:
+        return "edge"
+    return "hub"
+
+
+def capacity_cells(shape: ModelShape, volunteer: Volunteer, config: AssignConfig) -> int:
+    """Experts the volunteer can hold: its memory, what its link loads in ``max_load_s``, the model."""
+    by_memory = volunteer.memory_bytes // shape.expert_bytes
+    by_link = int(volunteer.bandwidth_bytes_s * config.max_load_s) // shape.expert_bytes
+    return int(max(0, min(by_memory, by_link, shape.cells)))
+
+
+def hot_mask(share: np.ndarray, hot_share: float) -> np.ndarray:
+    """The most-demanded cells that together carry ``hot_share`` of demand, all above average."""
+    flat = share.reshape(-1)
+    order = np.argsort(-flat, kind="stable")
+    cum = np.cumsum(flat[order])
+    count = int(np.searchsorted(cum, hot_share * cum[-1], side="left")) + 1 if hot_share > 0 else 0
+    mask = np.zeros(flat.size, dtype=bool)
+    mask[order[:count]] = True
+    mask &= flat > (1.0 + 1e-9) / flat.size
+    return mask.reshape(share.shape)
+
+
+class CellValues(NamedTuple):
+    """The value levels of every expert for one volunteer, each ``(L, E)``, most important first."""
+
+    cover: np.ndarray
+    redundancy: np.ndarray
+    serve: np.ndarray
+
+
+def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer,
+                config: AssignConfig = AssignConfig(), *, capacity: int | None = None) -> CellValues:
+    """The value of this volunteer holding each expert, given the others' ``supply``."""
+    k = capacity_cells(shape, volunteer, config) if capacity is None else capacity
+    r = supply.replicas
+    p = demand.share
+    need = np.where(r > 0, np.clip(config.min_replicas - r, 0, None), 0).astype(np.float64)
+    hot = hot_mask(p, config.hot_share)
+    if effective_class(volunteer, config) == "hub":
+        t = max(volunteer.throughput / max(k, 1), 1e-12)
+        w = supply.throughput
+        floor = max(float(w.mean()), t) * 1e-3
+        serve = p * np.log1p(t / (w + floor))
+        tier = np.where(hot, 1.0, OFF_TIER)
+    else:
+        serve = np.where(hot, 0.0, 1.0 / (1.0 + np.maximum(r, 0)))
+        tier = np.where(hot, OFF_TIER, 1.0)
+    top = float(serve.max())
+    if top > 0:
+        serve = serve / top
+    return CellValues(tier * (r <= 0), tier * need, serve)
+
+
+def choose_rects(values: CellValues, capacity: int, config: AssignConfig = AssignConfig()) -> tuple[list[Rect], Score]:
+    """Up to ``max_blocks`` disjoint rectangles, greedily best first, within ``capacity`` cells."""
+    levels = [v.copy() for v in values]
+    rects: list[Rect] = []
+    score: Score = tuple(0.0 for _ in levels)
+    while len(rects) < config.max_blocks and capacity > 0:
+        found = best_rect(levels, capacity, width_bonus=config.width_bonus)
+        if found is None or found[1][0] < 0:
+            break
+        rect, s = found
+        rects.append(rect)
+        score = tuple(a + b for a, b in zip(score, s))
+        capacity -= rect.cells
+        levels[0][rect.slices] = -_TAKEN  # later blocks must not overlap this one
+    return rects, score
+
+
+def score_rects(values: CellValues, rects: Sequence[Rect], config: AssignConfig = AssignConfig()) -> Score:
+    """The score ``choose_rects`` gives these (disjoint) rectangles under ``values``."""
+    E = values.serve.shape[1]
+    total = [0.0, 0.0, 0.0]
+    for r in rects:
+        w = r.e1 - r.e0 + 1
+        bonus = 1.0 + config.width_bonus * ((w - 1) / (E - 1) if E > 1 else 0.0)
+        total[0] += float(values.cover[r.slices].sum())
+        total[1] += float(values.redundancy[r.slices].sum())
+        total[2] += float(values.serve[r.slices].sum()) * bonus
+    return tuple(total)
+
+
+def assign(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer,
+           config: AssignConfig = AssignConfig()) -> Assignment:
+    """The blocks a joining ``volunteer`` should hold, given the swarm's ``supply`` and ``demand``.
+
+    Pure and deterministic. Never assigns more than ``volunteer.memory_bytes``.
+    """
+    if supply.replicas.shape != shape.grid or demand.share.shape != shape.grid:
+        raise ConfigError("supply and demand must be grids of the model's shape")
+    k = capacity_cells(shape, volunteer, config)
+    if k < 1:
+        return Assignment((), 0, 0, (0.0, 0.0, 0.0))
+    values = cell_values(shape, supply, demand, volunteer, config, capacity=k)
+    rects, score = choose_rects(values, k, config)
+    cells = sum(r.cells for r in rects)
+    return Assignment(tuple(shape.block(r) for r in rects), cells, cells * shape.expert_bytes, score)

@@ -1,0 +1,149 @@
+"""The market's I/O shell over the DHT: read announcements and demand reports into a ``MarketState``.
+
+Announcements are read exactly as ``moeswarm.node.discovery.Discovery`` reads them (providers of
+each MoE layer's key, then each provider's own record, validated). Demand reports live under::
+
+    /moeswarm/v1/<model_id>/demand/<peer_id base58btc>   value: the signed DemandReport
+
+with the backbone registered as a provider of ``/moeswarm/v1/<model_id>/demand``. The DHT's
+record validator must accept those keys through ``validate_demand_record`` (today it accepts
+announcements only, so ``publish_demand`` fails and ``fetch_state`` sees uniform demand).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from moeswarm.errors import ProtocolError, SwarmError
+from moeswarm.protocol import (
+    Announcement,
+    announcement_key,
+    peer_id_from_str,
+    peer_id_to_str,
+    provider_key,
+    validate_record,
+)
+
+from ._grid import ModelShape
+from ._price import PriceConfig, PriceTable
+from ._reports import DemandReport, MergeConfig, decode_report, encode_report, merge_reports, verify_report
+from ._state import MarketState
+from ._supply import supply_from_holders
+
+log = logging.getLogger(__name__)
+
+
+class DHT(Protocol):
+    """The DHT operations the market uses; the same as ``moeswarm.node.announce.DHT``."""
+
+    async def put(self, key: str, value: bytes) -> None: ...
+    async def get(self, key: str) -> bytes | None: ...
+    async def provide(self, key: str) -> None: ...
+    async def find_providers(self, key: str) -> list[str]: ...
+
+
+def demand_provider_key(model_id: str) -> str:
+    """The key whose providers are the backbones publishing demand for ``model_id``."""
+    provider_key(model_id, 0)  # validates model_id (ConfigError), as for announcements
+    return f"/moeswarm/v1/{model_id}/demand"
+
+
+def demand_key(model_id: str, peer_id: bytes) -> str:
+    """The key under which backbone ``peer_id`` stores its demand report."""
+    return f"{demand_provider_key(model_id)}/{peer_id_to_str(peer_id)}"
+
+
+def validate_demand_record(key: str, value: bytes, *, now_ms: int | None = None,
+                           config: MergeConfig = MergeConfig()) -> DemandReport:
+    """Accept a DHT value stored under a demand key, or raise ``ProtocolError``.
+
+    Checks: decoding (``decode_report``), key = ``demand_key(report.model_id, report.reporter)``,
+    the signature (code 9), and freshness: not older than ``config.max_age_s`` (code 15) nor
+    dated further ahead than ``config.max_future_s`` (code 4).
+    """
+    report = decode_report(value)
+    if key != demand_key(report.model_id, report.reporter):
+        raise ProtocolError("demand report stored under another key", code=4)
+    if not verify_report(report):
+        raise ProtocolError("demand report signature does not verify", code=9)
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    if now - report.time_ms > config.max_age_s * 1000:
+        raise ProtocolError("demand report is stale", code=15)
+    if report.time_ms > now + config.max_future_s * 1000:
+        raise ProtocolError("demand report is dated in the future", code=4)
+    return report
+
+
+async def publish_demand(dht: DHT, report: DemandReport) -> None:
+    """Store a signed report under the backbone's demand key and register as its provider."""
+    await dht.put(demand_key(report.model_id, report.reporter), encode_report(report))
+    await dht.provide(demand_provider_key(report.model_id))
+
+
+async def fetch_announcements(dht: DHT, shape: ModelShape, *, now_ms: int | None = None) -> list[Announcement]:
+    """Every valid announcement of ``shape``'s model, one per peer (Discovery's read pattern)."""
+    seen: set[str] = set()
+    out: list[Announcement] = []
+    for layer in shape.moe_layers:
+        try:
+            providers = await dht.find_providers(provider_key(shape.model_id, layer))
+        except SwarmError as e:
+            log.info("find_providers for layer %d failed: %s", layer, e)
+            continue
+        for peer in providers:
+            if peer in seen:
+                continue  # its record, read under an earlier layer, covers its whole range
+            try:
+                key = announcement_key(shape.model_id, layer, peer_id_from_str(peer))
+                value = await dht.get(key)
+                if value is None:
+                    continue
+                record = validate_record(key, value, now_ms=now_ms)
+            except SwarmError as e:  # ProtocolError is one
+                log.info("record of %s for layer %d rejected: %s", peer, layer, e)
+                continue
+            seen.add(peer)
+            out.append(record)
+    return out
+
+
+async def fetch_reports(dht: DHT, model_id: str) -> list[bytes]:
+    """The raw demand reports published for ``model_id`` (validated later, by the merge)."""
+    try:
+        providers = await dht.find_providers(demand_provider_key(model_id))
+    except SwarmError as e:
+        log.info("find_providers for demand failed: %s", e)
+        return []
+    out: list[bytes] = []
+    for peer in dict.fromkeys(providers):
+        try:
+            value = await dht.get(demand_key(model_id, peer_id_from_str(peer)))
+        except SwarmError as e:
+            log.info("demand report of %s unreadable: %s", peer, e)
+            continue
+        if value is not None:
+            out.append(value)
+    return out
+
+
+async def fetch_state(dht: DHT, shape: ModelShape, *, now_ms: int | None = None,
+                      extra_reports: Iterable[DemandReport | bytes] = (),
+                      previous_prices: PriceTable | None = None,
+                      merge_config: MergeConfig = MergeConfig(),
+                      price_config: PriceConfig = PriceConfig()) -> MarketState:
+    """The market's state of ``shape``'s model, read live from the DHT.
+
+    Supply from the validated announcements of every MoE layer; demand merged from the
+    reports under the demand key plus ``extra_reports`` (e.g. the local backbone's own).
+    """
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    announcements = await fetch_announcements(dht, shape, now_ms=now)
+    reports: list[DemandReport | bytes] = [*await fetch_reports(dht, shape.model_id), *extra_reports]
+    merged = merge_reports(reports, shape, now_ms=now, config=merge_config)
+    if merged.rejected:
+        log.info("demand reports dropped: %s", merged.rejected)
+    supply = supply_from_holders(shape, announcements, now_ms=now)
+    return MarketState(shape, supply, merged.demand, price_config.epoch_of(now), previous_prices)

@@ -1,0 +1,165 @@
+"""Rebalancing: a node re-evaluates its blocks and moves only for a clear gain, never uncovering
+an expert on the way.
+
+A move is an ordered ``MovePlan`` of ``add`` / ``drop`` steps over the node's held blocks
+(``add``: load the weights, then announce them; ``drop``: announce without them, then unload).
+A plan is only produced if, after every step, every expert that was held anywhere before the
+move is still held (by another node or by a block this node still holds) and the node holds no
+more than its memory allows (plus ``transition_slack``). New copies are therefore announced
+before old ones are dropped whenever the old one was the last copy.
+
+The executor must re-check each ``drop`` with ``drop_is_safe`` right before doing it (other
+nodes may have left since the plan was made) and wait instead of dropping if it is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from moeswarm.errors import ConfigError
+
+from ._assign import AssignConfig, Volunteer, capacity_cells, cell_values, choose_rects, score_rects
+from ._demand import Demand
+from ._grid import Block, ModelShape, Rect, better, cell_mask, union_cells
+from ._supply import Supply
+
+
+@dataclass(frozen=True)
+class RebalanceConfig:
+    """When a node moves."""
+
+    hysteresis: float = 0.5  # move only if the best blocks score this fraction above the current ones
+    cooldown_epochs: int = 2  # after a move, stay put for at least this many epochs
+    transition_slack: float = 0.0  # extra memory (fraction of the volunteer's) usable while old and new overlap
+
+    def __post_init__(self) -> None:
+        if self.hysteresis < 0 or self.cooldown_epochs < 0 or self.transition_slack < 0:
+            raise ConfigError("hysteresis, cooldown_epochs and transition_slack must be >= 0")
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    action: Literal["add", "drop"]  # add: load, then announce; drop: announce without, then unload
+    block: Block
+
+
+@dataclass(frozen=True)
+class MovePlan:
+    """How a node goes from ``source`` blocks to ``target`` blocks, step by step."""
+
+    source: tuple[Block, ...]
+    target: tuple[Block, ...]
+    steps: tuple[PlanStep, ...]
+    gain: float  # relative gain at the first score level that improved (new / current - 1; inf from 0)
+
+
+def _covered(others: np.ndarray, shape: ModelShape, held: Sequence[Block]) -> np.ndarray:
+    rects = [r for r in (shape.rect(b) for b in held) if r is not None]
+    out: np.ndarray = (others > 0) | cell_mask(shape.grid, rects)
+    return out
+
+
+def _cells(shape: ModelShape, held: Sequence[Block]) -> int:
+    return union_cells([r for r in (shape.rect(b) for b in held) if r is not None])
+
+
+def drop_is_safe(shape: ModelShape, others: np.ndarray, held: Sequence[Block], block: Block) -> bool:
+    """Whether dropping ``block`` (one of ``held``) keeps every cell it covers held somewhere.
+
+    ``others`` is the ``(L, E)`` replica count of every other node.
+    """
+    rect = shape.rect(block)
+    if rect is None:
+        return True
+    rest = list(held)
+    rest.remove(block)
+    return bool(_covered(others, shape, rest)[rect.slices].all())
+
+
+def check_plan(shape: ModelShape, others: np.ndarray, plan: MovePlan, max_cells: int) -> list[str]:
+    """Every way ``plan`` breaks the invariants (empty list: it is safe).
+
+    ``others`` is the ``(L, E)`` replica count of every other node; ``max_cells`` the experts
+    the node may hold at once.
+    """
+    problems: list[str] = []
+    held = list(plan.source)
+    before = _covered(others, shape, held)
+    for i, step in enumerate(plan.steps):
+        if step.action == "add":
+            held.append(step.block)
+        elif step.block in held:
+            held.remove(step.block)
+        else:
+            problems.append(f"step {i} drops {step.block}, which is not held")
+        lost = before & ~_covered(others, shape, held)
+        if lost.any():
+            problems.append(f"step {i} leaves {int(lost.sum())} experts uncovered")
+        if _cells(shape, held) > max_cells:
+            problems.append(f"step {i} holds {_cells(shape, held)} experts, above {max_cells}")
+    if sorted(held) != sorted(plan.target):
+        problems.append("the plan does not end on its target")
+    return problems
+
+
+def plan_move(shape: ModelShape, others: np.ndarray, source: Sequence[Block], target: Sequence[Block],
+              max_cells: int, gain: float = 0.0) -> MovePlan | None:
+    """A safe ordered plan from ``source`` to ``target`` blocks, or ``None`` if there is none.
+
+    Tries, in order: (1) add every new block, then drop every old one (needs memory for both);
+    (2) add the overlaps of old and new blocks, drop the old, add the new, drop the overlaps
+    (needs every expert held only by the old blocks to be kept by the new ones, and memory for
+    the larger of old and new). ``max_cells`` bounds the experts held at every step.
+    """
+    src, dst = tuple(source), tuple(target)
+    adds = [b for b in dst if b not in src]
+    drops = [b for b in src if b not in dst]
+    candidates = [[PlanStep("add", b) for b in adds] + [PlanStep("drop", b) for b in drops]]
+    overlaps: list[Block] = []
+    for a in drops:
+        for b in adds:
+            ra, rb = shape.rect(a), shape.rect(b)
+            inter = ra.intersect(rb) if ra is not None and rb is not None else None
+            if inter is not None and shape.block(inter) not in overlaps + list(src):
+                overlaps.append(shape.block(inter))
+    candidates.append([PlanStep("add", b) for b in overlaps] + [PlanStep("drop", b) for b in drops]
+                      + [PlanStep("add", b) for b in adds] + [PlanStep("drop", b) for b in overlaps])
+    for steps in candidates:
+        plan = MovePlan(src, dst, tuple(steps), gain)
+        if not check_plan(shape, others, plan, max_cells):
+            return plan
+    return None
+
+
+def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, current: Sequence[Block],
+              *, assign_config: AssignConfig = AssignConfig(), config: RebalanceConfig = RebalanceConfig(),
+              epochs_since_move: int | None = None) -> MovePlan | None:
+    """Re-evaluate a node that holds ``current`` (included in ``supply``): a plan, or ``None`` to stay.
+
+    The node's own contribution is taken out of ``supply``, the assignment is recomputed for
+    the rest of the swarm, and the node moves only if the best blocks score more than
+    ``1 + hysteresis`` times its current ones, it has not moved in the last
+    ``cooldown_epochs`` epochs, and a safe ``plan_move`` exists. With the state unchanged,
+    a node that just moved stays: its new blocks are the best for the same values.
+    """
+    if epochs_since_move is not None and epochs_since_move < config.cooldown_epochs:
+        return None
+    rects: list[Rect] = [r for r in (shape.rect(b) for b in current) if r is not None]
+    others = supply.changed(rects, volunteer.throughput, -1) if rects else supply
+    k = capacity_cells(shape, volunteer, assign_config)
+    values = cell_values(shape, others, demand, volunteer, assign_config, capacity=k)
+    best, best_score = choose_rects(values, k, assign_config)
+    if sorted(best) == sorted(rects):
+        return None
+    now = score_rects(values, rects, assign_config)
+    if not better(best_score, now, config.hysteresis):
+        return None
+    level = next(i for i, (a, b) in enumerate(zip(best_score, now)) if a > b)
+    gain = best_score[level] / now[level] - 1.0 if now[level] > 0 else float("inf")
+    limit = int(k * (1.0 + config.transition_slack))
+    return plan_move(shape, others.replicas, [shape.block(r) for r in rects], [shape.block(r) for r in best],
+                     limit, gain)

@@ -1,0 +1,122 @@
+"""``moeswarm market``: coverage and prices of a model's swarm, as a table or JSON.
+
+The input is a state file (schema: ``moeswarm.market._state``). A live view reads the same
+``MarketState`` from the DHT with ``moeswarm.market.fetch_state`` and renders it with
+``show_state``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .._cli_util import friendly_errors
+from ..errors import ConfigError
+from ._assign import AssignConfig, Assignment, Volunteer, assign
+from ._price import PriceConfig
+from ._state import MarketState, state_from_json, summarize
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size like ``8GB``, ``512MiB``, ``1.5e9``; ``ConfigError`` otherwise."""
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        raise ConfigError(f"cannot read {text!r} as a size (e.g. 8GB, 512MiB)")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def load_state(path: str) -> MarketState:
+    """Read a state file; ``ConfigError`` if it is missing or not valid JSON."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not JSON: {exc}") from None
+    return state_from_json(obj)
+
+
+def show_state(state: MarketState, *, as_json: bool = False, suggestion: Assignment | None = None,
+               price_config: PriceConfig = PriceConfig()) -> None:
+    """Print the market view of ``state``: a rich table, or JSON with ``as_json``."""
+    summary = summarize(state, state.prices(price_config))
+    if suggestion is not None:
+        summary["suggestion"] = {"blocks": [{"layers": list(b.layers), "experts": list(b.experts)}
+                                            for b in suggestion.blocks],
+                                 "bytes": suggestion.bytes, "node_args": suggestion.node_args()}
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    _render(summary)
+
+
+def _render(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{s['model_id']}[/]  epoch {s['epoch']}  coverage [bold]{100 * s['coverage']:.1f}%[/] "
+                  f"of {s['experts']} experts  holders {s['holders']}  held {_size(s['held_bytes'])} "
+                  f"= {s['capacity_ratio']:.2f}x the model  demand reporters {s['demand_reporters']}")
+    table = Table(show_lines=False)
+    for col in ("layer", "covered", "replicas min/med/max", "demand", "hottest (share)", "price min/med/max"):
+        table.add_column(col, justify="right")
+    for row in s["layers"]:
+        covered = f"{row['covered']}/{row['experts']}"
+        if row["covered"] < row["experts"]:
+            covered = f"[red]{covered}[/]"
+        table.add_row(str(row["layer"]), covered,
+                      f"{row['replicas_min']}/{row['replicas_median']:g}/{row['replicas_max']}",
+                      f"{100 * row['demand_share']:.1f}%",
+                      f"{row['hottest_expert']} ({100 * row['hottest_share']:.1f}%)",
+                      f"{row['price_min']:.2f}/{row['price_median']:.2f}/{row['price_max']:.2f}")
+    console.print(table)
+    if s["uncovered"]:
+        shown = ", ".join(f"L{layer}/e{e}" for layer, e in s["uncovered"][:20])
+        more = f" ... (+{len(s['uncovered']) - 20})" if len(s["uncovered"]) > 20 else ""
+        console.print(f"[red]uncovered:[/] {shown}{more}")
+    if "suggestion" in s:
+        console.print(f"suggested for the volunteer: moeswarm node {' '.join(s['suggestion']['node_args'])} "
+                      f"({_size(s['suggestion']['bytes'])})")
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@click.command()
+@click.option("--state", "state_file", required=True, type=click.Path(dir_okay=False),
+              help="JSON state file: the model's shape, holders and demand (schema: moeswarm.market._state).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (totals, per-layer rows, uncovered experts, "
+                                                      "the full price table) instead of a table.")
+@click.option("--suggest", "suggest_memory", default=None, metavar="SIZE",
+              help="Also show what a volunteer with this much memory for experts (e.g. 8GB) should hold.")
+@click.option("--throughput", default=1000.0, show_default=True, type=click.FloatRange(0),
+              help="With --suggest: its (expert, token) pairs per second.")
+@click.option("--device-class", default="hub", show_default=True, type=click.Choice(["hub", "edge"]),
+              help="With --suggest: hub (fat link, low RTT) or edge (phone, NAT'd box).")
+@friendly_errors
+def market(state_file: str, as_json: bool, suggest_memory: str | None, throughput: float, device_class: str) -> None:
+    """Show which experts the swarm covers and what each costs this epoch.
+
+    Example:  moeswarm market --state swarm.json --suggest 8GB --device-class hub
+    """
+    state = load_state(state_file)
+    suggestion = None
+    if suggest_memory is not None:
+        volunteer = Volunteer(parse_size(suggest_memory), throughput,
+                              "edge" if device_class == "edge" else "hub")
+        suggestion = assign(state.shape, state.supply, state.demand, volunteer, AssignConfig())
+    show_state(state, as_json=as_json, suggestion=suggestion)

@@ -1,0 +1,128 @@
+"""Assignment: within memory, covers everything given enough volunteers, hubs hot / edges tail."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeswarm.errors import ConfigError
+from moeswarm.market import (
+    AssignConfig,
+    Block,
+    Demand,
+    ModelShape,
+    Supply,
+    Volunteer,
+    assign,
+    capacity_cells,
+    hot_mask,
+)
+
+
+@st.composite
+def swarms(draw: st.DrawFn) -> tuple[ModelShape, Demand, Supply]:
+    L, E = draw(st.integers(1, 6)), draw(st.integers(1, 10))
+    shape = ModelShape("org/m", tuple(range(0, 2 * L, 2)), E, draw(st.integers(1, 10**8)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    demand = Demand.from_counts(rng.zipf(1.5, size=(L, E)).astype(float))
+    reps = rng.integers(0, 4, size=(L, E)) * (rng.random((L, E)) < 0.7)
+    supply = Supply(reps.astype(np.int64), reps * rng.random((L, E)) * 100, np.zeros((L, E)), 5, int(reps.sum()))
+    return shape, demand, supply
+
+
+volunteers = st.builds(Volunteer, memory_bytes=st.integers(0, 10**10), throughput=st.floats(0, 1e6),
+                       device_class=st.sampled_from(["hub", "edge"]), bandwidth_bytes_s=st.floats(1e3, 1e10),
+                       rtt_s=st.floats(0, 0.5))
+configs = st.builds(AssignConfig, min_replicas=st.integers(0, 3), max_blocks=st.integers(1, 4),
+                    hot_share=st.floats(0, 1), width_bonus=st.floats(0, 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(swarms(), volunteers, configs)
+def test_assignment_never_exceeds_the_volunteers_memory(swarm: tuple[ModelShape, Demand, Supply],
+                                                        v: Volunteer, cfg: AssignConfig) -> None:
+    shape, demand, supply = swarm
+    a = assign(shape, supply, demand, v, cfg)
+    rects = [shape.rect(b) for b in a.blocks]
+    assert all(r is not None for r in rects)
+    mask = np.zeros(shape.grid, dtype=int)
+    for r in rects:
+        mask[r.slices] += 1  # type: ignore[union-attr]
+    assert mask.max(initial=0) <= 1, "blocks overlap"
+    assert a.cells == int(mask.sum()) and a.bytes == a.cells * shape.expert_bytes
+    assert a.bytes <= v.memory_bytes and len(a.blocks) <= cfg.max_blocks
+    assert a.cells <= v.bandwidth_bytes_s * cfg.max_load_s / shape.expert_bytes
+    assert a == assign(shape, supply, demand, v, cfg)  # pure and deterministic
+    if capacity_cells(shape, v, cfg) >= 1:
+        assert a.blocks and a.node_args()[0] == "--layers"
+    else:
+        assert not a.blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(swarms(), st.lists(volunteers, min_size=1, max_size=8), st.integers(1, 3), st.integers(0, 2**32 - 1))
+def test_enough_volunteers_cover_every_expert_with_min_replicas(swarm: tuple[ModelShape, Demand, Supply],
+                                                                pool: list[Volunteer], min_replicas: int,
+                                                                seed: int) -> None:  # noqa: ARG001
+    shape, demand, _ = swarm
+    cfg = AssignConfig(min_replicas=min_replicas)
+    rng = np.random.default_rng(seed)
+    supply = Supply.empty(shape)
+    for i in range(shape.cells * min_replicas):
+        v = pool[i % len(pool)]
+        v = Volunteer(max(v.memory_bytes, shape.expert_bytes), v.throughput, v.device_class, 1e12, v.rtt_s)
+        before = supply.replicas.copy()
+        a = assign(shape, supply, demand, v, cfg)
+        rect = shape.rect(a.blocks[0])
+        assert rect is not None
+        if (before == 0).any():  # every joiner covers at least one uncovered expert while there is one
+            assert (before[rect.slices] == 0).any()
+        elif (before < min_replicas).any():  # then one still short of replicas
+            assert (before[rect.slices] < min_replicas).any()
+        supply = supply.changed([rect], v.throughput, +1)
+    assert supply.coverage() == 1.0
+    assert supply.replicas.min() >= min_replicas
+
+
+def test_hubs_take_hot_experts_and_edge_devices_the_tail() -> None:
+    shape = ModelShape("org/m", tuple(range(8)), 32, 1_000_000)
+    rng = np.random.default_rng(0)
+    counts = np.stack([rng.permutation(1.0 / np.arange(1, 33)) for _ in range(8)])
+    demand = Demand.from_counts(counts)
+    reps = np.full(shape.grid, 2, dtype=np.int64)  # covered twice: only where to serve is left
+    supply = Supply(reps, reps * 10.0, np.zeros(shape.grid), 64, int(reps.sum()))
+    hot = hot_mask(demand.share, AssignConfig().hot_share)
+    hub = assign(shape, supply, demand, Volunteer(8_000_000, 50_000, "hub"), AssignConfig())
+    edge = assign(shape, supply, demand, Volunteer(8_000_000, 500, "edge", rtt_s=0.1), AssignConfig())
+    far = assign(shape, supply, demand, Volunteer(8_000_000, 50_000, "hub", rtt_s=0.2), AssignConfig())
+
+    def share_hot(a):  # type: ignore[no-untyped-def]
+        r = shape.rect(a.blocks[0])
+        return float(demand.share[r.slices].sum()), int(hot[r.slices].sum())
+
+    assert share_hot(hub)[0] > 3 * share_hot(edge)[0]
+    assert share_hot(hub)[1] >= 4 and share_hot(edge)[1] == 0
+    assert far.blocks == edge.blocks  # a hub too far away is placed like an edge device
+
+
+def test_uncovered_experts_come_before_the_tier_and_capacity_rules() -> None:
+    shape = ModelShape("org/m", (0, 1), 4, 100)
+    reps = np.ones(shape.grid, dtype=np.int64) * 3
+    reps[1, 2] = 0  # nobody holds layer 1, expert 2
+    supply = Supply(reps, reps * 1.0, np.zeros(shape.grid), 3, int(reps.sum()))
+    demand = Demand.uniform(shape)
+    for cls in ("hub", "edge"):
+        a = assign(shape, supply, demand, Volunteer(100, 1.0, cls), AssignConfig())  # type: ignore[arg-type]
+        assert a.blocks == (Block((1, 1), (2, 2)),) and a.node_args() == ["--layers", "1-1", "--experts", "2-2"]
+    by_link = Volunteer(10**9, 1.0, "hub", bandwidth_bytes_s=1.0)
+    assert capacity_cells(shape, by_link, AssignConfig(max_load_s=250)) == 2
+    empty = assign(shape, supply, demand, Volunteer(99, 1.0), AssignConfig())
+    assert empty.blocks == () and empty.bytes == 0
+    with pytest.raises(ConfigError):
+        empty.node_args()
+    with pytest.raises(ConfigError):
+        Volunteer(1, 1.0, "phone")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        AssignConfig(max_blocks=0)

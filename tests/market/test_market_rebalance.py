@@ -1,0 +1,129 @@
+"""Rebalancing: moves keep every expert covered at every step, clear the hysteresis, and do not flap."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from moeswarm.market import (
+    AssignConfig,
+    Block,
+    Demand,
+    ModelShape,
+    MovePlan,
+    PlanStep,
+    RebalanceConfig,
+    Rect,
+    Supply,
+    Volunteer,
+    check_plan,
+    drop_is_safe,
+    plan_move,
+    rebalance,
+)
+
+SHAPE = ModelShape("org/m", (0, 1, 2, 3), 6, 10)
+
+
+@st.composite
+def rects(draw: st.DrawFn, shape: ModelShape = SHAPE) -> Rect:
+    L, E = shape.grid
+    r0, e0 = draw(st.integers(0, L - 1)), draw(st.integers(0, E - 1))
+    return Rect(r0, draw(st.integers(r0, L - 1)), e0, draw(st.integers(e0, E - 1)))
+
+
+@st.composite
+def swarms(draw: st.DrawFn) -> tuple[Supply, Demand, Volunteer, Rect, AssignConfig]:
+    """A swarm of random holders, one of which (``mine``, held by ``me``) re-evaluates."""
+    supply = Supply.empty(SHAPE)
+    for r in draw(st.lists(rects(), max_size=8)):
+        supply = supply.changed([r], draw(st.floats(1, 1e4)), +1)
+    mine = draw(rects())
+    me = Volunteer(draw(st.integers(mine.cells, SHAPE.cells)) * SHAPE.expert_bytes, draw(st.floats(1, 1e4)),
+                   draw(st.sampled_from(["hub", "edge"])))
+    supply = supply.changed([mine], me.throughput, +1)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    demand = Demand.from_counts(rng.zipf(1.3, size=SHAPE.grid).astype(float))
+    cfg = AssignConfig(min_replicas=draw(st.integers(0, 3)))
+    return supply, demand, me, mine, cfg
+
+
+@settings(max_examples=200, deadline=None)
+@given(swarms(), st.floats(0, 1))
+def test_rebalancing_never_uncovers_an_expert_and_does_not_flap(swarm, hysteresis: float) -> None:  # type: ignore[no-untyped-def]
+    supply, demand, me, mine, cfg = swarm
+    rcfg = RebalanceConfig(hysteresis=hysteresis, cooldown_epochs=0)
+    plan = rebalance(SHAPE, supply, demand, me, [SHAPE.block(mine)], assign_config=cfg, config=rcfg)
+    event("moves" if plan is not None else "stays")
+    if plan is None:
+        return
+    event(f"plan of {len(plan.steps)} steps")
+    others = supply.changed([mine], me.throughput, -1)
+    assert check_plan(SHAPE, others.replicas, plan, me.memory_bytes // SHAPE.expert_bytes) == []
+    assert plan.gain > hysteresis and plan.target != plan.source
+    moved = others
+    for b in plan.target:
+        r = SHAPE.rect(b)
+        assert r is not None
+        moved = moved.changed([r], me.throughput, +1)
+    assert (moved.replicas > 0).sum() >= (supply.replicas > 0).sum()
+    again = rebalance(SHAPE, moved, demand, me, list(plan.target), assign_config=cfg, config=rcfg)
+    assert again is None, "moved, then wants to move again under the same state"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(rects(), max_size=5), st.lists(rects(), min_size=1, max_size=2),
+       st.lists(rects(), min_size=1, max_size=2), st.integers(1, 24))
+def test_every_plan_keeps_coverage_and_memory_at_each_step(others_rects: list[Rect], src: list[Rect],
+                                                           dst: list[Rect], capacity: int) -> None:
+    others = np.zeros(SHAPE.grid, dtype=np.int64)
+    for r in others_rects:
+        others[r.slices] += 1
+    plan = plan_move(SHAPE, others, [SHAPE.block(r) for r in src], [SHAPE.block(r) for r in dst], capacity)
+    event("planned" if plan is not None else "refused")
+    if plan is not None:
+        assert check_plan(SHAPE, others, plan, capacity) == []
+    sole = np.zeros(SHAPE.grid, dtype=bool)
+    for r in src:
+        sole[r.slices] = True
+    sole &= others == 0
+    kept = np.zeros(SHAPE.grid, dtype=bool)
+    for r in dst:
+        kept[r.slices] = True
+    if (sole & ~kept).any():
+        assert plan is None  # a move that would drop the last copy of an expert is refused
+
+
+def test_a_node_holding_the_last_copy_adds_before_it_drops() -> None:
+    others = np.zeros(SHAPE.grid, dtype=np.int64)
+    a, b = Block((0, 0), (0, 2)), Block((0, 1), (0, 1))  # b keeps experts 0-1 of layer 0, not expert 2
+    assert plan_move(SHAPE, others, [a], [b], max_cells=9) is None  # expert (0, 2) would be lost
+    others[0, 2] = 1  # someone else holds it
+    plan = plan_move(SHAPE, others, [a], [b], max_cells=5)  # room for old and new at once
+    assert plan is not None and plan.steps == (PlanStep("add", b), PlanStep("drop", a))
+    plan = plan_move(SHAPE, others, [a], [b], max_cells=4)  # no room: shrink to the overlap, then grow
+    assert plan is not None and check_plan(SHAPE, others, plan, 4) == []
+    assert [s.action for s in plan.steps] == ["add", "drop", "add", "drop"]
+    assert plan.steps[0].block == Block((0, 0), (0, 1))
+    assert plan_move(SHAPE, others, [a], [b], max_cells=3) is None  # b alone does not fit
+    bad = MovePlan((a,), (b,), (PlanStep("drop", a), PlanStep("add", b)), 1.0)
+    assert any("uncovered" in p for p in check_plan(SHAPE, np.zeros(SHAPE.grid, dtype=np.int64), bad, 9))
+    assert not drop_is_safe(SHAPE, np.zeros(SHAPE.grid, dtype=np.int64), [a], a)
+    assert drop_is_safe(SHAPE, np.zeros(SHAPE.grid, dtype=np.int64), [a, Block((0, 0), (0, 5))], a)
+
+
+def test_hysteresis_and_cooldown_hold_a_node_in_place() -> None:
+    demand = Demand.uniform(SHAPE)
+    me = Volunteer(6 * SHAPE.expert_bytes, 100.0, "hub")
+    full = np.full(SHAPE.grid, 2, dtype=np.int64)
+    supply = Supply(full, full * 10.0, np.zeros(SHAPE.grid), 8, int(full.sum()))
+    mine = Rect(0, 0, 0, 5)
+    supply = supply.changed([mine], me.throughput, +1)
+    # everything covered twice by others and demand uniform: nothing is worth moving for
+    assert rebalance(SHAPE, supply, demand, me, [SHAPE.block(mine)]) is None
+    hole = Supply(supply.replicas.copy(), supply.throughput, supply.load_sum, supply.holders, supply.held_cells)
+    hole.replicas[3, 0:6] = 0  # a whole layer nobody else holds
+    plan = rebalance(SHAPE, hole, demand, me, [SHAPE.block(mine)])
+    assert plan is not None and plan.target == (Block((3, 3), (0, 5)),) and plan.gain == float("inf")
+    assert rebalance(SHAPE, hole, demand, me, [SHAPE.block(mine)], epochs_since_move=1) is None  # cooldown
