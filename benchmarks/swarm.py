@@ -28,11 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from _models import random_mixtral  # benchmarks/_models.py
-
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import local_swarm
 from moeswarm.model import SamplingParams, generate, load_model
+from moeswarm.model.synthetic import random_mixtral
 from moeswarm.model.routing import route
 from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
 

@@ -41,10 +41,15 @@ def _default_model() -> str:
 @click.option("--speculative", default=0, type=click.IntRange(0, 32), metavar="K",
               help="Greedy only: verify up to K prompt-lookup draft tokens per forward pass (same output, "
                    "fewer round trips through the swarm). 0 = off.")
+@click.option("--memory-budget", default=None, metavar="SIZE",
+              help="Keep this process's resident memory under SIZE (e.g. 8GB) by paging experts in and out "
+                   "of the memory-mapped checkpoint.")
+@click.option("--stats", is_flag=True, help="Print memory, page-fault, disk-read and speed figures (stderr).")
 @friendly_errors
 def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, max_new_tokens: int, backend: str,
              temperature: float, top_p: float, seed: int | None, print_token_ids: bool, swarm: tuple[str, ...],
-             local_fallback: bool, show_experts: bool, speculative: int) -> None:
+             local_fallback: bool, show_experts: bool, speculative: int, memory_budget: str | None,
+             stats: bool) -> None:
     """Generate text from a checkpoint, streaming it to stdout: in this process, or with --swarm."""
     from .model import load_model
 
@@ -67,9 +72,27 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
 
         asyncio.run(in_swarm())
         return
+    import time
+
+    from .model.memory import MemoryBudget, MemoryStats, parse_size
+
+    start = MemoryStats.now()
     model = load_model(model_dir, backend=backend)
-    _generate_with(model, model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed, print_token_ids,
-                   speculative)
+    budget = None
+    if memory_budget is not None:
+        from .model import LocalExperts
+        from .model.experts import F32Cache
+
+        budget = MemoryBudget(model.weights, parse_size(memory_budget))
+        budget.attach(model)
+        if isinstance(model.experts, LocalExperts):  # fp32 copies of fp16 experts count against the budget
+            model.experts.cache = F32Cache(budget.budget // 8)
+    t0 = time.perf_counter()
+    n = _generate_with(model, model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed,
+                       print_token_ids, speculative)
+    if stats:
+        click.echo(MemoryStats.now().report(start, n, time.perf_counter() - t0)
+                   + (f"; {budget.evictions} expert evictions" if budget else ""), err=True)
 
 
 def _print_placement(served_by: dict[bytes, set[tuple[int, int]]]) -> None:
@@ -86,7 +109,7 @@ def _print_placement(served_by: dict[bytes, set[tuple[int, int]]]) -> None:
 
 def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | None,  # type: ignore[no-untyped-def]
                    max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
-                   print_token_ids: bool, speculative: int = 0) -> None:
+                   print_token_ids: bool, speculative: int = 0) -> int:
     from .demo import DEFAULT_PROMPT
     from .errors import ConfigError
     from .model import SamplingParams, Tokenizer
@@ -125,6 +148,7 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
     click.echo()
     if print_token_ids:
         click.echo(json.dumps(out))
+    return len(out)
 
 
 @main.command()

@@ -48,11 +48,14 @@ class F32Experts(Mapping[int, ExpertWeights]):
     recently used conversions up to a byte budget (shared by all layers through ``F32Cache``).
     float32 checkpoints pass through untouched: their views are already what the math needs."""
 
-    def __init__(self, layer: int, experts: Mapping[int, ExpertWeights], cache: "F32Cache") -> None:
-        self.layer, self.experts, self.cache = layer, experts, cache
+    def __init__(self, layer: int, experts: Mapping[int, ExpertWeights], cache: "F32Cache",
+                 on_access: Callable[[int, int], None] | None = None) -> None:
+        self.layer, self.experts, self.cache, self.on_access = layer, experts, cache, on_access
 
     def __getitem__(self, expert: int) -> ExpertWeights:
         w = self.experts[expert]
+        if self.on_access is not None:  # e.g. a memory budget making room for this expert's pages
+            self.on_access(self.layer, expert)
         if w.gate.dtype == np.float32:
             return w
         return self.cache.get((self.layer, expert), w)
@@ -88,8 +91,9 @@ class F32Cache:
             self.bytes += size
         return converted
 
-    def layer(self, layer: int, experts: Mapping[int, ExpertWeights]) -> F32Experts:
-        return F32Experts(layer, experts, self)
+    def layer(self, layer: int, experts: Mapping[int, ExpertWeights],
+              on_access: Callable[[int, int], None] | None = None) -> F32Experts:
+        return F32Experts(layer, experts, self, on_access)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:

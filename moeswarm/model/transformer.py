@@ -8,7 +8,7 @@ the shared expert is computed while the routed experts are in flight; ``result``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -54,9 +54,11 @@ class LocalExperts:
         self.backend = get_backend(backend)
         self.backend_name = backend
         self.cache = cache or F32Cache()
+        self.on_access: Callable[[int, int], None] | None = None  # called before each expert is computed
 
     def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> ExpertHandle:
-        return _Done(self.backend(self.cache.layer(layer, self.experts[layer]), x, ids, weights, self.cfg))
+        store = self.cache.layer(layer, self.experts[layer], self.on_access)
+        return _Done(self.backend(store, x, ids, weights, self.cfg))
 
     def end_step(self) -> None:
         pass

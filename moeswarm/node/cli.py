@@ -58,8 +58,12 @@ def host_port(text: str) -> tuple[str, int]:
               help="Data-plane (expert calls, TLS) port; 0 = any free.")
 @click.option("--announce-port", default=None, type=int,
               help="Data-plane port others dial, if a NAT or proxy forwards a different one to --port.")
+@click.option("--memory-budget", default=None, metavar="SIZE",
+              help="Keep resident memory under SIZE (e.g. 8GB): experts are paged in from the memory-mapped "
+                   "checkpoint when called and dropped when least recently used.")
 @friendly_errors
-def node(layers: str | None, experts: str | None, data_port: int, announce_port: int | None, **swarm: object) -> None:
+def node(layers: str | None, experts: str | None, data_port: int, announce_port: int | None,
+         memory_budget: str | None, **swarm: object) -> None:
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
@@ -81,7 +85,11 @@ def node(layers: str | None, experts: str | None, data_port: int, announce_port:
     """
     from .daemon import NodeConfig, run_node
 
-    config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port)  # type: ignore[arg-type]
+    from ..model.memory import parse_size
+
+    budget = parse_size(memory_budget) if memory_budget is not None else None
+    config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port,  # type: ignore[arg-type]
+                        memory_budget=budget)
     asyncio.run(run_node(config))
 
 

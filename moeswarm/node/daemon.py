@@ -99,6 +99,7 @@ class NodeConfig:
     announce_port: int | None = None  # data-plane port others dial, if not data_port (NAT, proxy)
     announce_interval_s: float = 240.0  # protocol_spec: refresh every 4 minutes
     record_ttl_s: float = 600.0  # ... with records that expire 10 minutes ahead
+    memory_budget: int | None = None  # bytes of resident memory to stay under (None: no limit)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,12 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
     model_id = sc.model_id or model_id_for(sc.model_dir, cfg)
     identity = load_identity(sc.identity_file)
     stop = stop or stop_event()
-    server = ExpertServer(weights, identity, ExpertServerConfig(model_id, layers, experts))
+    server = ExpertServer(weights, identity, ExpertServerConfig(
+        model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
+    if config.memory_budget is not None:
+        from ..model.memory import MemoryBudget
+
+        server.on_access = MemoryBudget(weights, config.memory_budget).before_expert
     dataplane = DataPlaneServer(identity, server.handle, ServerConfig(host=sc.host, port=config.data_port))
     await server.start()
     await dataplane.start()

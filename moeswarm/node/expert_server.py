@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,7 @@ class ExpertServer:
         self.requests_served = 0
         self._rate = 0.0  # (expert, token) pairs per second of compute, smoothed
         self._f32 = F32Cache(config.f32_cache_bytes)
+        self.on_access: Callable[[int, int], None] | None = None  # e.g. MemoryBudget.before_expert
 
     @property
     def load_permille(self) -> int:
@@ -152,7 +154,7 @@ class ExpertServer:
                 offset += len(e.rows)
         for (layer, expert), parts in work.items():
             x = np.concatenate([inputs[i][rows] for i, rows, _ in parts])
-            y = expert_ffn(self._f32.layer(layer, self._experts(layer))[expert], x, self.cfg)
+            y = expert_ffn(self._f32.layer(layer, self._experts(layer), self.on_access)[expert], x, self.cfg)
             start = 0
             for i, rows, offset in parts:
                 outputs[i][offset : offset + len(rows)] = y[start : start + len(rows)]

@@ -1,4 +1,5 @@
-"""Random Mixtral-style checkpoints written with numpy + safetensors (no torch), for benchmarks."""
+"""Random Mixtral-style checkpoints written with numpy + safetensors (no torch): for
+benchmarks, tests, and for trying a machine's limits with a model of a chosen size."""
 
 from __future__ import annotations
 

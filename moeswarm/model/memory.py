@@ -1,0 +1,200 @@
+"""Serving a checkpoint larger than the memory it may use: demand paging under a budget.
+
+The checkpoint is memory-mapped, so the kernel's demand paging is the loader.  This module
+steers it:
+
+* ``MADV_RANDOM`` on every mapping, so reading one expert does not pull its neighbours in
+  (default readahead over-reads ~2.9x on this kind of VM);
+* before a MoE layer runs, the experts its router picked get ``MADV_WILLNEED`` (asynchronous
+  prefetch) and, if the resident set plus what they need would pass the budget, the least
+  recently used other experts are dropped: ``MADV_DONTNEED`` on their pages (RSS falls at once)
+  and ``POSIX_FADV_DONTNEED`` on their file range (the page cache forgets them too);
+* ``MemoryStats`` reads the seed's figures: VmSize, VmRSS, VmSwap, major/minor page faults and
+  bytes read from disk, per token.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import resource
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numpy.lib.array_utils import byte_bounds
+
+from ..errors import ConfigError
+from .weights import ExpertWeights, Weights
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"8GB"``, ``"512MiB"``, ``"1.5g"`` -> bytes (GB = 10^9, GiB = 2^30)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"not a size: {text!r} (e.g. 8GB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _status() -> dict[str, int]:
+    """/proc/self/status memory fields, in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmSize", "VmRSS", "VmSwap", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _read_bytes() -> int:
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class MemoryStats:
+    """Counters at one moment; ``delta`` of two gives the figures for the span between."""
+
+    vm_size: int
+    vm_rss: int
+    vm_swap: int
+    major_faults: int
+    minor_faults: int
+    disk_read: int
+
+    @classmethod
+    def now(cls) -> "MemoryStats":
+        s, ru = _status(), resource.getrusage(resource.RUSAGE_SELF)
+        return cls(s.get("VmSize", 0), s.get("VmRSS", 0), s.get("VmSwap", 0), ru.ru_majflt, ru.ru_minflt, _read_bytes())
+
+    def report(self, since: "MemoryStats", tokens: int, seconds: float) -> str:
+        n = max(tokens, 1)
+        return (f"VmSize {self.vm_size / 2**30:.2f} GiB, VmRSS {self.vm_rss / 2**20:.0f} MiB, "
+                f"VmSwap {self.vm_swap / 2**20:.0f} MiB; per token: "
+                f"{(self.major_faults - since.major_faults) / n:.0f} major + "
+                f"{(self.minor_faults - since.minor_faults) / n:.0f} minor faults, "
+                f"{(self.disk_read - since.disk_read) / n / 2**20:.1f} MB read from disk; "
+                f"{tokens / max(seconds, 1e-9):.2f} tokens/s")
+
+
+@dataclass(frozen=True)
+class _Region:
+    map: mmap.mmap  # the mapping the pages belong to
+    fd_path: str  # the file, for posix_fadvise
+    start: int  # page-aligned offset in the mapping / file
+    length: int
+
+
+def _mapping_of(a: np.ndarray) -> np.memmap | None:
+    base = a
+    while base is not None and not isinstance(base, np.memmap):
+        base = base.base  # type: ignore[assignment]
+    return base
+
+
+_ORIGINS: dict[int, int] = {}
+
+
+def _origin(mm: mmap.mmap) -> int:
+    """Address of a mapping's first byte (our maps start at file offset 0)."""
+    if id(mm) not in _ORIGINS:
+        _ORIGINS[id(mm)] = int(byte_bounds(np.frombuffer(mm, dtype=np.uint8))[0])
+    return _ORIGINS[id(mm)]
+
+
+def _regions(w: ExpertWeights) -> list[_Region]:
+    """The page-aligned file ranges holding an expert's tensors (empty for in-memory arrays)."""
+    page = mmap.PAGESIZE
+    out = []
+    for a in w.arrays():
+        mapped = _mapping_of(a)
+        mm = getattr(mapped, "_mmap", None)
+        if mapped is None or mm is None or getattr(mapped, "offset", 0):
+            continue
+        low, high = byte_bounds(a)
+        start = (low - _origin(mm)) // page * page
+        end = min(-(-(high - _origin(mm)) // page) * page, len(mm))
+        out.append(_Region(mm, str(mapped.filename), start, end - start))
+    return out
+
+
+class MemoryBudget:
+    """Keeps the process's resident set under ``budget_bytes`` while the model runs.
+
+    Attach with ``budget.attach(model)``: it observes every MoE layer's routing (prefetch and
+    eviction) before the experts run.
+    """
+
+    def __init__(self, weights: Weights, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.regions = {(L, e): _regions(w) for L, layer in weights.experts.items() for e, w in layer.items()}
+        self.sizes = {key: sum(r.length for r in regions) for key, regions in self.regions.items()}
+        self.recent: OrderedDict[tuple[int, int], None] = OrderedDict()  # least recently used first
+        self.evictions = 0
+        self._fds: dict[str, int] = {}
+        maps = {id(r.map): r.map for regions in self.regions.values() for r in regions}
+        for m in maps.values():
+            m.madvise(mmap.MADV_RANDOM)
+        # The backbone (attention, norms, router, embeddings, LM head) stays resident: fault it in
+        # now, so every later RSS reading already includes it and only experts come and go.
+        for a in weights.tensors.values():
+            flat = a.reshape(-1)
+            if flat.size:
+                float(flat[:: max(1, mmap.PAGESIZE // a.itemsize)].astype(np.float32).sum())
+        baseline = MemoryStats.now().vm_rss
+        largest = max(self.sizes.values(), default=0)
+        if baseline + largest > budget_bytes:
+            raise ConfigError(f"--memory-budget {budget_bytes / 2**20:.0f} MiB is below what the process already "
+                              f"uses with the backbone weights ({baseline / 2**20:.0f} MiB) plus one expert "
+                              f"({largest / 2**20:.0f} MiB)")
+
+    def attach(self, model) -> None:  # type: ignore[no-untyped-def]
+        """Prefetch each layer's routed experts; make room before each expert is computed."""
+        model.observers.append(self.before_layer)
+        if hasattr(model.experts, "on_access"):
+            model.experts.on_access = self.before_expert
+
+    def before_layer(self, layer: int, ids: np.ndarray) -> None:
+        """The router has chosen: start reading those experts into the page cache (not into RSS)."""
+        for e in np.unique(ids):
+            for r in self.regions.get((layer, int(e)), ()):
+                r.map.madvise(mmap.MADV_WILLNEED, r.start, r.length)
+
+    def before_expert(self, layer: int, expert: int) -> None:
+        """Evict least recently used experts until this one's pages fit under the budget."""
+        key = (layer, expert)
+        need = 0 if key in self.recent else self.sizes.get(key, 0)
+        rss = _status().get("VmRSS", 0)
+        for victim in [k for k in self.recent if k != key]:
+            if rss + need <= self.budget:
+                break
+            rss -= self.evict(victim)
+        self.recent.pop(key, None)
+        self.recent[key] = None
+
+    def evict(self, key: tuple[int, int]) -> int:
+        """Drop an expert's pages from this process and from the page cache; returns its bytes."""
+        self.recent.pop(key, None)
+        for r in self.regions.get(key, ()):
+            r.map.madvise(mmap.MADV_DONTNEED, r.start, r.length)
+            fd = self._fds.get(r.fd_path)
+            if fd is None:
+                fd = self._fds[r.fd_path] = os.open(r.fd_path, os.O_RDONLY)
+            os.posix_fadvise(fd, r.start, r.length, os.POSIX_FADV_DONTNEED)
+        self.evictions += 1
+        return self.sizes.get(key, 0)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
