@@ -92,7 +92,9 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
                        print_token_ids, speculative)
     if stats:
         click.echo(MemoryStats.now().report(start, n, time.perf_counter() - t0)
-                   + (f"; {budget.evictions} expert evictions" if budget else ""), err=True)
+                   + (f"; {budget.evictions} expert evictions, expert cache hit rate {budget.stats.hit_rate:.0%}, "
+                      f"{budget.stats.bytes_fetched / 2**20:.0f} MiB fetched, next-layer prediction accuracy "
+                      f"{budget.stats.prefetch_accuracy:.0%}" if budget else ""), err=True)
 
 
 def _print_placement(served_by: dict[bytes, set[tuple[int, int]]]) -> None:

@@ -19,7 +19,7 @@ import mmap
 import os
 import re
 import resource
-from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
 from ..errors import ConfigError
+from .expert_cache import CacheStats, RecencyFrequency, predict_next_experts
 from .weights import ExpertWeights, Weights
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
@@ -139,8 +140,12 @@ class MemoryBudget:
         self.budget = budget_bytes
         self.regions = {(L, e): _regions(w) for L, layer in weights.experts.items() for e, w in layer.items()}
         self.sizes = {key: sum(r.length for r in regions) for key, regions in self.regions.items()}
-        self.recent: OrderedDict[tuple[int, int], None] = OrderedDict()  # least recently used first
+        # what is resident and in which order to evict it: weakest recency x frequency score first
+        # (a computed expert's pages are resident whatever a policy thinks: no admission bypass)
+        self.resident = RecencyFrequency(capacity=len(self.sizes) + 1, bypass=False)
+        self.stats = CacheStats()
         self.evictions = 0
+        self._predicted: dict[int, set[int]] = {}  # layer -> experts predicted for it
         self._fds: dict[str, int] = {}
         maps = {id(r.map): r.map for regions in self.regions.values() for r in regions}
         for m in maps.values():
@@ -159,32 +164,55 @@ class MemoryBudget:
                               f"({largest / 2**20:.0f} MiB)")
 
     def attach(self, model) -> None:  # type: ignore[no-untyped-def]
-        """Prefetch each layer's routed experts; make room before each expert is computed."""
+        """Prefetch predicted and routed experts; make room before each expert is computed."""
+        self.model = model
         model.observers.append(self.before_layer)
+        model.state_observers.append(self.predict)
         if hasattr(model.experts, "on_access"):
             model.experts.on_access = self.before_expert
 
-    def before_layer(self, layer: int, ids: np.ndarray) -> None:
-        """The router has chosen: start reading those experts into the page cache (not into RSS)."""
-        for e in np.unique(ids):
+    def _willneed(self, layer: int, experts: Iterable[int]) -> None:
+        for e in experts:
             for r in self.regions.get((layer, int(e)), ()):
                 r.map.madvise(mmap.MADV_WILLNEED, r.start, r.length)
 
+    def predict(self, layer: int, x: np.ndarray) -> None:
+        """Before layer ``layer``'s MLP: guess the next MoE layer's experts and start reading them."""
+        if not self.model.config.moe_layers[layer]:
+            return
+        ids = predict_next_experts(self.model.config, self.model.weights, layer, x)
+        if ids is not None:
+            nxt = next(L for L in range(layer + 1, self.model.config.num_layers) if self.model.config.moe_layers[L])
+            self._predicted[nxt] = set(np.unique(ids).tolist())
+            self._willneed(nxt, self._predicted[nxt])
+
+    def before_layer(self, layer: int, ids: np.ndarray) -> None:
+        """The router has chosen: read those experts into the page cache now (not into RSS)."""
+        chosen = set(np.unique(ids).tolist())
+        guess = self._predicted.pop(layer, None)
+        if guess is not None:
+            self.stats.picks += len(chosen)
+            self.stats.predicted += len(chosen & guess)
+        self._willneed(layer, chosen - (guess or set()))
+
     def before_expert(self, layer: int, expert: int) -> None:
-        """Evict least recently used experts until this one's pages fit under the budget."""
+        """Evict the weakest experts (recency x frequency) until this one's pages fit the budget."""
         key = (layer, expert)
-        need = 0 if key in self.recent else self.sizes.get(key, 0)
+        hit = key in self.resident
+        need = 0 if hit else self.sizes.get(key, 0)
+        self.stats.hits += hit
+        self.stats.misses += not hit
+        self.stats.bytes_fetched += need
         rss = _status().get("VmRSS", 0)
-        for victim in [k for k in self.recent if k != key]:
-            if rss + need <= self.budget:
+        while rss + need > self.budget:
+            victim = self.resident.evict_one(protect=key)
+            if victim is None:
                 break
-            rss -= self.evict(victim)
-        self.recent.pop(key, None)
-        self.recent[key] = None
+            rss -= self.evict(victim)  # type: ignore[arg-type]
+        self.resident.access(key)
 
     def evict(self, key: tuple[int, int]) -> int:
         """Drop an expert's pages from this process and from the page cache; returns its bytes."""
-        self.recent.pop(key, None)
         for r in self.regions.get(key, ()):
             r.map.madvise(mmap.MADV_DONTNEED, r.start, r.length)
             fd = self._fds.get(r.fd_path)

@@ -76,7 +76,8 @@ class Model:
         self.config = cfg = weights.config
         self.experts: ExpertExecutor = experts or LocalExperts(weights.experts, cfg, backend)
         self.rope = Rope(cfg)
-        self.observers: list[RouteObserver] = []
+        self.observers: list[RouteObserver] = []  # (layer, expert ids (T, k)) once a MoE layer has routed
+        self.state_observers: list[Callable[[int, np.ndarray], None]] = []  # (layer, residual (N, H)) before its MLP
         self._attn = [
             {name.split(".", 2)[2]: a for name, a in weights.tensors.items() if name.startswith(f"{L}.attn.")}
             for L in range(cfg.num_layers)
@@ -102,6 +103,8 @@ class Model:
             else:
                 h = gqa(self._attn[L], h, cfg, self.rope, cache.layers[L], positions, cfg.sliding_windows[L])
             x = x + h
+            for observe_state in self.state_observers:
+                observe_state(L, x.reshape(B * T, -1))
             h = rms_norm(x, w[f"{L}.mlp_norm"], cfg.rms_norm_eps).reshape(B * T, -1)
             x = x + self._mlp(L, h).reshape(B, T, -1)
         self.experts.end_step()

@@ -1,0 +1,64 @@
+"""Expert cache policies: LRU semantics, and recency-frequency surviving the cyclic MoE pattern."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moeswarm.demo import CHECKPOINT
+from moeswarm.model import load_model
+from moeswarm.model.expert_cache import LRU, RecencyFrequency, predict_next_experts, simulate
+
+
+def test_lru_evicts_the_least_recently_used() -> None:
+    lru = LRU(2)
+    assert [lru.access(k) for k in "abac"] == [False, False, True, False]
+    assert "a" in lru and "b" not in lru and "c" in lru
+
+
+def test_cyclic_trace_smaller_than_the_cache_set() -> None:
+    trace = [i % 8 for i in range(800)]  # one token touches 8 experts, in the same order every time
+    assert simulate(LRU(6), trace) == 0.0
+    assert simulate(RecencyFrequency(6), trace) > 0.5
+
+
+def test_frequent_keys_survive_a_scan() -> None:
+    rf = RecencyFrequency(4, half_life=1000)
+    for _ in range(20):
+        for k in "abcd":
+            rf.access(k)
+    for k in range(100):  # a one-off scan of cold keys
+        rf.access(("cold", k))
+    assert all(k in rf for k in "abcd")
+
+
+@given(st.lists(st.integers(0, 20), max_size=300), st.integers(0, 10))
+def test_capacity_is_never_exceeded(trace: list[int], capacity: int) -> None:
+    for policy in (LRU(capacity), RecencyFrequency(capacity), RecencyFrequency(capacity, bypass=False)):
+        for key in trace:
+            policy.access(key)
+            assert sum(k in policy for k in range(21)) <= capacity
+
+
+def test_next_layer_prediction_beats_chance_on_the_demo_model() -> None:
+    model = load_model(CHECKPOINT)
+    cfg = model.config
+    hits = total = 0
+    guesses: dict[int, set[int]] = {}
+
+    def state(layer: int, x: np.ndarray) -> None:
+        ids = predict_next_experts(cfg, model.weights, layer, x)
+        if ids is not None:
+            guesses[layer + 1] = set(ids[-1].tolist())
+
+    def routed(layer: int, ids: np.ndarray) -> None:
+        nonlocal hits, total
+        if layer in guesses:
+            hits += len(set(ids[-1].tolist()) & guesses.pop(layer))
+            total += ids.shape[1]
+
+    model.state_observers.append(state)
+    model.observers.append(routed)
+    model.forward(np.arange(3, 60)[None], model.new_cache())
+    assert hits / total > 2 * cfg.top_k / cfg.num_experts
