@@ -126,13 +126,13 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
         except (ValueError, TypeError):
             raise ConfigError("--prompt-ids must be a JSON list of integers") from None
     else:
-        tokenizer = Tokenizer.from_folder(model_dir, cfg.bos_token_id)
+        tokenizer = Tokenizer.from_folder(model.weights.folder, cfg.bos_token_id)
         ids = tokenizer.encode(prompt if prompt is not None else DEFAULT_PROMPT)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             stop_token_ids=cfg.eos_token_ids)
     if tokenizer is None:
         try:
-            tokenizer = Tokenizer.from_folder(model_dir, cfg.bos_token_id)
+            tokenizer = Tokenizer.from_folder(model.weights.folder, cfg.bos_token_id)
         except ConfigError:
             tokenizer = None  # ids in, ids out: text is optional
     stream = tokenizer.stream(ids) if tokenizer else None
@@ -169,9 +169,10 @@ def demo(model_dir: str | None, prompt: str | None, nodes: int, max_new_tokens: 
 
 def _register() -> None:
     from .market.cli import market
+    from .model.gguf_cli import convert_gguf
     from .node.cli import backbone, node
 
-    for command in (node, backbone, market):
+    for command in (node, backbone, market, convert_gguf):
         main.add_command(command)
 
 

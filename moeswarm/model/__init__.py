@@ -22,6 +22,13 @@ from .transformer import ExpertExecutor, ExpertHandle, LocalExperts, Model
 from .weights import ExpertWeights, Weights, load_weights
 
 
+def load_gguf_weights(*args, **kwargs):  # type: ignore[no-untyped-def]
+    """``moeswarm.model.gguf.load_gguf_weights`` (imported on use: the gguf package is heavy)."""
+    from .gguf import load_gguf_weights as load
+
+    return load(*args, **kwargs)
+
+
 def load_model(
     folder: str | os.PathLike[str],
     *,
@@ -53,6 +60,7 @@ __all__ = [
     "generate",
     "get_backend",
     "load_model",
+    "load_gguf_weights",
     "load_weights",
     "sample",
 ]

@@ -118,6 +118,7 @@ def _regions(w: ExpertWeights) -> list[_Region]:
     page = mmap.PAGESIZE
     out = []
     for a in w.arrays():
+        a = getattr(a, "raw", a)  # a quantised GGUF tensor: its bytes in the map
         mapped = _mapping_of(a)
         mm = getattr(mapped, "_mmap", None)
         if mapped is None or mm is None or getattr(mapped, "offset", 0):
@@ -153,9 +154,9 @@ class MemoryBudget:
         # The backbone (attention, norms, router, embeddings, LM head) stays resident: fault it in
         # now, so every later RSS reading already includes it and only experts come and go.
         for a in weights.tensors.values():
-            flat = a.reshape(-1)
+            flat = np.asarray(getattr(a, "raw", a)).reshape(-1)
             if flat.size:
-                float(flat[:: max(1, mmap.PAGESIZE // a.itemsize)].astype(np.float32).sum())
+                float(flat[:: max(1, mmap.PAGESIZE // flat.itemsize)].astype(np.float32).sum())
         baseline = MemoryStats.now().vm_rss
         largest = max(self.sizes.values(), default=0)
         if baseline + largest > budget_bytes:

@@ -1,0 +1,211 @@
+"""GGUF metadata: the model's hyper-parameters under llama.cpp's keys, plus moeswarm's own.
+
+Writing: ``write_metadata`` puts the llama.cpp keys (``{arch}.block_count``,
+``{arch}.expert_count``, ...) and, for exactness, the original ``config.json`` as the string
+``moeswarm.hf_config``; the tokenizer files travel as strings too (``moeswarm.tokenizer_json``...).
+
+Reading: ``hf_config_from_metadata`` rebuilds a ``config.json``-like dict from the llama.cpp keys
+alone, for GGUF files written by other converters (llama.cpp's own).  It is best effort: llama.cpp
+has no key for a few things the engine honours (gpt-oss's ``swiglu_limit`` -- llama.cpp hard-codes
+7.0 -- and YaRN ``truncate``; DeepSeek's ``mscale`` is assumed equal to ``mscale_all_dim``), and
+which layers are dense is read from which tensors exist.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGUFWriter, Keys
+
+from .config import ModelConfig
+
+FORMAT_VERSION = 1
+HF_CONFIG = "moeswarm.hf_config"  # config.json, verbatim
+ARCH = "moeswarm.architecture"  # moeswarm's architecture name (mixtral, qwen2_moe, ...)
+VERSION = "moeswarm.format_version"
+# file name beside a model -> metadata key holding its text
+EMBEDDED_FILES = {
+    "tokenizer.json": "moeswarm.tokenizer_json",
+    "tokenizer_config.json": "moeswarm.tokenizer_config_json",
+    "generation_config.json": "moeswarm.generation_config_json",
+    "special_tokens_map.json": "moeswarm.special_tokens_map_json",
+}
+
+
+def write_metadata(w: GGUFWriter, cfg: ModelConfig, raw_config: str, files: dict[str, str], file_type: int) -> None:
+    """Everything but the tensors.  ``files``: name -> text of the tokenizer files to embed."""
+    w.add_name(cfg.model_id or cfg.arch)
+    w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_uint32(VERSION, FORMAT_VERSION)
+    w.add_string(ARCH, cfg.arch)
+    w.add_string(HF_CONFIG, raw_config)
+    for name, key in EMBEDDED_FILES.items():
+        if name in files:
+            w.add_string(key, files[name])
+    template = _chat_template(files.get("tokenizer_config.json"))
+    if template:
+        w.add_chat_template(template)
+    _hparams(w, cfg)
+    for add, value in ((w.add_bos_token_id, cfg.bos_token_id), (w.add_pad_token_id, cfg.pad_token_id)):
+        if value is not None:
+            add(int(value))
+    if cfg.eos_token_ids:
+        w.add_eos_token_id(cfg.eos_token_ids[0])
+
+
+def _chat_template(text: str | None) -> str | None:
+    try:
+        value = json.loads(text).get("chat_template") if text else None
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.dense_intermediate_size or cfg.moe_intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope.theta)
+    w.add_rope_dimension_count(cfg.rope.dim)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.top_k)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    if cfg.attention == "mla":
+        w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.v_head_dim)
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+    else:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if cfg.clip_qkv is not None:
+        w.add_clamp_kqv(cfg.clip_qkv)
+    if cfg.shared_intermediate_size:
+        w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    if cfg.arch == "deepseek_v3":
+        w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
+        w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    windows = {x for x in cfg.sliding_windows if x is not None}
+    if windows:
+        w.add_sliding_window(max(windows))
+    if cfg.rope.kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope.factor)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position)
+        w.add_rope_scaling_yarn_beta_fast(cfg.rope.beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(cfg.rope.beta_slow)
+        if cfg.rope.mscale_all_dim:
+            w.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope.mscale_all_dim)
+
+
+def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: str) -> dict[str, Any]:
+    """A config.json-like dict from llama.cpp keys (``meta``: key -> value) and tensor names."""
+    from ._gguf_names import GGUF_ARCH
+
+    arch = {v: k for k, v in GGUF_ARCH.items()}.get(garch)
+    if arch is None:
+        raise KeyError("general.architecture")
+
+    def get(key: str, default: Any = KeyError) -> Any:
+        k = key.format(arch=garch)
+        if k in meta:
+            return meta[k]
+        if default is KeyError:
+            raise KeyError(k)
+        return default
+
+    L = Keys.LLM
+    A = Keys.Attention
+    R = Keys.Rope
+    n = int(get(L.BLOCK_COUNT))
+    heads = int(get(A.HEAD_COUNT))
+    raw: dict[str, Any] = {
+        "model_type": arch,
+        "vocab_size": int(get(L.VOCAB_SIZE, 0)) or None,
+        "hidden_size": int(get(L.EMBEDDING_LENGTH)),
+        "num_hidden_layers": n,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get(A.HEAD_COUNT_KV, heads)),
+        "rms_norm_eps": _f32(get(A.LAYERNORM_RMS_EPS, 1e-6)),
+        "max_position_embeddings": int(get(L.CONTEXT_LENGTH, 0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get(Keys.Tokenizer.BOS_ID),
+        "eos_token_id": meta.get(Keys.Tokenizer.EOS_ID),
+        "pad_token_id": meta.get(Keys.Tokenizer.PAD_ID),
+        "num_experts_per_tok": int(get(L.EXPERT_USED_COUNT)),
+        "norm_topk_prob": bool(get(L.EXPERT_WEIGHTS_NORM, arch == "mixtral")),
+        "rope_parameters": _rope(get, R),
+        "head_dim": int(get(A.KEY_LENGTH, 0)) or None,
+    }
+    experts = int(get(L.EXPERT_COUNT))
+    expert_ff = int(get(L.EXPERT_FEED_FORWARD_LENGTH, 0)) or int(get(L.FEED_FORWARD_LENGTH))
+    dense = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+
+    def has(suffix: str) -> bool:
+        return any(t.endswith("." + suffix) for t in tensors)
+
+    if arch in ("mixtral", "gpt_oss"):
+        raw.update(num_local_experts=experts, intermediate_size=expert_ff)
+    else:
+        raw.update(num_experts=experts, moe_intermediate_size=expert_ff,
+                   intermediate_size=int(get(L.FEED_FORWARD_LENGTH, expert_ff)))
+    if arch == "qwen2_moe":
+        raw.update(qkv_bias=has("attn_q.bias"), mlp_only_layers=dense, decoder_sparse_step=1,
+                   shared_expert_intermediate_size=int(get(L.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)))
+    elif arch == "qwen3_moe":
+        raw.update(attention_bias=has("attn_q.bias"), mlp_only_layers=dense, decoder_sparse_step=1)
+    elif arch == "olmoe":
+        clip = get(A.CLAMP_KQV, None)
+        raw.update(attention_bias=has("attn_q.bias"), clip_qkv=_f32(clip) if clip else None)
+    elif arch == "deepseek_v3":
+        rope_dim = int(get(R.DIMENSION_COUNT))
+        q_lora = get(A.Q_LORA_RANK, None)
+        raw.update(n_routed_experts=experts, qk_rope_head_dim=rope_dim,
+                   qk_nope_head_dim=int(get(A.KEY_LENGTH)) - rope_dim, v_head_dim=int(get(A.VALUE_LENGTH)),
+                   q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(get(A.KV_LORA_RANK)),
+                   first_k_dense_replace=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
+                   n_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)),
+                   routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
+                   n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)),
+                   rope_interleave=True, head_dim=None)
+    elif arch == "gpt_oss":
+        window = get(A.SLIDING_WINDOW, None)
+        raw.update(sliding_window=int(window) if window else None, attention_bias=has("attn_q.bias"))
+        if raw["rope_parameters"]["rope_type"] == "yarn":
+            raw["rope_parameters"]["truncate"] = False  # as in the hub's config; llama.cpp has no key for it
+    return raw
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _rope(get: Any, R: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_theta": _f32(get(R.FREQ_BASE, 10000.0)), "rope_type": "default"}
+    if str(get(R.SCALING_TYPE, "none")) == "yarn":
+        params.update(rope_type="yarn", factor=_f32(get(R.SCALING_FACTOR)),
+                      original_max_position_embeddings=int(get(R.SCALING_ORIG_CTX_LEN)),
+                      beta_fast=_f32(get(R.SCALING_YARN_BETA_FAST, 32.0)),
+                      beta_slow=_f32(get(R.SCALING_YARN_BETA_SLOW, 1.0)))
+        log_mul = get(R.SCALING_YARN_LOG_MUL, None)
+        if log_mul:  # llama.cpp stores 0.1 * mscale_all_dim; mscale is assumed equal (as in DeepSeek-V3)
+            mscale = round(_f32(log_mul) / 0.1, 6)
+            params.update(mscale=mscale, mscale_all_dim=mscale)
+    return params

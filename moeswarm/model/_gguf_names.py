@@ -1,0 +1,196 @@
+"""The HF -> GGUF name map: one declarative table per architecture.
+
+Each row ties three names together:
+
+* ``hf``: the Hugging Face key in the hub's per-expert layout (``{L}`` layer, ``{E}`` expert).
+  Packed layouts (transformers 5 ``experts.gate_up_proj``, gpt-oss) reach the same canonical
+  names through ``convert.RULES``; the converter reads canonical tensors, so it handles all.
+* ``canonical``: the engine's name (see ``convert.py``).
+* ``gguf``: the llama.cpp tensor name.  Rows whose canonical name holds ``{E}`` are stacked over
+  the experts into one tensor: ``[E, I, H]`` for gate/up, ``[E, H, I]`` for down (ggml ``ne`` is
+  the reverse), ``[E, n]`` for expert biases.
+
+Names follow llama.cpp's ``convert_hf_to_gguf.py`` / gguf-py ``TensorNameMap``.  Where llama.cpp
+has no tensor for an architecture we reuse its generic name and say so (``invented=True``):
+
+* ``blk.N.ffn_{gate,up,down}.weight`` for the dense layers of qwen2_moe / qwen3_moe
+  (``mlp_only_layers``): llama.cpp's qwen2moe/qwen3moe graphs have no dense layers; these are its
+  names for a dense FFN in every other architecture (e.g. deepseek2's leading dense blocks).
+
+No other name is ours: the tests check every non-expert row against gguf-py's ``TensorNameMap``.
+DeepSeek's ``e_score_correction_bias`` becomes ``blk.N.exp_probs_b.bias`` (llama.cpp renames it
+to ``e_score_correction.bias`` before mapping) and gpt-oss's ``self_attn.sinks`` becomes
+``blk.N.attn_sinks.weight`` (llama.cpp appends ``.weight``).
+
+Mixtral is llama.cpp's ``llama`` architecture, whose rotary embedding pairs adjacent dimensions,
+so llama.cpp permutes the rows of ``attn_q`` / ``attn_k`` per head; we do the same (``permute``)
+and undo it when reading.  DeepSeek's ``kv_b_proj`` is kept whole as ``attn_kv_b`` (llama.cpp's
+original name, read by ik_llama.cpp); recent llama.cpp additionally splits it into
+``attn_k_b`` / ``attn_v_b`` at conversion time, which we do not write.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+# moeswarm architecture -> GGUF ``general.architecture``
+GGUF_ARCH = {
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
+    "deepseek_v3": "deepseek2",
+    "gpt_oss": "gpt-oss",
+}
+
+
+@dataclass(frozen=True)
+class NameRow:
+    canonical: str  # engine name template, e.g. "{L}.experts.{E}.gate"
+    gguf: str  # GGUF tensor name template, e.g. "blk.{L}.ffn_gate_exps.weight"
+    hf: str  # Hugging Face key template (per-expert hub layout)
+    permute: str | None = None  # "heads" / "kv_heads": llama.cpp's rotary row permutation (llama arch)
+    invented: bool = False  # no llama.cpp tensor of this name in this architecture
+
+    @property
+    def stacked(self) -> bool:
+        return "{E}" in self.canonical
+
+
+def _rows(*rows: tuple) -> tuple[NameRow, ...]:  # type: ignore[type-arg]
+    return tuple(NameRow(*r) for r in rows)
+
+
+_P = "model.layers.{L}."
+_BACKBONE = _rows(
+    ("embed", "token_embd.weight", "model.embed_tokens.weight"),
+    ("final_norm", "output_norm.weight", "model.norm.weight"),
+    ("lm_head", "output.weight", "lm_head.weight"),
+    ("{L}.attn_norm", "blk.{L}.attn_norm.weight", _P + "input_layernorm.weight"),
+)
+_FFN_NORM = _rows(("{L}.mlp_norm", "blk.{L}.ffn_norm.weight", _P + "post_attention_layernorm.weight"))
+_GQA = _rows(
+    ("{L}.attn.q", "blk.{L}.attn_q.weight", _P + "self_attn.q_proj.weight"),
+    ("{L}.attn.k", "blk.{L}.attn_k.weight", _P + "self_attn.k_proj.weight"),
+    ("{L}.attn.v", "blk.{L}.attn_v.weight", _P + "self_attn.v_proj.weight"),
+    ("{L}.attn.o", "blk.{L}.attn_output.weight", _P + "self_attn.o_proj.weight"),
+)
+_QKV_BIAS = _rows(
+    ("{L}.attn.q_bias", "blk.{L}.attn_q.bias", _P + "self_attn.q_proj.bias"),
+    ("{L}.attn.k_bias", "blk.{L}.attn_k.bias", _P + "self_attn.k_proj.bias"),
+    ("{L}.attn.v_bias", "blk.{L}.attn_v.bias", _P + "self_attn.v_proj.bias"),
+)
+_O_BIAS = _rows(("{L}.attn.o_bias", "blk.{L}.attn_output.bias", _P + "self_attn.o_proj.bias"))
+_QK_NORM = _rows(
+    ("{L}.attn.q_norm", "blk.{L}.attn_q_norm.weight", _P + "self_attn.q_norm.weight"),
+    ("{L}.attn.k_norm", "blk.{L}.attn_k_norm.weight", _P + "self_attn.k_norm.weight"),
+)
+_MLA = _rows(
+    ("{L}.attn.q", "blk.{L}.attn_q.weight", _P + "self_attn.q_proj.weight"),  # q_lora_rank = None
+    ("{L}.attn.q_a", "blk.{L}.attn_q_a.weight", _P + "self_attn.q_a_proj.weight"),
+    ("{L}.attn.q_a_norm", "blk.{L}.attn_q_a_norm.weight", _P + "self_attn.q_a_layernorm.weight"),
+    ("{L}.attn.q_b", "blk.{L}.attn_q_b.weight", _P + "self_attn.q_b_proj.weight"),
+    ("{L}.attn.kv_a", "blk.{L}.attn_kv_a_mqa.weight", _P + "self_attn.kv_a_proj_with_mqa.weight"),
+    ("{L}.attn.kv_a_norm", "blk.{L}.attn_kv_a_norm.weight", _P + "self_attn.kv_a_layernorm.weight"),
+    ("{L}.attn.kv_b", "blk.{L}.attn_kv_b.weight", _P + "self_attn.kv_b_proj.weight"),
+    ("{L}.attn.o", "blk.{L}.attn_output.weight", _P + "self_attn.o_proj.weight"),
+)
+
+
+def _dense(invented: bool) -> tuple[NameRow, ...]:
+    return tuple(
+        NameRow(f"{{L}}.mlp.{p}", f"blk.{{L}}.ffn_{p}.weight", _P + f"mlp.{p}_proj.weight", invented=invented)
+        for p in ("gate", "up", "down")
+    )
+
+
+def _experts(prefix: str, hf: dict[str, str], bias: bool = False) -> tuple[NameRow, ...]:
+    rows = [NameRow(f"{{L}}.experts.{{E}}.{p}", f"blk.{{L}}.ffn_{p}_exps.weight", _P + prefix + hf[p])
+            for p in ("gate", "up", "down")]
+    if bias:
+        rows += [NameRow(f"{{L}}.experts.{{E}}.{p}_bias", f"blk.{{L}}.ffn_{p}_exps.bias",
+                         _P + prefix + hf[p].replace(".weight", ".bias")) for p in ("gate", "up", "down")]
+    return tuple(rows)
+
+
+_PROJ = {p: f"experts.{{E}}.{p}_proj.weight" for p in ("gate", "up", "down")}
+_ROUTER = _rows(("{L}.router", "blk.{L}.ffn_gate_inp.weight", _P + "mlp.gate.weight"))
+_SHARED = tuple(
+    NameRow(f"{{L}}.shared.{p}", f"blk.{{L}}.ffn_{p}_shexp.weight", _P + f"mlp.{{s}}.{p}_proj.weight")
+    for p in ("gate", "up", "down")
+)
+
+
+def _shared(module: str) -> tuple[NameRow, ...]:
+    return tuple(NameRow(r.canonical, r.gguf, r.hf.replace("{s}", module)) for r in _SHARED)
+
+
+def _permuted(rows: tuple[NameRow, ...]) -> tuple[NameRow, ...]:
+    kinds = {"{L}.attn.q": "heads", "{L}.attn.k": "kv_heads"}
+    return tuple(NameRow(r.canonical, r.gguf, r.hf, kinds.get(r.canonical), r.invented) for r in rows)
+
+
+NAME_MAP: dict[str, tuple[NameRow, ...]] = {
+    "mixtral": _BACKBONE + _FFN_NORM + _permuted(_GQA)
+    + _rows(("{L}.router", "blk.{L}.ffn_gate_inp.weight", _P + "block_sparse_moe.gate.weight"))
+    + _experts("block_sparse_moe.", {"gate": "experts.{E}.w1.weight", "up": "experts.{E}.w3.weight",
+                                     "down": "experts.{E}.w2.weight"}),
+    "qwen2_moe": _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _ROUTER + _experts("mlp.", _PROJ)
+    + _shared("shared_expert")
+    + _rows(("{L}.shared_gate", "blk.{L}.ffn_gate_inp_shexp.weight", _P + "mlp.shared_expert_gate.weight"))
+    + _dense(invented=True),
+    "qwen3_moe": _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _O_BIAS + _QK_NORM + _ROUTER + _experts("mlp.", _PROJ)
+    + _dense(invented=True),
+    "olmoe": _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _O_BIAS + _QK_NORM + _ROUTER + _experts("mlp.", _PROJ),
+    "deepseek_v3": _BACKBONE + _FFN_NORM + _MLA + _ROUTER
+    + _rows(("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.gate.e_score_correction_bias"))
+    + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False),
+    "gpt_oss": _BACKBONE + _GQA + _QKV_BIAS + _O_BIAS
+    + _rows(
+        ("{L}.mlp_norm", "blk.{L}.post_attention_norm.weight", _P + "post_attention_layernorm.weight"),
+        ("{L}.attn.sinks", "blk.{L}.attn_sinks.weight", _P + "self_attn.sinks"),
+        ("{L}.router", "blk.{L}.ffn_gate_inp.weight", _P + "mlp.router.weight"),
+        ("{L}.router_bias", "blk.{L}.ffn_gate_inp.bias", _P + "mlp.router.bias"),
+    )
+    + _experts("mlp.", _PROJ, bias=True),
+}
+
+_LAYER = re.compile(r"^(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def template(canonical: str) -> tuple[str, int | None, int | None]:
+    """``"3.experts.5.gate"`` -> ``("{L}.experts.{E}.gate", 3, 5)``."""
+    layer = expert = None
+    m = _LAYER.match(canonical)
+    if m:
+        layer = int(m.group(1))
+        canonical = "{L}." + canonical[m.end():]
+    m = _EXPERT.search(canonical)
+    if m:
+        expert = int(m.group(1))
+        canonical = canonical[: m.start()] + ".experts.{E}." + canonical[m.end():]
+    return canonical, layer, expert
+
+
+def rows_by_canonical(arch: str) -> dict[str, NameRow]:
+    return {r.canonical: r for r in NAME_MAP[arch]}
+
+
+def gguf_name(arch: str, canonical: str) -> tuple[NameRow, str]:
+    """The table row and the concrete GGUF name of a canonical tensor (experts: the stacked tensor)."""
+    tmpl, layer, _ = template(canonical)
+    row = rows_by_canonical(arch)[tmpl]  # KeyError: the table lacks a row (a bug, caught by the tests)
+    return row, row.gguf.format(L=layer)
+
+
+def rope_permutation(rows: int, heads: int) -> np.ndarray:
+    """llama.cpp's ``permute`` of q/k rows as an index: ``stored = original[perm]``.
+
+    Within each head the halves layout (HF rotate_half) becomes pairs of adjacent rows.
+    """
+    idx = np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
+    return idx

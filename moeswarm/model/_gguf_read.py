@@ -1,0 +1,235 @@
+"""Reading a GGUF checkpoint into the engine's ``Weights``, through ``gguf.GGUFReader``'s memory map.
+
+Opening reads the header (metadata and tensor table) only.  F32 / F16 / BF16 tensors become
+zero-copy views of the map; quantised ones become ``QuantizedTensor`` views of their bytes,
+decoded when the engine converts them; an expert-stacked tensor is split into per-expert views.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, cast
+
+import gguf
+import ml_dtypes
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ..errors import CheckpointError
+from ._gguf_meta import FORMAT_VERSION, HF_CONFIG, VERSION, hf_config_from_metadata
+from ._gguf_names import GGUF_ARCH, NameRow, gguf_name, rope_permutation
+from ._gguf_tensor import QuantizedTensor
+from ._safetensors import TensorRef
+from .config import ModelConfig
+from .weights import ExpertWeights, Weights, expected_shapes, expert_shapes
+
+Q = GGMLQuantizationType
+_VIEWS = (Q.F32, Q.F16, Q.BF16)  # read as plain numpy views, zero-copy
+
+
+@lru_cache(maxsize=None)
+def decodable(qtype: GGMLQuantizationType) -> bool:
+    """Whether ``gguf.quants`` can dequantise this type (probed once on one zero block)."""
+    if qtype in (Q.I8, Q.I16, Q.I32, Q.I64, Q.F64):
+        return False  # not weight encodings the engine computes with
+    block, size = GGML_QUANT_SIZES[qtype]
+    try:
+        with np.errstate(all="ignore"):
+            gguf.quants.dequantize(np.zeros(size, np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+class _Reader(gguf.GGUFReader):
+    """``GGUFReader`` that checks each tensor's type and byte range before slicing the map, so a
+    truncated file or an unknown type is reported with the tensor's name, not a reshape error."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        super().__init__(path, "r")
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        size = len(self.data)
+        for field in fields:
+            try:
+                _, name_data, _, dims, raw_type, offset = field.parts
+            except ValueError:  # a future gguf changed the layout: let the reader report
+                break
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_type[0]))
+                block, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise CheckpointError(f"unknown GGML tensor type {int(raw_type[0])}", path=self._path,
+                                      tensor=name) from None
+            n = int(np.prod([int(d) for d in dims], dtype=object))
+            end = start_offs + int(offset[0]) + n // block * type_size
+            if end > size:
+                raise CheckpointError(f"GGUF file is truncated: tensor ends at byte {end} of {size}",
+                                      path=self._path, tensor=name)
+        super()._build_tensors(start_offs, fields)
+
+
+class GGUFFile:
+    """One memory-mapped GGUF file: metadata by key, tensors as views of the map."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = str(path)
+        try:
+            self.reader = _Reader(self.path)
+        except CheckpointError:
+            raise
+        except FileNotFoundError:
+            raise CheckpointError("file not found", path=self.path) from None
+        except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"not a readable GGUF file ({type(e).__name__}: {e})", path=self.path) from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.meta: Mapping[str, Any] = _Metadata(self.reader.fields, self.path)
+        version = self.meta.get(VERSION)
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise CheckpointError(f"written by a newer moeswarm (format {version} > {FORMAT_VERSION})", path=self.path)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.meta.get("general.architecture", ""))
+
+    def config(self) -> ModelConfig:
+        """The exact ``ModelConfig`` (from the embedded config.json), else one rebuilt from llama.cpp keys."""
+        model_id = str(self.meta.get("general.name") or Path(self.path).stem)
+        text = self.meta.get(HF_CONFIG)
+        if text is not None:
+            try:
+                raw = json.loads(text)
+            except (json.JSONDecodeError, TypeError) as e:
+                raise CheckpointError(f"embedded {HF_CONFIG} is not valid JSON: {e}", path=self.path) from None
+            if not isinstance(raw, dict):
+                raise CheckpointError(f"embedded {HF_CONFIG} is not a JSON object", path=self.path)
+        else:
+            try:
+                raw = hf_config_from_metadata(self.meta, set(self.tensors), self.architecture)
+            except KeyError as e:
+                raise CheckpointError(f"GGUF metadata lacks {e.args[0]!r} (and has no {HF_CONFIG})",
+                                      path=self.path) from None
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"malformed GGUF metadata: {e}", path=self.path) from None
+            if raw.get("vocab_size") is None and "token_embd.weight" in self.tensors:
+                raw["vocab_size"] = int(self.tensors["token_embd.weight"].shape[-1])  # older files lack the key
+        return ModelConfig.from_hf(raw, model_id=model_id, path=self.path)
+
+    def _tensor(self, name: str) -> Any:
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError("missing tensor required by the model config", path=self.path, tensor=name)
+        if not (t.tensor_type in _VIEWS or decodable(t.tensor_type)):
+            raise CheckpointError(f"unsupported tensor type {t.tensor_type.name} (gguf cannot dequantise it)",
+                                  path=self.path, tensor=name)
+        return t
+
+    def _check_shape(self, t: Any, shape: tuple[int, ...]) -> None:
+        have = tuple(reversed([int(d) for d in t.shape]))
+        if have != shape:
+            raise CheckpointError(f"shape {list(have)} does not match the model config, which implies {list(shape)}",
+                                  path=self.path, tensor=t.name)
+
+    def tensor(self, name: str, shape: tuple[int, ...], rows: np.ndarray | None = None) -> Any:
+        """A whole tensor: a numpy view, or a ``QuantizedTensor`` (quantised, or rows to reorder)."""
+        t = self._tensor(name)
+        self._check_shape(t, shape)
+        return _wrap(t.data, t.tensor_type, shape, rows)
+
+    def experts(self, name: str, shape: tuple[int, ...], count: int) -> Callable[[int], Any]:
+        """Expert ``e`` of a stacked ``[count, *shape]`` tensor, as a view of its own bytes."""
+        t = self._tensor(name)
+        self._check_shape(t, (count, *shape))
+        return lambda e: _wrap(t.data[e], t.tensor_type, shape, None)
+
+    def byte_range(self, name: str, expert: int | None = None) -> tuple[int, int]:
+        """Absolute file offsets ``[start, end)`` of a tensor (or one expert of a stack): for madvise."""
+        t = self.tensors[name]
+        if expert is None:
+            return t.data_offset, t.data_offset + t.n_bytes
+        per = t.n_bytes // int(t.shape[-1])
+        return t.data_offset + expert * per, t.data_offset + (expert + 1) * per
+
+
+def _wrap(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], rows: np.ndarray | None) -> Any:
+    if rows is None and qtype in (Q.F32, Q.F16):
+        return data  # the reader's typed view
+    if rows is None and qtype == Q.BF16:
+        return data.view(ml_dtypes.bfloat16)  # bytes (..., 2n) -> (..., n)
+    return QuantizedTensor(data, qtype, shape, rows)
+
+
+class _Metadata(Mapping[str, Any]):
+    """Metadata values decoded on demand (tokenizer arrays in llama.cpp files can be large)."""
+
+    def __init__(self, fields: Mapping[str, Any], path: str) -> None:
+        self._fields = fields
+        self._path = path
+
+    def __getitem__(self, key: str) -> Any:
+        field = self._fields[key]
+        try:
+            return field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError, TypeError) as e:
+            raise CheckpointError(f"metadata {key!r} is unreadable ({type(e).__name__})", path=self._path) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+
+def _unpermute(row: NameRow, cfg: ModelConfig, out_rows: int) -> np.ndarray | None:
+    if row.permute is None:
+        return None
+    heads = cfg.num_heads if row.permute == "heads" else cfg.num_kv_heads
+    return np.argsort(rope_permutation(out_rows, heads))
+
+
+def read_config(path: str | os.PathLike[str]) -> ModelConfig:
+    return GGUFFile(path).config()
+
+
+def load_gguf_weights(
+    path: str | os.PathLike[str],
+    *,
+    config: ModelConfig | None = None,
+    keep_expert: Callable[[int, int], bool] | None = None,
+) -> Weights:
+    """Map a GGUF checkpoint as the same ``Weights`` a safetensors folder gives."""
+    f = GGUFFile(path)
+    cfg = config or f.config()
+    if f.architecture != GGUF_ARCH[cfg.arch]:
+        raise CheckpointError(f"GGUF architecture {f.architecture!r} is not {GGUF_ARCH[cfg.arch]!r} "
+                              f"({cfg.arch})", path=f.path)
+    w = Weights(cfg, str(Path(f.path).resolve().parent), {}, {})
+    for name, shape in expected_shapes(cfg).items():
+        row, gname = gguf_name(cfg.arch, name)
+        w.tensors[name] = f.tensor(gname, shape, _unpermute(row, cfg, shape[0]))
+        w.sources[name] = TensorRef(f.path, gname)
+    if cfg.tie_word_embeddings:
+        w.tensors["lm_head"] = w.tensors["embed"]
+    eshapes = expert_shapes(cfg)
+    for L in range(cfg.num_layers):
+        if not cfg.moe_layers[L]:
+            continue
+        held = [e for e in range(cfg.num_experts) if keep_expert is None or keep_expert(L, e)]
+        names = {k: gguf_name(cfg.arch, f"{L}.experts.0.{k}")[1] for k in eshapes}
+        stacks = {k: f.experts(names[k], shape, cfg.num_experts) for k, shape in eshapes.items()} if held else {}
+        layer: dict[int, ExpertWeights] = {}
+        for e in held:
+            layer[e] = ExpertWeights(**{k: cast(np.ndarray, stack(e)) for k, stack in stacks.items()})
+            for k in eshapes:
+                w.sources[f"{L}.experts.{e}.{k}"] = TensorRef(f.path, f"{names[k]}[{e}]")
+        w.experts[L] = layer
+    return w
+
+
+__all__ = ["GGUFFile", "decodable", "load_gguf_weights", "read_config"]

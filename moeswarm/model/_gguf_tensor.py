@@ -1,0 +1,93 @@
+"""``QuantizedTensor``: a weight kept in its GGML encoding inside the file's memory map.
+
+The engine turns every weight into float32 at use through ``experts.f32`` (``a.astype(float32)``
+unless ``a.dtype`` is already float32).  A ``QuantizedTensor`` fits that protocol: ``dtype`` is
+the storage element (``uint8``: GGML blocks are bytes), ``shape`` the logical shape,
+``nbytes`` the encoded size, and ``astype(np.float32)`` dequantises with
+``gguf.quants.dequantize`` straight from the mapped bytes.  Nothing is read before that call.
+
+One expert of a stacked ``[E, rows, cols]`` tensor owns a contiguous byte range (GGML blocks run
+along the innermost axis), so its ``QuantizedTensor`` is a view of just those bytes: the kernel
+pages in that expert and nothing else.
+
+It also carries llama.cpp's rotary row permutation of ``attn_q`` / ``attn_k`` (``rows``), undone
+after dequantising; that is why an F16/F32 tensor can be a ``QuantizedTensor`` too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+
+class QuantizedTensor:
+    """A GGML-encoded tensor (or one expert's slice of a stacked one), decoded on demand."""
+
+    __slots__ = ("raw", "qtype", "shape", "rows")
+
+    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+                 rows: np.ndarray | None = None) -> None:
+        self.raw = raw.view(np.uint8)  # (..., bytes per row): the encoded blocks, a view into the map
+        self.qtype = qtype
+        self.shape = tuple(int(d) for d in shape)  # logical shape, e.g. (I, H)
+        self.rows = rows  # (shape[0],) row order to apply after decoding, or None
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The storage element: bytes.  Never float32, so ``f32()`` always calls ``astype``."""
+        return np.dtype(np.uint8)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        """Encoded bytes (what the expert costs in RAM, on disk and on the wire)."""
+        return int(self.raw.nbytes)
+
+    @property
+    def bits_per_weight(self) -> float:
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return 8.0 * size / block
+
+    def astype(self, dtype: Any, copy: bool = True) -> np.ndarray:
+        """Decode to a new array of ``dtype`` (float32 for the engine)."""
+        out = dequantize(self.raw, self.qtype).reshape(self.shape)  # float32
+        if self.rows is not None:
+            out = out[self.rows]
+        return out.astype(dtype, copy=False)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("a QuantizedTensor cannot be viewed as an array without decoding it")
+        return self.astype(np.float32 if dtype is None else dtype)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        """Rows by integer index (embedding lookups) decode only those rows; anything else decodes all."""
+        if self.rows is None and self.ndim == 2 and _is_int_index(index):
+            idx = np.asarray(index)
+            rows = self.raw.reshape(self.shape[0], -1)[idx.reshape(-1)]  # (n, bytes per row)
+            return dequantize(rows, self.qtype).reshape(*idx.shape, self.shape[1])
+        return self.astype(np.float32)[index]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"QuantizedTensor({self.qtype.name}, shape={self.shape}, nbytes={self.nbytes})"
+
+
+def _is_int_index(index: Any) -> bool:
+    if isinstance(index, (int, np.integer)):
+        return True
+    if isinstance(index, (list, np.ndarray)):
+        return np.asarray(index).dtype.kind in "iu"
+    return False

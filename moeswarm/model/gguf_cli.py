@@ -1,0 +1,66 @@
+"""``moeswarm convert-gguf``: a Hugging Face MoE checkpoint -> one GGUF file."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import click
+
+from .._cli_util import friendly_errors
+
+# Mirrors moeswarm.model._gguf_write.WEIGHT_TYPES (kept literal so --help does not import gguf).
+_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
+
+
+@click.command("convert-gguf")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True),
+              help="Hugging Face model folder (config.json + *.safetensors), or a GGUF file to re-encode.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False),
+              help="GGUF file to write, e.g. out/model.Q8_0.gguf (written to FILE.part, then renamed).")
+@click.option("--type", "weight_type", default="F16", show_default=True,
+              type=click.Choice(_TYPES, case_sensitive=False),
+              help="Encoding of every 2-D weight (attention, embeddings, LM head, dense/shared MLPs, experts). "
+                   "Norms, biases and routers always stay F32.")
+@click.option("--experts-type", default=None, type=click.Choice(_TYPES, case_sensitive=False),
+              help="Encoding of the routed experts only (default: --type).")
+@click.option("--sidecar/--no-sidecar", default=True, show_default=True,
+              help="Copy config.json and the tokenizer files beside the GGUF when absent there, so that its "
+                   "folder works as --model for every command.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@friendly_errors
+def convert_gguf(model_dir: str, out: str, weight_type: str, experts_type: str | None, sidecar: bool,
+                 quiet: bool) -> None:
+    """Convert a MoE checkpoint to GGUF with llama.cpp's tensor names.
+
+    Experts are stacked per layer into blk.N.ffn_{gate,up,down}_exps and encoded expert by expert,
+    so memory stays small whatever the model size.  The original config.json and tokenizer files
+    are embedded, so the GGUF alone is enough to serve the model.
+
+    \b
+    Examples:
+      moeswarm convert-gguf --model models/mixtral --out gguf/mixtral.f16.gguf
+      moeswarm convert-gguf --model models/qwen3-moe --out gguf/qwen3.gguf --type F16 --experts-type Q8_0
+      moeswarm generate --model gguf/qwen3.gguf --prompt "Hello"
+    """
+    from tqdm import tqdm
+
+    from .gguf import convert_to_gguf
+
+    with tqdm(unit="B", unit_scale=True, desc="writing", disable=quiet, leave=False, delay=1.0) as bar:
+        report = convert_to_gguf(model_dir, out, weight_type=weight_type.upper(),
+                                 experts_type=experts_type.upper() if experts_type else None, sidecar=sidecar,
+                                 on_tensor=lambda p: bar.update(p.nbytes))
+    counts = Counter(p.qtype.name for p in report.tensors)
+    sizes: Counter[str] = Counter()
+    for p in report.tensors:
+        sizes[p.qtype.name] += p.nbytes
+    click.echo(f"wrote {report.path} ({report.file_bytes / 2**20:.1f} MiB, {len(report.tensors)} tensors)")
+    for name, n in counts.most_common():
+        click.echo(f"  {name:5s} {n:5d} tensors  {sizes[name] / 2**20:10.1f} MiB")
+    for qtype, size in report.bytes_per_expert().items():
+        click.echo(f"  one routed expert: {size} bytes ({qtype})")
+    for note in sorted({p.note for p in report.tensors if p.note}):
+        n = sum(p.note == note for p in report.tensors)
+        click.echo(f"  note: {n} tensor(s): {note}")
+    if report.sidecars:
+        click.echo(f"  beside it: {', '.join(report.sidecars)}")

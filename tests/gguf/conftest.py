@@ -1,0 +1,34 @@
+"""GGUF files converted from the oracle checkpoints, built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+class GGUFCheckpoints:
+    """``get(arch, weight_type, experts_type=None)`` -> path of the GGUF that ``convert_to_gguf`` writes
+    from the oracle's per_expert checkpoint of ``arch`` (no sidecar files)."""
+
+    def __init__(self, root: Path, oracle_checkpoints) -> None:  # type: ignore[no-untyped-def]
+        self.root = root
+        self.oracle = oracle_checkpoints
+        self._cache: dict[tuple[str, str, str | None], Path] = {}
+
+    def get(self, arch: str, weight_type: str, experts_type: str | None = None) -> Path:
+        from moeswarm.model.gguf import convert_to_gguf
+
+        key = (arch, weight_type, experts_type)
+        if key not in self._cache:
+            folder, _ = self.oracle.get(arch, "per_expert")
+            out = self.root / f"{arch}.{weight_type}.{experts_type or weight_type}.gguf"
+            convert_to_gguf(folder, out, weight_type=weight_type, experts_type=experts_type, sidecar=False)
+            self._cache[key] = out
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def gguf_checkpoints(tmp_path_factory, oracle_checkpoints) -> GGUFCheckpoints:  # type: ignore[no-untyped-def]
+    return GGUFCheckpoints(tmp_path_factory.mktemp("gguf"), oracle_checkpoints)
+

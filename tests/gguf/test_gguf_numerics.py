@@ -1,0 +1,170 @@
+"""GGUF checkpoints written by our converter, run by the engine, against the safetensors checkpoint and
+Hugging Face transformers (the oracle's fp32 reference logits)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from moeswarm.model import ARCHITECTURES, SamplingParams, generate, load_model
+from moeswarm.model.gguf import QuantizedTensor
+from moeswarm.model.weights import load_weights
+from moeswarm.model.transformer import Model
+
+FP16_EPS = 2.0**-11  # largest relative rounding error of one weight stored as fp16
+# Each weight rounds by at most FP16_EPS relative; through the few matmuls of these 2-3 layer models
+# the logit error measured 1.0-2.0 x FP16_EPS x max|logit| (2e-3 to 4e-3 on logits up to ~4).  8x leaves room
+# while staying far below the gaps a wrong tensor would cause (~1).
+F16_TOL_FACTOR = 8.0
+FP32_NOISE = 1e-5  # same weights, different memory layout: matmul rounding only (pitfall 9)
+N_RANDOM_PROMPTS = 15
+N_NEW = 8
+
+
+def run_logits(model: Model, ref) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Prefill over the oracle prompt + the reference's decode steps -> (T + n_decode, V)."""
+    cache = model.new_cache()
+    prefill = model.forward(np.asarray([ref.prompt_ids]), cache)[0]
+    decode = [model.forward(np.asarray([[t]]), cache)[0, -1] for t in ref.decode_tokens]
+    return np.concatenate([prefill, np.stack(decode)])
+
+
+def rounded(folder, dtype=np.float16) -> Model:  # type: ignore[no-untyped-def]
+    """The safetensors checkpoint with every matrix rounded to ``dtype``, except the routers: what an F16
+    (BF16) GGUF must hold (norms, biases, sinks and routers stay fp32, as llama.cpp keeps them)."""
+    w = load_weights(folder)
+    keep = (".router", ".shared_gate")
+    w.tensors = {k: (a.astype(dtype) if a.ndim == 2 and not k.endswith(keep) else a) for k, a in w.tensors.items()}
+    w.experts = {L: {e: replace(x, gate=x.gate.astype(dtype), up=x.up.astype(dtype), down=x.down.astype(dtype))
+                     for e, x in layer.items()} for L, layer in w.experts.items()}
+    return Model(w)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_f16_matches_safetensors_within_fp16_rounding(oracle_checkpoints, gguf_checkpoints, arch: str) -> None:
+    folder, ref = oracle_checkpoints.get(arch, "per_expert")
+    model = load_model(gguf_checkpoints.get(arch, "F16"))
+    logits = run_logits(model, ref)
+    # 1. Exactly the fp16 rounding of the safetensors weights, nothing else.
+    assert np.abs(logits - run_logits(rounded(folder), ref)).max() <= FP32_NOISE
+    # 2. Against transformers' fp32 logits, within what fp16 rounding can explain.
+    expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
+    diff = np.abs(logits - expected).max()
+    bound = F16_TOL_FACTOR * FP16_EPS * np.abs(expected).max()
+    print(f"{arch} F16: max |logit diff| vs transformers fp32 {diff:.2e} (bound {bound:.2e})")
+    assert 0 < diff <= bound  # > 0: the weights really are fp16
+    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
+    assert tokens == ref.greedy_tokens
+
+
+def test_bf16_is_exactly_bf16_rounding(oracle_checkpoints, gguf_checkpoints) -> None:
+    import ml_dtypes
+
+    folder, ref = oracle_checkpoints.get("qwen3_moe", "per_expert")
+    logits = run_logits(load_model(gguf_checkpoints.get("qwen3_moe", "BF16")), ref)
+    assert np.abs(logits - run_logits(rounded(folder, ml_dtypes.bfloat16), ref)).max() <= FP32_NOISE
+
+
+def prompt_set(oracle) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """The oracle prompt plus seeded random prompts of the same length."""
+    rng = np.random.default_rng(0)
+    return [list(oracle.PROMPT)] + [rng.integers(3, 512, len(oracle.PROMPT)).tolist() for _ in range(N_RANDOM_PROMPTS)]
+
+
+def mismatch_report(base: Model, quant: Model, prompts: list[list[int]]) -> tuple[int, int, int, list[str]]:
+    """Teacher-forced on the fp32 greedy continuation: positions whose argmax differs, how many positions,
+    how many free-running greedy sequences are identical, and any mismatch that is not a near-tie."""
+    mismatches = positions = identical = 0
+    unexplained: list[str] = []
+    for p in prompts:
+        greedy = list(generate(base, p, SamplingParams(max_new_tokens=N_NEW)))
+        seq = np.asarray([p + greedy[:-1]])
+        a = base.forward(seq, base.new_cache())[0, len(p) - 1 :]  # (N_NEW, V)
+        b = quant.forward(seq, quant.new_cache())[0, len(p) - 1 :]
+        top2 = np.sort(a, axis=-1)[:, -2:]
+        margin = top2[:, 1] - top2[:, 0]
+        noise = np.abs(a - b).max(axis=-1)
+        for i in np.flatnonzero(a.argmax(-1) != b.argmax(-1)):
+            mismatches += 1
+            if margin[i] > 2 * noise[i]:  # quantisation noise cannot flip a gap this wide
+                unexplained.append(f"prompt {p[:3]}... step {i}: margin {margin[i]:.3f} > 2 x noise {noise[i]:.3f}")
+        positions += len(a)
+        identical += list(generate(quant, p, SamplingParams(max_new_tokens=N_NEW))) == greedy
+    return mismatches, positions, identical, unexplained
+
+
+@pytest.mark.parametrize(("arch", "weight_type", "bound"), [
+    ("mixtral", "F16", 0.02),  # F16 backbone, Q8_0 experts (the usual mix): measured 0/128
+    ("mixtral", "Q8_0", 0.05),  # every matrix Q8_0: measured 2/128
+    ("qwen2_moe", "F16", 0.02),  # measured 0/128
+    ("qwen2_moe", "Q8_0", 0.05),  # measured 3/128
+])
+def test_q8_0_greedy_tokens_on_the_prompt_set(oracle_checkpoints, gguf_checkpoints, arch: str, weight_type: str,
+                                              bound: float) -> None:
+    folder, ref = oracle_checkpoints.get(arch, "per_expert")
+    quant = load_model(gguf_checkpoints.get(arch, weight_type, "Q8_0"))
+    some_expert = quant.weights.experts[0][0].gate
+    assert isinstance(some_expert, QuantizedTensor) and some_expert.qtype.name == "Q8_0"
+    prompts = prompt_set(oracle_checkpoints.oracle)
+    wrong, total, identical, unexplained = mismatch_report(load_model(folder), quant, prompts)
+    print(f"{arch} {weight_type}+Q8_0 experts: greedy mismatch rate {wrong}/{total} = {wrong / total:.3f} "
+          f"(teacher-forced); identical greedy sequences {identical}/{len(prompts)}")
+    assert wrong / total <= bound
+    assert not unexplained, unexplained  # every flip is a near-tie, not a wrong weight
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_q4_0_loads_and_runs(oracle_checkpoints, gguf_checkpoints, arch: str) -> None:
+    _, ref = oracle_checkpoints.get(arch, "per_expert")
+    model = load_model(gguf_checkpoints.get(arch, "F16", "Q4_0"))
+    gate = model.weights.experts[0][1].gate
+    assert isinstance(gate, QuantizedTensor) and gate.nbytes == gate.size * 18 // 32  # 4.5 bits per weight
+    logits = run_logits(model, ref)
+    expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
+    agree = float((logits.argmax(-1) == expected.argmax(-1)).mean())
+    corr = float(np.corrcoef(logits.ravel(), expected.ravel())[0, 1])
+    print(f"{arch} F16+Q4_0 experts: max |logit diff| {np.abs(logits - expected).max():.3f}, "
+          f"argmax agreement {agree:.2f}, correlation {corr:.4f}")
+    assert np.isfinite(logits).all()
+    assert corr > 0.95  # noisy but the same model (a wrong tensor gives ~0)
+    assert len(list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=8)))) == 8
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES + ("deepseek_v3_no_q_lora",))
+def test_every_architecture_round_trips(oracle_checkpoints, gguf_checkpoints, arch: str) -> None:
+    """F32 GGUF == safetensors (every tensor through the name map and back); Q8_0 experts run."""
+    folder, ref = oracle_checkpoints.get(arch, "per_expert")
+    source = load_weights(folder)
+    exact = load_weights(gguf_checkpoints.get(arch, "F32"))
+    assert set(exact.tensors) == set(source.tensors)
+    for name, a in source.tensors.items():
+        assert np.array_equal(np.asarray(exact.tensors[name]), a), name
+    for L, layer in source.experts.items():
+        for e, x in layer.items():
+            for part in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
+                if getattr(x, part) is not None:
+                    assert np.array_equal(getattr(exact.experts[L][e], part), getattr(x, part)), (L, e, part)
+    expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
+    assert np.abs(run_logits(Model(exact), ref) - expected).max() <= 1e-4
+    q8 = run_logits(load_model(gguf_checkpoints.get(arch, "F16", "Q8_0")), ref)
+    assert np.abs(q8 - expected).max() <= 0.5 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"])
+def test_every_writable_type_loads_and_runs(oracle_checkpoints, gguf_checkpoints, weight_type: str) -> None:
+    import gguf
+
+    _, ref = oracle_checkpoints.get("qwen3_moe", "per_expert")
+    path = gguf_checkpoints.get("qwen3_moe", weight_type)
+    reader = gguf.GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.1.ffn_up_exps.weight"] == types["blk.1.attn_v.weight"] == weight_type
+    assert types["blk.1.ffn_gate_inp.weight"] == types["blk.1.attn_norm.weight"] == "F32"
+    logits = run_logits(load_model(path), ref)
+    expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
+    corr = float(np.corrcoef(logits.ravel(), expected.ravel())[0, 1])
+    print(f"qwen3_moe all-{weight_type}: {path.stat().st_size} bytes, max |logit diff| "
+          f"{np.abs(logits - expected).max():.3g}, correlation {corr:.5f}")
+    assert corr > 0.95
