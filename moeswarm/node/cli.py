@@ -99,8 +99,13 @@ def node(layers: str | None, experts: str | None, data_port: int, announce_port:
               help="Serve the OpenAI-compatible API here (port 0 = any free).")
 @click.option("--local-fallback", is_flag=True, help="Compute experts nobody serves from the local checkpoint.")
 @click.option("--coverage-timeout", default=60.0, show_default=True, help="Seconds to wait for every expert to be announced.")
+@click.option("--ledger", "ledger_url", default=None, metavar="URL",
+              help="Submit countersigned receipts to this ledger service (moeswarm-ledger serve).")
+@click.option("--ledger-queue", default=None, type=click.Path(),
+              help="Spool folder for receipts not yet acknowledged (default: ~/.moeswarm/receipts/PEER).")
 @friendly_errors
-def backbone(http: str, local_fallback: bool, coverage_timeout: float, **swarm: object) -> None:
+def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_url: str | None,
+             ledger_queue: str | None, **swarm: object) -> None:
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
 
     Serves /v1/models, /v1/completions and /v1/chat/completions. Prints `READY {json}`
@@ -108,5 +113,6 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, **swarm: 
     """
     from .daemon import BackboneConfig, run_backbone
 
-    config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout)  # type: ignore[arg-type]
+    config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout,  # type: ignore[arg-type]
+                            ledger_url=ledger_url, ledger_queue_dir=ledger_queue)
     asyncio.run(run_backbone(config))

@@ -110,6 +110,8 @@ class BackboneConfig:
     coverage_timeout_s: float = 60.0  # wait this long for every expert to be announced
     discovery_interval_s: float = 10.0
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    ledger_url: str | None = None  # submit countersigned receipts to this ledger service
+    ledger_queue_dir: str | None = None  # receipts spooled here until the ledger acknowledges them
 
 
 @contextlib.asynccontextmanager
@@ -204,8 +206,9 @@ class SwarmBackbone:
             await self.discovery.start()
             self._stack.push_async_callback(self.discovery.aclose)
             local = load_weights(sc.model_dir, config=cfg) if self.config.local_fallback else None
+            receipts = await self._ledger_sink() if self.config.ledger_url else None
             self.executor = RemoteExperts(cfg, self.identity, self.table, asyncio.get_running_loop(),
-                                          config=self.config.dispatch, local=local)
+                                          config=self.config.dispatch, local=local, receipts=receipts)
             self._stack.push_async_callback(self.executor.aclose)
             weights = load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
             self.model = Model(weights, experts=self.executor)
@@ -216,6 +219,20 @@ class SwarmBackbone:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
+
+    async def _ledger_sink(self) -> Any:
+        """A ReceiptSubmitter to the ledger; closed after the executor so its last receipts arrive."""
+        from ..ledger import ModelShape, ReceiptSubmitter, SubmitterConfig
+
+        assert self.config.ledger_url is not None
+        queue = self.config.ledger_queue_dir or str(
+            Path.home() / ".moeswarm" / "receipts" / self.identity.peer_id_str)
+        Path(queue).mkdir(parents=True, exist_ok=True)
+        shape = ModelShape(self.cfg.hidden_size, self.cfg.moe_intermediate_size)
+        submitter = ReceiptSubmitter(self.config.ledger_url, queue, SubmitterConfig(models=((self.model_id, shape),)))
+        await submitter.start()
+        self._stack.push_async_callback(submitter.aclose)
+        return submitter
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_folder(self.config.swarm.model_dir, self.cfg.bos_token_id)

@@ -1,0 +1,314 @@
+"""``moeswarm-ledger``: inspect, verify, settle and serve a receipt ledger.
+
+Every command takes ``--db``: a file path (SQLite) or any SQLAlchemy URL
+(``postgresql://user@host/dbname``). Errors are one line on stderr with exit code 2 (a missing
+database, a bad URL, a missing key ...); ``verify`` and ``check-proof`` exit 1 when what they
+check is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import hashlib
+import json
+import signal
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import click
+
+from moeswarm._cli_util import friendly_errors
+from moeswarm.errors import ConfigError
+from moeswarm.protocol import peer_id_from_str, peer_id_to_str
+
+from ._chain import ModelShape
+from ._queries import default_key_path, list_receipts, load_key
+from ._store import Ledger, StoreConfig
+
+_DB = click.option("--db", default="ledger.db", show_default=True, metavar="PATH|URL",
+                   help="SQLite file path or SQLAlchemy URL, e.g. postgresql://user@host/dbname.")
+_KEY = click.option("--key", "key_path", type=click.Path(dir_okay=False), default=None,
+                    help="The ledger's Ed25519 key (32-byte seed file). Default: DB.key beside a SQLite "
+                         "file, else ./ledger.key.")
+_FORMAT = click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
+                       show_default=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def main() -> None:
+    """The moeswarm receipt ledger: dual-signed receipts of served expert-FLOPs in a hash chain."""
+
+
+def _open(db: str, key_path: str | None = None, *, need_key: bool = False, create: bool = False,
+          **config: Any) -> Ledger:
+    identity = None
+    if need_key or key_path:
+        identity = load_key(key_path or default_key_path(db), create=create)
+    return Ledger(StoreConfig(db, create=create, **config), identity)
+
+
+def _time_ms(text: str | None, what: str) -> int | None:
+    """ISO 8601 (UTC unless it says otherwise), or unix seconds / milliseconds."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+        return int(value * 1000) if value < 1e11 else int(value)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ConfigError(f"--{what} takes ISO 8601 (2026-11-01T12:00) or unix seconds, not {text!r}") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, overflow="fold")
+    for r in rows:
+        table.add_row(*(str(v) for v in r))
+    Console(width=max(120, Console().width)).print(table)
+
+
+@main.command()
+@_DB
+@click.argument("peer")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@friendly_errors
+def balance(db: str, peer: str, fmt: str) -> None:
+    """What server PEER (base58 peer ID) has earned: settled, pending, withheld."""
+    from ._settlement import peer_balance
+
+    with _open(db) as ledger:
+        b = peer_balance(ledger, peer_id_from_str(peer))
+    if fmt == "json":
+        click.echo(json.dumps(b.to_json()))
+        return
+    d = b.to_json()
+    _table(f"balance of {peer}", ["settled", "pending", "withheld", "expert_flops", "receipts", "flagged"],
+           [[d["settled"], d["pending"], d["withheld"], d["expert_flops"], d["receipts"],
+             f"yes ({b.evidence} failed audits)" if b.evidence else "no"]])
+
+
+@main.command()
+@_DB
+@click.option("--peer", default=None, help="Only receipts whose client or server is this peer ID.")
+@click.option("--model", default=None, help="Only this model id.")
+@click.option("--layer", type=int, default=None, help="Only this MoE layer.")
+@click.option("--since", default=None, help="Receipt time at or after (ISO 8601 or unix seconds).")
+@click.option("--until", default=None, help="Receipt time before (ISO 8601 or unix seconds).")
+@click.option("--limit", type=click.IntRange(1), default=None)
+@_FORMAT
+@friendly_errors
+def receipts(db: str, peer: str | None, model: str | None, layer: int | None, since: str | None,
+             until: str | None, limit: int | None, fmt: str) -> None:
+    """List stored receipts in chain order."""
+    with _open(db) as ledger:
+        rows = list_receipts(ledger, peer=peer_id_from_str(peer) if peer else None, model=model, layer=layer,
+                             since_ms=_time_ms(since, "since"), until_ms=_time_ms(until, "until"), limit=limit)
+    items = [r.to_json() for r in rows]
+    if fmt == "json":
+        click.echo(json.dumps(items, indent=1))
+    elif fmt == "csv":
+        writer = csv.writer(sys.stdout)
+        writer.writerow(list(items[0]) if items else ["position", "receipt_id"])
+        for item in items:
+            writer.writerow([" ".join(map(str, v)) if isinstance(v, list) else v for v in item.values()])
+    else:
+        _table(f"{len(items)} receipts", ["#", "receipt", "time (UTC)", "server", "client", "model", "layer",
+                                          "experts", "tokens", "expert FLOPs"],
+               [[r.position, r.receipt_id.hex()[:16], _iso(r.time_ms), "…" + peer_id_to_str(r.server)[-8:],
+                 "…" + peer_id_to_str(r.client)[-8:], r.model_id, r.layer, ",".join(map(str, r.experts)),
+                 r.tokens, f"{r.expert_flops:,}"] for r in rows])
+
+
+@main.command()
+@_DB
+@click.option("--ledger-key", default=None, metavar="PEER_ID",
+              help="The ledger's peer ID to require (default: the one recorded in the database).")
+@friendly_errors
+def verify(db: str, ledger_key: str | None) -> None:
+    """Check the whole chain, every signature and every settlement; exit 1 naming the first bad entry."""
+    from ._verify import verify_chain
+
+    with _open(db) as ledger:
+        report = verify_chain(ledger, ledger_key=peer_id_from_str(ledger_key) if ledger_key else None)
+    if report.problem is not None:
+        click.echo(f"BAD {report.problem}", err=True)
+        sys.exit(1)
+    click.echo(f"ok: {report.entries} entries, {report.settlements} settlements, {report.evidence} evidence "
+               "records verify")
+
+
+@main.command()
+@_DB
+@_KEY
+@click.option("--epoch", type=click.IntRange(0), required=True, help="Epoch number (see `epochs`).")
+@friendly_errors
+def settle(db: str, key_path: str | None, epoch: int) -> None:
+    """Settle an ended epoch: balances per server and a signed statement with the Merkle root."""
+    from ._settlement import settle_epoch
+
+    with _open(db, key_path, need_key=True) as ledger:
+        statement = settle_epoch(ledger, epoch)
+    click.echo(json.dumps(statement.to_json(), indent=1))
+
+
+@main.command()
+@_DB
+@friendly_errors
+def epochs(db: str) -> None:
+    """Epochs with receipts, and whether each is settled."""
+    from sqlalchemy import func, select
+
+    from ._models import Entry, Settlement
+
+    with _open(db) as ledger, ledger.read() as conn:
+        rows = conn.execute(select(Entry.epoch, func.count(), func.sum(Entry.expert_flops))
+                            .group_by(Entry.epoch).order_by(Entry.epoch)).all()
+        settled = set(conn.execute(select(Settlement.epoch)).scalars())
+        span = ledger.epoch_ms
+    _table(f"epochs of {span // 1000} s", ["epoch", "starts (UTC)", "receipts", "expert FLOPs", "settled"],
+           [[e, _iso(e * span), n, f"{f:,}", "yes" if e in settled else "no"] for e, n, f in rows])
+
+
+@main.command()
+@_DB
+@click.argument("receipt_id")
+@friendly_errors
+def prove(db: str, receipt_id: str) -> None:
+    """Merkle inclusion proof of a receipt (full hex id or a prefix) as JSON; check it with check-proof."""
+    from ._settlement import prove as make_proof
+
+    with _open(db) as ledger:
+        proof = make_proof(ledger, receipt_id)
+    click.echo(json.dumps(proof.to_json(), indent=1))
+
+
+@main.command("check-proof")
+@click.argument("proof_file", type=click.File("r"))
+@click.option("--ledger-key", default=None, metavar="PEER_ID", help="Require statements signed by this ledger.")
+@friendly_errors
+def check_proof_cmd(proof_file: Any, ledger_key: str | None) -> None:
+    """Verify an inclusion proof (a file, or - for stdin) without the database."""
+    from ._settlement import Proof, check_proof
+
+    try:
+        data = json.load(proof_file)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"the proof is not JSON: {e}") from None
+    proof = Proof.from_json(data)
+    problem = check_proof(proof, ledger_key=peer_id_from_str(ledger_key) if ledger_key else None)
+    if problem is not None:
+        click.echo(f"BAD proof: {problem}", err=True)
+        sys.exit(1)
+    signed = "in the signed statement of" if proof.statement else "in the (unsettled) tree of"
+    click.echo(f"ok: receipt {proof.receipt_id.hex()[:16]} is leaf {proof.leaf_index} of {proof.tree_size} "
+               f"{signed} epoch {proof.epoch}")
+
+
+def _parse_listen(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    try:
+        return host.strip("[]") or "127.0.0.1", int(port)
+    except ValueError:
+        raise ConfigError(f"--listen takes HOST:PORT, not {text!r}") from None
+
+
+def _model_spec(text: str) -> tuple[str, ModelShape]:
+    model_id, _, shape = text.partition("=")
+    hidden, _, ffn = shape.partition(":")
+    try:
+        return model_id, ModelShape(int(hidden), int(ffn))
+    except ValueError:
+        raise ConfigError(f"--model takes MODEL_ID=HIDDEN:FFN, not {text!r}") from None
+
+
+def model_id_for(folder: str) -> str:
+    """The id swarm nodes derive for a checkpoint: architecture + hash of config.json (the same rule
+    as ``moeswarm.node.daemon.model_id_for``; the ledger does not import the node package)."""
+    from moeswarm.model import ModelConfig
+
+    cfg = ModelConfig.from_folder(folder)
+    return f"{cfg.arch}-{hashlib.sha256(Path(folder, 'config.json').read_bytes()).hexdigest()[:12]}"
+
+
+@main.command()
+@_DB
+@_KEY
+@click.option("--listen", default="127.0.0.1:8470", show_default=True, metavar="HOST:PORT",
+              help="Where to serve HTTP (port 0 picks a free one).")
+@click.option("--epoch-seconds", type=click.IntRange(1), default=3600, show_default=True,
+              help="Epoch length, fixed when the ledger is created.")
+@click.option("--model", "models", multiple=True, metavar="ID=HIDDEN:FFN",
+              help="Register a model's expert shape for the FLOPs bound (repeatable).")
+@click.option("--model-dir", "model_dirs", multiple=True, metavar="DIR[=ID]",
+              help="A checkpoint: registers its shape and audits its calls (POST /v1/audits). Repeatable.")
+@click.option("--audit-tolerance", type=click.FloatRange(0), default=1e-2, show_default=True,
+              help="Largest max|output - reference| / max(1, max|reference|) an audited call may show.")
+@click.option("--no-client-models", is_flag=True, help="Refuse model shapes registered by backbones.")
+@click.option("--verify-threads", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Threads checking the signatures of one batch.")
+@friendly_errors
+def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models: tuple[str, ...],
+          model_dirs: tuple[str, ...], audit_tolerance: float, no_client_models: bool, verify_threads: int) -> None:
+    """Run the ingestion service; prints READY {json} on stdout when it accepts receipts."""
+    from moeswarm.model import load_weights
+
+    from ._audit import AuditConfig, LocalJudge
+    from ._service import LedgerService, ServiceConfig, ready_info
+
+    host, port = _parse_listen(listen)
+    shapes = [_model_spec(m) for m in models]
+    weights = {}
+    for spec in model_dirs:
+        folder, _, model_id = spec.partition("=")
+        w = load_weights(folder)
+        model_id = model_id or model_id_for(folder)
+        weights[model_id] = w
+        shapes.append((model_id, ModelShape(w.config.hidden_size, w.config.moe_intermediate_size)))
+    ledger = _open(db, key_path, need_key=True, create=True, epoch_s=epoch_seconds, verify_threads=verify_threads)
+    for model_id, shape in shapes:
+        ledger.register_model(model_id, shape, "serve")
+    judge = LocalJudge(ledger, weights, AuditConfig(tolerance=audit_tolerance)) if weights else None
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        config = ServiceConfig(host=host, port=port, accept_client_models=not no_client_models)
+        service = LedgerService(ledger, config, judge=judge)
+        try:
+            await service.start()
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {listen}: {e.strerror or e}") from None
+        try:
+            sys.stdout.write("READY " + json.dumps(ready_info(service), sort_keys=True) + "\n")
+            sys.stdout.flush()
+            await stop.wait()
+        finally:
+            await service.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        ledger.close()
+
+
+if __name__ == "__main__":
+    main()

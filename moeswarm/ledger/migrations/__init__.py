@@ -1,0 +1,1 @@
+"""Alembic migrations of the ledger schema, run by ``moeswarm.ledger`` whenever it opens a database."""

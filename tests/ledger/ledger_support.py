@@ -1,0 +1,129 @@
+"""Helpers for the ledger tests: receipts signed by real keys, a settable clock, raw SQL tampering."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moeswarm.ledger import ModelShape
+from moeswarm.protocol import (
+    CountersignedReceipt,
+    ExpertRequest,
+    ExpertRows,
+    Identity,
+    countersign,
+    make_receipt,
+)
+
+H, F = 8, 16
+MODEL = "test/tiny-moe"
+SHAPE = ModelShape(H, F)
+T0 = 1_800_000_000_000  # a round unix time in ms; epochs of 3600 s start at multiples of 3_600_000
+EPOCH_MS = 3_600_000
+
+
+class Clock:
+    """A settable millisecond clock for ``Ledger(clock=...)``."""
+
+    def __init__(self, ms: int = T0 + 1000) -> None:
+        self.ms = ms
+
+    def __call__(self) -> int:
+        return self.ms
+
+
+def call(client: Identity, server: Identity, *, seq: int, experts: Sequence[int] = (1,), tokens: int = 2,
+         flops: int | None = None, model: str = MODEL, layer: int = 0, time_ms: int = T0,
+         request_id: bytes | None = None, seed: int = 0) -> tuple[ExpertRequest, np.ndarray, CountersignedReceipt]:
+    """A served call: request, outputs and its countersigned receipt (every expert gets every row)."""
+    rng = np.random.default_rng(seed + seq)
+    hidden = rng.standard_normal((tokens, H)).astype(np.float32)  # (N, H)
+    rows = np.arange(tokens, dtype=np.uint32)
+    request = ExpertRequest(request_id or os.urandom(16), model, layer, seq, hidden,
+                            tuple(ExpertRows(e, rows) for e in experts))
+    outputs = rng.standard_normal((request.pairs, H)).astype(np.float32)  # (P, H)
+    flops = 6 * H * F * request.pairs if flops is None else flops
+    receipt = make_receipt(server, request, outputs, client=client.peer_id, expert_flops=flops, time_ms=time_ms)
+    return request, outputs, countersign(client, receipt)
+
+
+def receipt(client: Identity, server: Identity, **kw: object) -> CountersignedReceipt:
+    return call(client, server, **kw)[2]  # type: ignore[arg-type]
+
+
+@dataclass
+class Peers:
+    """A few clients and servers with per-pair sequence numbers."""
+
+    clients: list[Identity] = field(default_factory=lambda: [Identity.generate() for _ in range(2)])
+    servers: list[Identity] = field(default_factory=lambda: [Identity.generate() for _ in range(3)])
+    _seq: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def receipts(self, n: int, **kw: object) -> list[CountersignedReceipt]:
+        out = []
+        for i in range(n):
+            c, s = self.clients[i % len(self.clients)], self.servers[i % len(self.servers)]
+            out.append(receipt(c, s, seq=next(self._seq), **kw))  # type: ignore[arg-type]
+        return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LedgerProcess:
+    """``moeswarm-ledger serve`` in a subprocess, ready (its READY line read)."""
+
+    process: subprocess.Popen[str]
+    info: dict
+    log: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+def start_ledger(args: list[str], log: Path, timeout_s: float = 60.0) -> LedgerProcess:
+    """Start ``python -m moeswarm.ledger.cli serve ARGS`` and wait for its READY line."""
+    with open(log, "ab") as err:
+        process = subprocess.Popen([sys.executable, "-m", "moeswarm.ledger.cli", "serve", *args],
+                                   stdout=subprocess.PIPE, stderr=err, text=True,
+                                   env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    found: dict = {}
+    done = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("READY ") and not found:
+                found.update(json.loads(line[6:]))
+                done.set()
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not done.wait(timeout_s) or not found:
+        process.kill()
+        process.wait(5)
+        raise AssertionError(f"ledger did not get ready: {log.read_text()[-1500:]}")
+    return LedgerProcess(process, found, log)

@@ -1,0 +1,174 @@
+"""The ingestion service and the backbone's ReceiptSubmitter, in one process, on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+import aiohttp
+import msgpack
+
+from moeswarm.ledger import (
+    IngestResult,
+    Ledger,
+    LedgerService,
+    ModelShape,
+    ReceiptSubmitter,
+    SubmitterConfig,
+    verify_chain,
+)
+from moeswarm.protocol import encode
+
+from ledger_support import EPOCH_MS, T0, Clock, Peers
+
+FAST = SubmitterConfig(batch_size=10, max_delay_s=0.01, retry_initial_s=0.02, retry_max_s=0.1, close_timeout_s=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_post_receipts_answers_per_item_after_commit(ledger: Ledger) -> None:
+    good, other = Peers().receipts(2)
+    items = [encode(good), encode(good), b"junk", 42, encode(other)]
+
+    async def main() -> tuple[dict, dict, int]:
+        async with LedgerService(ledger) as service, aiohttp.ClientSession() as http:
+            async with http.post(f"{service.url}/v1/receipts", data=msgpack.packb({"receipts": items})) as r:
+                answer = await r.json()
+            async with http.get(f"{service.url}/healthz") as r:
+                health = await r.json()
+            async with http.post(f"{service.url}/v1/receipts", data=b"\xc1") as r:
+                status = r.status
+        return answer, health, status
+
+    answer, health, bad_status = asyncio.run(main())
+    results = [IngestResult.from_json(r) for r in answer["results"]]
+    assert [r.status for r in results] == ["accepted", "duplicate", "rejected", "rejected", "accepted"]
+    assert results[2].reason == results[3].reason == "malformed"
+    assert answer["head"] == 2 and health["entries"] == 2
+    assert health["peer_id"] == ledger.identity.peer_id_str  # type: ignore[union-attr]
+    assert bad_status == 400
+
+
+def test_submitter_batches_in_the_background(ledger: Ledger, tmp_path: Path) -> None:
+    receipts = Peers().receipts(35)
+    acked: list[IngestResult] = []
+
+    async def main() -> dict[str, int]:
+        async with LedgerService(ledger) as service:
+            submitter = ReceiptSubmitter(service.url, tmp_path / "queue", FAST, on_result=acked.append)
+            await submitter.start()
+            for cr in receipts[:20]:
+                submitter(cr)  # on the loop, like RemoteExperts.settle_receipts
+
+            def from_a_thread() -> None:
+                for cr in receipts[20:]:
+                    submitter(cr)
+
+            await asyncio.to_thread(from_a_thread)
+            assert await submitter.flush(10)
+            await submitter.aclose()
+            return submitter.stats
+
+    stats = asyncio.run(main())
+    assert ledger.head().position == 35 and len(acked) == 35
+    assert stats["accepted"] == 35 and stats["posts"] >= 4
+    assert verify_chain(ledger).ok
+
+
+def test_submitter_spools_while_the_ledger_is_down_and_resubmits(ledger: Ledger, tmp_path: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    receipts = Peers().receipts(25)
+    queue = tmp_path / "queue"
+
+    async def while_down() -> int:
+        async with ReceiptSubmitter(url, queue, replace(FAST, close_timeout_s=0.1)) as submitter:
+            for cr in receipts:
+                submitter(cr)
+            assert not await submitter.flush(0.3)  # nobody listens
+            return submitter.pending
+
+    assert asyncio.run(while_down()) == 25  # all spooled when it closed
+    assert len(list(queue.glob("*.spool"))) >= 3
+
+    async def back_up() -> dict[str, int]:
+        from moeswarm.ledger import ServiceConfig
+
+        async with LedgerService(ledger, ServiceConfig(port=port)), ReceiptSubmitter(url, queue, FAST) as submitter:
+            assert submitter.pending == 25
+            submitter(receipts[0])  # a duplicate of a spooled one
+            assert await submitter.flush(10)
+            return submitter.stats
+
+    stats = asyncio.run(back_up())
+    assert ledger.head().position == 25
+    assert stats["accepted"] == 25 and stats["duplicate"] == 1
+    assert not list(queue.glob("*.spool"))
+
+
+def test_submitter_registers_models_and_keeps_undecided_receipts(ledger: Ledger, tmp_path: Path) -> None:
+    peers = Peers()
+    unknown = peers.receipts(3, model="new/model")
+    config = SubmitterConfig(batch_size=10, max_delay_s=0.01, retry_initial_s=0.02,
+                             models=(("new/model", ModelShape(8, 16)),))
+
+    async def main() -> None:
+        async with LedgerService(ledger) as service:
+            async with ReceiptSubmitter(service.url, tmp_path / "a", config) as submitter:
+                for cr in unknown:
+                    submitter(cr)
+                assert await submitter.flush(10)
+
+    asyncio.run(main())
+    assert ledger.models()["new/model"] == ModelShape(8, 16)
+    assert ledger.head().position == 3
+
+
+def test_service_serves_proofs_and_statements(ledger: Ledger, clock: Clock) -> None:
+    from moeswarm.ledger import Proof, check_proof, settle_epoch
+
+    clock.ms = T0 + 1
+    [result] = ledger.ingest(Peers().receipts(1))
+    clock.ms = T0 + EPOCH_MS
+    settle_epoch(ledger, T0 // EPOCH_MS)
+
+    async def main() -> tuple[dict, dict, int]:
+        async with LedgerService(ledger) as service, aiohttp.ClientSession() as http:
+            async with http.get(f"{service.url}/v1/proofs/{(result.receipt_id or b'').hex()}") as r:
+                proof = await r.json()
+            async with http.get(f"{service.url}/v1/settlements/{T0 // EPOCH_MS}") as r:
+                statement = await r.json()
+            async with http.get(f"{service.url}/v1/settlements/1") as r:
+                missing = r.status
+        return proof, statement, missing
+
+    proof, statement, missing = asyncio.run(main())
+    assert check_proof(Proof.from_json(proof), ledger_key=ledger.ledger_peer_id) is None
+    assert statement["receipts"] == 1 and missing == 404
+
+
+def test_receipts_after_close_go_to_disk(ledger: Ledger, tmp_path: Path) -> None:
+    late = Peers().receipts(2)
+
+    async def main() -> None:
+        submitter = ReceiptSubmitter("http://127.0.0.1:9", tmp_path / "q", replace(FAST, close_timeout_s=0.05))
+        await submitter.start()
+        await submitter.aclose()
+        for cr in late:
+            submitter(cr)  # e.g. a backbone's final settle_receipts after the sink closed
+
+    asyncio.run(main())
+    assert len(list((tmp_path / "q").glob("*.spool"))) == 2
+
+    async def deliver() -> None:
+        async with LedgerService(ledger) as service, ReceiptSubmitter(service.url, tmp_path / "q", FAST) as s:
+            assert s.pending == 2 and await s.flush(10)
+
+    asyncio.run(deliver())
+    assert ledger.head().position == 2
