@@ -37,6 +37,8 @@ def _default_model() -> str:
               help="Compute the routed experts in the swarm reached through this bootstrap peer (repeatable); "
                    "this process runs the backbone and reads no expert weights.")
 @click.option("--local-fallback", is_flag=True, help="With --swarm: compute experts nobody serves locally.")
+@click.option("--relay-ca", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="With --swarm: trust this CA for relays of NAT'd devices (default: the system store).")
 @click.option("--show-experts", is_flag=True, help="With --swarm: print which peer served which experts (stderr).")
 @click.option("--ledger", "ledger_url", default=None, metavar="URL",
               help="With --swarm: submit the countersigned receipts of the experts served to this ledger.")
@@ -50,7 +52,7 @@ def _default_model() -> str:
 @friendly_errors
 def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, max_new_tokens: int, backend: str,
              temperature: float, top_p: float, seed: int | None, print_token_ids: bool, swarm: tuple[str, ...],
-             local_fallback: bool, show_experts: bool, ledger_url: str | None, speculative: int,
+             local_fallback: bool, relay_ca: str | None, show_experts: bool, ledger_url: str | None, speculative: int,
              memory_budget: str | None, stats: bool) -> None:
     """Generate text from a checkpoint, streaming it to stdout: in this process, or with --swarm."""
     from .model import load_model
@@ -60,6 +62,11 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
         import asyncio
 
         from .node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+
+        if relay_ca is not None:
+            from .relay import set_relay_ca
+
+            set_relay_ca(relay_ca)
 
         config = BackboneConfig(SwarmConfig(model_dir, bootstrap=swarm, client_mode=True),
                                 local_fallback=local_fallback, ledger_url=ledger_url)
@@ -171,10 +178,12 @@ def demo(model_dir: str | None, prompt: str | None, nodes: int, max_new_tokens: 
 
 def _register() -> None:
     from .market.cli import market
+    from .mobile_bridge.cli import bridge, export_onnx
     from .model.gguf_cli import convert_gguf
     from .node.cli import backbone, node
+    from .relay.cli import relay
 
-    for command in (node, backbone, market, convert_gguf):
+    for command in (node, backbone, relay, bridge, export_onnx, market, convert_gguf):
         main.add_command(command)
 
 

@@ -183,8 +183,7 @@ class RemoteExperts:
         )
         t0 = time.perf_counter()
         try:
-            client = await self.connections.get(holder, self.config.timeout_s)
-            response: ExpertResponse = await client.call(request, self.config.timeout_s)
+            response: ExpertResponse = await self._call_once_or_reconnect(holder, request)
             if response.outputs.shape != (request.pairs, x.shape[1]):
                 raise BadResponse(f"outputs have shape {list(response.outputs.shape)}, expected "
                                   f"[{request.pairs}, {x.shape[1]}]", code=ErrorCode.BAD_TENSOR)
@@ -223,6 +222,20 @@ class RemoteExperts:
             if self.receipts is not None:
                 self.receipts(countersign(self.identity, receipt))
         return bad
+
+    async def _call_once_or_reconnect(self, holder: Holder, request: ExpertRequest) -> ExpertResponse:
+        """A connection that was already open may have died since its last use (a relay restarted,
+        a NAT forgot us): then dial once more before counting the holder as failed."""
+        reused = holder.peer_id in self.connections._clients
+        client = await self.connections.get(holder, self.config.timeout_s)
+        try:
+            return await client.call(request, self.config.timeout_s)
+        except NetworkError:
+            if not reused:
+                raise
+            await self.connections.drop(holder.peer_id)
+            client = await self.connections.get(holder, self.config.timeout_s)
+            return await client.call(request, self.config.timeout_s)
 
     def _compute_locally(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int], y: np.ndarray) -> None:
         assert self.local is not None

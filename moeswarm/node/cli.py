@@ -26,6 +26,8 @@ def swarm_options(fn):  # type: ignore[no-untyped-def]
         click.option("--model-id", default=None, help="Name of the model in the swarm (default: from config.json)."),
         click.option("--identity", "identity_file", default=None, type=click.Path(),
                      help="File holding this peer's Ed25519 key (created if missing). Default: a new key each run."),
+        click.option("--relay-ca", default=None, type=click.Path(exists=True, dir_okay=False),
+                     help="Trust this CA for relays of NAT'd devices (default: the system trust store)."),
         click.option("-v", "--verbose", count=True, help="More logging on stderr."),
     ]
     for option in reversed(options):
@@ -34,8 +36,14 @@ def swarm_options(fn):  # type: ignore[no-untyped-def]
 
 
 def swarm_config(model_dir: str, bootstrap: tuple[str, ...], host: str, announce_host: str | None, p2p_port: int,
-                 client_mode: bool, model_id: str | None, identity_file: str | None, verbose: int):  # type: ignore[no-untyped-def]
+                 client_mode: bool, model_id: str | None, identity_file: str | None, relay_ca: str | None,
+                 verbose: int):  # type: ignore[no-untyped-def]
     from .daemon import SwarmConfig
+
+    if relay_ca is not None:
+        from ..relay import set_relay_ca
+
+        set_relay_ca(relay_ca)
 
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(asctime)s %(name)s %(message)s")
     return SwarmConfig(model_dir, tuple(bootstrap), host, announce_host, p2p_port, client_mode, model_id,
@@ -52,8 +60,14 @@ def host_port(text: str) -> tuple[str, int]:
 @click.command()
 @swarm_options
 @click.option("--layers", default=None, metavar="A-B", help="Layers to hold, inclusive (default: all).")
-@click.option("--experts", default=None, metavar="X-Y",
-              help="Experts to hold in each of those layers, inclusive: 0-31 is 32 experts (default: all).")
+@click.option("--experts", default=None, metavar="X-Y|auto",
+              help="Experts to hold in each of those layers, inclusive: 0-31 is 32 experts (default: all). "
+                   "'auto' asks the swarm's market what it lacks (then --layers is chosen too).")
+@click.option("--capacity", default=None, metavar="SIZE",
+              help="With --experts auto: memory to give to expert weights (default: --memory-budget, "
+                   "else half the free RAM).")
+@click.option("--device-class", default="hub", show_default=True, type=click.Choice(["hub", "edge"]),
+              help="With --experts auto: hub machines take hot experts, edge devices the long tail.")
 @click.option("--port", "data_port", default=0, type=int, show_default=True,
               help="Data-plane (expert calls, TLS) port; 0 = any free.")
 @click.option("--announce-port", default=None, type=int,
@@ -62,8 +76,8 @@ def host_port(text: str) -> tuple[str, int]:
               help="Keep resident memory under SIZE (e.g. 8GB): experts are paged in from the memory-mapped "
                    "checkpoint when called and dropped when least recently used.")
 @friendly_errors
-def node(layers: str | None, experts: str | None, data_port: int, announce_port: int | None,
-         memory_budget: str | None, **swarm: object) -> None:
+def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str, data_port: int,
+         announce_port: int | None, memory_budget: str | None, **swarm: object) -> None:
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
@@ -89,7 +103,8 @@ def node(layers: str | None, experts: str | None, data_port: int, announce_port:
 
     budget = parse_size(memory_budget) if memory_budget is not None else None
     config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port,  # type: ignore[arg-type]
-                        memory_budget=budget)
+                        memory_budget=budget, capacity_bytes=parse_size(capacity) if capacity else None,
+                        device_class=device_class)
     asyncio.run(run_node(config))
 
 

@@ -231,15 +231,22 @@ class ExpertClient:
     @classmethod
     async def connect(cls, endpoint: str, identity: Identity, *, expected_peer: bytes | None = None,
                       timeout: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME) -> "ExpertClient":
-        host, port, tls = parse_endpoint(endpoint)
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, ssl=client_context() if tls else None, limit=2**20), timeout
-            )
-        except asyncio.TimeoutError:
-            raise Timeout(f"connecting to {endpoint} timed out") from None
-        except OSError as e:
-            raise Unreachable(f"cannot connect to {endpoint}: {e}") from None
+        # --- begin relay dispatch (issue 5): relay+wss:// endpoints are dialled through the relay,
+        # whose WebSocket carries the same frames; channel binding is empty (no TLS to the device).
+        if endpoint.startswith(("relay+wss://", "relay+ws://")):
+            from ..relay import open_relay_stream
+
+            reader, writer = await open_relay_stream(endpoint, timeout=timeout, max_frame=max_frame)
+        else:  # --- end relay dispatch; below, unchanged: tcp+tls:// and tcp://
+            host, port, tls = parse_endpoint(endpoint)
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, port, ssl=client_context() if tls else None, limit=2**20), timeout
+                )
+            except asyncio.TimeoutError:
+                raise Timeout(f"connecting to {endpoint} timed out") from None
+            except OSError as e:
+                raise Unreachable(f"cannot connect to {endpoint}: {e}") from None
         try:
             server_peer = await asyncio.wait_for(
                 cls._handshake(reader, writer, identity, expected_peer, max_frame), timeout

@@ -1,0 +1,90 @@
+"""``moeswarm bridge`` and ``moeswarm export-onnx``: the edge device's command lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import click
+
+from .._cli_util import friendly_errors
+
+
+@click.command("export-onnx")
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+              help="Hugging Face model folder (config.json + *.safetensors).")
+@click.option("--layers", default=None, metavar="A-B", help="Layers to export, inclusive (default: all).")
+@click.option("--experts", default=None, metavar="X-Y", help="Experts to export in each MoE layer, inclusive (default: all).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write the shards to.")
+@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]),
+              help="Weights and arithmetic: fp32 matches the engine to 1e-5, fp16 halves the bytes.")
+@click.option("--model-id", default=None, help="Name of the model in the swarm (default: from config.json, as nodes).")
+@friendly_errors
+def export_onnx(model_dir: str, layers: str | None, experts: str | None, out_dir: str, dtype: str,
+                model_id: str | None) -> None:
+    """Export a checkpoint's experts as ONNX layer shards for `moeswarm bridge`.
+
+    Writes one layer_LLLL.onnx per MoE layer holding the chosen experts, its weights as
+    external data (layer_LLLL.onnx.data, memory-mappable), the model's config.json and a
+    manifest.json with SHA-256 hashes. Example:
+
+    \b
+        moeswarm export-onnx --model ./mixtral --layers 0-31 --experts 6-7 --out ./shards
+    """
+    from ..model import ModelConfig
+    from ..node.daemon import parse_range
+    from .export import export_onnx as run
+
+    cfg = ModelConfig.from_folder(model_dir)
+    manifest = run(model_dir, out_dir, layers=parse_range(layers, cfg.num_layers, "layers"),
+                   experts=parse_range(experts, cfg.num_experts, "experts"), dtype=dtype, model_id=model_id)
+    click.echo(json.dumps({"out": out_dir, "model_id": manifest.model_id, "layers": list(manifest.layers),
+                           "experts": list(manifest.experts), "moe_layers": list(manifest.moe_layers),
+                           "dtype": manifest.dtype}))
+
+
+@click.command()
+@click.option("--relay", "relay_url", required=True, metavar="wss://HOST:PORT", help="The relay to dial out to.")
+@click.option("--ca", "ca_file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Trust only this CA for the relay's certificate (default: the system trust store).")
+@click.option("--shards", "shards_dir", required=True, type=click.Path(file_okay=False, exists=True),
+              help="An export-onnx output folder.")
+@click.option("--layers", default=None, metavar="A-B", help="Serve only these layers of the shards.")
+@click.option("--experts", default=None, metavar="X-Y", help="Serve only these experts of the shards.")
+@click.option("--identity", "identity_file", type=click.Path(dir_okay=False), default=None,
+              help="File holding this device's Ed25519 key (created if missing). Default: a new key each run.")
+@click.option("--relay-peer", default=None, metavar="PEER_ID", help="Refuse a relay with another peer ID.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1, 64), help="onnxruntime threads.")
+@click.option("--mmap", is_flag=True, help="Memory-map the weights instead of copying them (less RAM, slower batches).")
+@click.option("--max-backoff", default=30.0, show_default=True, help="Longest wait between reconnects, seconds.")
+@click.option("--announce-interval", default=240.0, show_default=True, help="Re-announce this often, seconds.")
+@click.option("-v", "--verbose", count=True, help="More logging on stderr.")
+@friendly_errors
+def bridge(relay_url: str, ca_file: str | None, shards_dir: str, layers: str | None, experts: str | None,
+           identity_file: str | None, relay_peer: str | None, threads: int, mmap: bool, max_backoff: float,
+           announce_interval: float, verbose: int) -> None:
+    """Serve ONNX expert shards from behind NAT, through a relay (this device never listens).
+
+    Dials the relay over TLS, proves this device's identity, announces the shards' experts in
+    the swarm through the relay, and answers expert calls with onnxruntime, signing receipts.
+    Reconnects with jittered backoff when the relay goes away. Example:
+
+    \b
+        moeswarm bridge --relay wss://relay.example.org --shards ./shards --identity ~/.moeswarm/device.key
+
+    Prints `READY {json}` (peer_id, endpoint, layers, experts) once the relay has published it.
+    """
+    from .bridge import BridgeConfig, run_bridge
+
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(asctime)s %(name)s %(message)s")
+    config = BridgeConfig(relay_url, shards_dir, ca_file, identity_file, relay_peer, layers, experts, threads, mmap,
+                          announce_interval, max_backoff_s=max_backoff)
+    asyncio.run(run_bridge(config))
+
+
+_standalone = click.Group(commands={"bridge": bridge, "export-onnx": export_onnx},
+                          help="moeswarm edge-device commands (until registered in `moeswarm`).")
+
+if __name__ == "__main__":  # python -m moeswarm.mobile_bridge.cli bridge|export-onnx ...
+    _standalone()
