@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ..errors import ConfigError, Unreachable
 from ..model import Model, ModelConfig, Tokenizer, load_weights
 from ..protocol import Identity
@@ -100,6 +102,9 @@ class NodeConfig:
     announce_interval_s: float = 240.0  # protocol_spec: refresh every 4 minutes
     record_ttl_s: float = 600.0  # ... with records that expire 10 minutes ahead
     memory_budget: int | None = None  # bytes of resident memory to stay under (None: no limit)
+    capacity_bytes: int | None = None  # --experts auto: memory offered for expert weights (default: budget or half of free RAM)
+    throughput: float = 10_000.0  # --experts auto: (expert, token) pairs per second this machine can compute
+    device_class: str = "hub"  # --experts auto: "hub" (fat link) or "edge" (phone, NAT'd box)
 
 
 @dataclass(frozen=True)
@@ -136,31 +141,54 @@ def stop_event() -> asyncio.Event:
     return event
 
 
+async def market_assignment(p2p: Any, cfg: ModelConfig, model_id: str, config: NodeConfig) -> tuple[
+        tuple[int, int], tuple[int, int]]:
+    """``--experts auto``: ask the market which block of experts this volunteer should hold."""
+    from ..market import ModelShape, Volunteer, assign, fetch_state
+
+    probe = load_weights(config.swarm.model_dir, config=cfg,
+                         keep_expert=lambda L, e: e == 0 and L == next(i for i, m in enumerate(cfg.moe_layers) if m))
+    expert_bytes = next(w for layer in probe.experts.values() for w in layer.values()).nbytes
+    shape = ModelShape(model_id, tuple(L for L in range(cfg.num_layers) if cfg.moe_layers[L]), cfg.num_experts,
+                       expert_bytes)
+    state = await fetch_state(p2p, shape)
+    memory = config.capacity_bytes or config.memory_budget or int(psutil.virtual_memory().available // 2)
+    volunteer = Volunteer(memory_bytes=memory, throughput=config.throughput, device_class=config.device_class)
+    assignment = assign(shape, state.supply, state.demand, volunteer)
+    if not assignment.blocks:
+        raise ConfigError(f"{memory / 2**20:.0f} MiB cannot hold a single expert ({expert_bytes / 2**20:.1f} MiB)")
+    block = assignment.blocks[0]
+    return block.layers, block.experts
+
+
 async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
                    stop: asyncio.Event | None = None) -> None:
     sc = config.swarm
     cfg = ModelConfig.from_folder(sc.model_dir)
-    layers = parse_range(config.layers, cfg.num_layers, "layers")
-    experts = parse_range(config.experts, cfg.num_experts, "experts")
-    moe = tuple(L for L in range(layers[0], layers[1] + 1) if cfg.moe_layers[L])
-    if not moe:
-        raise ConfigError(f"layers {layers[0]}-{layers[1]} hold no MoE layer")
-    keep = lambda L, e: layers[0] <= L <= layers[1] and experts[0] <= e <= experts[1]  # noqa: E731
-    weights = load_weights(sc.model_dir, config=cfg, keep_expert=keep)
     model_id = sc.model_id or model_id_for(sc.model_dir, cfg)
     identity = load_identity(sc.identity_file)
     stop = stop or stop_event()
-    server = ExpertServer(weights, identity, ExpertServerConfig(
-        model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
-    if config.memory_budget is not None:
-        from ..model.memory import MemoryBudget
+    async with p2p_node(identity, sc) as p2p:
+        if config.experts == "auto":
+            layers, experts = await market_assignment(p2p, cfg, model_id, config)
+        else:
+            layers = parse_range(config.layers, cfg.num_layers, "layers")
+            experts = parse_range(config.experts, cfg.num_experts, "experts")
+        moe = tuple(L for L in range(layers[0], layers[1] + 1) if cfg.moe_layers[L])
+        if not moe:
+            raise ConfigError(f"layers {layers[0]}-{layers[1]} hold no MoE layer")
+        keep = lambda L, e: layers[0] <= L <= layers[1] and experts[0] <= e <= experts[1]  # noqa: E731
+        weights = load_weights(sc.model_dir, config=cfg, keep_expert=keep)
+        server = ExpertServer(weights, identity, ExpertServerConfig(
+            model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
+        if config.memory_budget is not None:
+            from ..model.memory import MemoryBudget
 
-        server.on_access = MemoryBudget(weights, config.memory_budget).before_expert
-    dataplane = DataPlaneServer(identity, server.handle, ServerConfig(host=sc.host, port=config.data_port))
-    await server.start()
-    await dataplane.start()
-    try:
-        async with p2p_node(identity, sc) as p2p:
+            server.on_access = MemoryBudget(weights, config.memory_budget).before_expert
+        dataplane = DataPlaneServer(identity, server.handle, ServerConfig(host=sc.host, port=config.data_port))
+        await server.start()
+        await dataplane.start()
+        try:
             host = sc.announce_host or sc.host
             endpoint = f"tcp+tls://{host}:{config.announce_port or dataplane.port}"
             capacity = sum(w.nbytes for layer in weights.experts.values() for w in layer.values())
@@ -169,13 +197,12 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
                 config.record_ttl_s), stats=lambda: (server.throughput, server.load_permille))
             await announcer.start()
             on_ready({"peer_id": identity.peer_id_str, "multiaddrs": public_multiaddrs(p2p.multiaddrs, sc),
-                      "endpoint": endpoint,
-                      "model_id": model_id, "layers": list(layers), "experts": list(experts)})
+                      "endpoint": endpoint, "model_id": model_id, "layers": list(layers), "experts": list(experts)})
             await stop.wait()
             await announcer.withdraw()
-    finally:
-        await dataplane.aclose()
-        await server.aclose()
+        finally:
+            await dataplane.aclose()
+            await server.aclose()
 
 
 class SwarmBackbone:

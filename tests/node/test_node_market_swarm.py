@@ -1,0 +1,87 @@
+"""Issue 6 end to end: three nodes started with --experts auto on an uncovered model cover every
+expert; the ledger settles their receipts with the market's per-expert prices."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from fractions import Fraction
+from math import floor
+from pathlib import Path
+
+import pytest
+
+from moeswarm.demo import CHECKPOINT
+from moeswarm.demo.swarm import start_daemon, stop_daemon
+from moeswarm.ledger import Ledger, ModelShape as LedgerShape, PerExpertPrice, StoreConfig, settle_epoch
+from moeswarm.market import Demand, DemandCounter, ModelShape, compute_prices, supply_from_holders
+from moeswarm.model import ModelConfig, SamplingParams, Tokenizer, generate
+from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+from moeswarm.protocol import Identity, peer_id_from_str
+
+pytestmark = pytest.mark.slow
+
+
+def test_auto_assignment_covers_the_model_and_settles_at_market_prices(tmp_path: Path) -> None:
+    cfg = ModelConfig.from_folder(CHECKPOINT)
+    moe = tuple(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
+    daemons = []
+    try:
+        for i in range(3):  # each offers ~40% of the experts' bytes: together they can cover it
+            args = ["node", "--model", str(CHECKPOINT), "--experts", "auto", "--capacity", "3MB"]
+            if daemons:
+                args += ["--bootstrap", daemons[0].info["multiaddrs"][0]]
+            daemons.append(start_daemon(f"auto{i}", args))
+        held = {(L, e) for d in daemons for L in range(d.info["layers"][0], d.info["layers"][1] + 1)
+                for e in range(d.info["experts"][0], d.info["experts"][1] + 1) if L in moe}
+        assert held == {(L, e) for L in moe for e in range(cfg.num_experts)}
+        assert all(d.info["layers"] != [0, cfg.num_layers - 1] or d.info["experts"] != [0, cfg.num_experts - 1]
+                   for d in daemons)  # nobody simply took the whole model
+
+        receipts: list = []
+
+        async def run() -> tuple[object, list]:
+            config = BackboneConfig(SwarmConfig(str(CHECKPOINT), bootstrap=(daemons[0].info["multiaddrs"][0],),
+                                                client_mode=True))
+            async with SwarmBackbone(config) as bb:
+                assert bb.model is not None and bb.executor is not None
+                bb.executor.receipts = receipts.append
+                counter = DemandCounter(moe, cfg.num_experts)
+                bb.model.observers.append(counter.observe)
+                tok = Tokenizer.from_folder(CHECKPOINT, cfg.bos_token_id)
+                for prompt in ("And it came to pass", "The LORD is my shepherd"):
+                    ids = tok.encode(prompt)
+                    await asyncio.to_thread(lambda: list(generate(bb.model, ids, SamplingParams(max_new_tokens=12))))  # type: ignore[arg-type]
+                bb.executor.settle_receipts()
+                expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+                shape = ModelShape(bb.model_id, moe, cfg.num_experts, expert_bytes)
+                supply = supply_from_holders(shape, list(bb.table.holders.values()), now_ms=int(time.time() * 1000))
+                counts = counter.snapshot()
+                demand = Demand(counts / counts.sum(), counter.rate(counts), reporters=1)
+                return compute_prices(shape, demand, supply, epoch=0), bb.model_id
+
+        table, model_id = asyncio.run(run())
+    finally:
+        for d in daemons:
+            stop_daemon(d)
+
+    now = [int(time.time() * 1000)]
+    ledger = Ledger(StoreConfig(str(tmp_path / "ledger.db"), create=True, epoch_s=3600), Identity.generate(),
+                    clock=lambda: now[0])
+    ledger.register_model(model_id, LedgerShape(cfg.hidden_size, cfg.moe_intermediate_size))
+    results = ledger.ingest(receipts)
+    assert all(r.status == "accepted" for r in results) and len(results) == len(receipts) > 0
+    price = PerExpertPrice(lambda m, layer, e, t: table.price(m, layer, e, table.epoch))  # type: ignore[attr-defined]
+    epoch = now[0] // 3_600_000  # the epoch the receipts were received in
+    now[0] += 3_600_000  # ... has ended an hour later
+    statement = settle_epoch(ledger, epoch, price)
+    paid = {b.server: b.credits for b in statement.balances}
+    assert set(paid) == {peer_id_from_str(d.info["peer_id"]) for d in daemons}
+    expected: dict[bytes, int] = {}
+    for cr in receipts:
+        r = cr.receipt
+        m = sum(Fraction(table.price(r.model_id, r.layer, e, table.epoch)) for e in r.experts) / len(r.experts)
+        expected[r.server] = expected.get(r.server, 0) + floor(r.expert_flops * m)
+    assert paid == expected
+    multipliers = {table.price(model_id, L, e, table.epoch) for L in moe for e in range(cfg.num_experts)}
+    assert len(multipliers) > 1  # market prices, not a flat 1.0
