@@ -60,7 +60,8 @@ from multiaddr import Multiaddr
 from moeswarm.errors import (
     ConfigError, NetworkError, ProtocolError, SwarmError, Timeout, Unreachable,
 )
-from moeswarm.protocol import DHT_NAMESPACE, Identity, select_record, validate_record
+from moeswarm.node.records import select_any, validate_any
+from moeswarm.protocol import DHT_NAMESPACE, Identity
 
 if TYPE_CHECKING:
     from .p2p import P2PConfig
@@ -274,10 +275,10 @@ class RecordValidator(Validator):
     def validate(self, key: str, value: bytes) -> None:
         entry = self._values.store.get(key.encode())  # raw: no expiry side effects
         stored = entry[0].value if entry is not None else None
-        validate_record(key, value, None if stored == value else stored)
+        validate_any(key, value, None if stored == value else stored)
 
     def select(self, key: str, values: list[bytes]) -> int:
-        return select_record(key, values)
+        return select_any(key, values)
 
 
 class MoeswarmDHT(KadDHT):
@@ -344,7 +345,7 @@ class MoeswarmDHT(KadDHT):
         if not candidates:
             return None
         try:
-            best = candidates[select_record(key, candidates)]
+            best = candidates[select_any(key, candidates)]
         except ProtocolError:  # nothing valid, e.g. our own copy has expired
             self.value_store.remove(key_bytes)
             return None

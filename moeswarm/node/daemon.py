@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
+import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from ..errors import ConfigError, Unreachable
+from ..errors import ConfigError, SwarmError, Unreachable
 from ..model import Model, ModelConfig, Tokenizer, load_weights
 from ..protocol import Identity
 from .announce import AnnounceConfig, Announcer
@@ -26,6 +29,9 @@ from .dataplane import DataPlaneServer, ServerConfig
 from .discovery import Discovery
 from .expert_server import ExpertServer, ExpertServerConfig
 from .routing_table import SwarmTable
+
+
+log = logging.getLogger(__name__)
 
 
 def parse_range(text: str | None, upper: int, what: str) -> tuple[int, int]:
@@ -115,6 +121,7 @@ class BackboneConfig:
     coverage_timeout_s: float = 60.0  # wait this long for every expert to be announced
     discovery_interval_s: float = 10.0
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    demand_interval_s: float = 120.0  # publish the routers' decayed expert counts (signed) this often
     ledger_url: str | None = None  # submit countersigned receipts to this ledger service
     ledger_queue_dir: str | None = None  # receipts spooled here until the ledger acknowledges them
 
@@ -239,6 +246,7 @@ class SwarmBackbone:
             self._stack.push_async_callback(self.executor.aclose)
             weights = load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
             self.model = Model(weights, experts=self.executor)
+            await self._start_demand_reports(moe)
         except BaseException:
             await self._stack.aclose()
             raise
@@ -246,6 +254,33 @@ class SwarmBackbone:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
+
+    async def _start_demand_reports(self, moe: list[int]) -> None:
+        """Count what the routers pick and publish it, signed, for the market (issue: scarcity)."""
+        from ..market import DemandCounter, publish_demand, report_from_counter
+
+        assert self.model is not None
+        self.demand = DemandCounter(tuple(moe), self.cfg.num_experts)
+        self.model.observers.append(self.demand.observe)
+        seq = itertools.count(int(time.time() * 1000))
+
+        async def publish() -> None:
+            while True:
+                await asyncio.sleep(self.config.demand_interval_s)
+                report = report_from_counter(self.identity, self.demand, model_id=self.model_id, seq=next(seq))
+                try:
+                    await publish_demand(self.p2p, report)
+                except SwarmError as e:
+                    log.info("publishing demand failed: %s", e)
+
+        task = asyncio.create_task(publish())
+
+        async def stop() -> None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        self._stack.push_async_callback(stop)
 
     async def _ledger_sink(self) -> Any:
         """A ReceiptSubmitter to the ledger; closed after the executor so its last receipts arrive."""

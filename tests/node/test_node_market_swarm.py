@@ -85,3 +85,33 @@ def test_auto_assignment_covers_the_model_and_settles_at_market_prices(tmp_path:
     assert paid == expected
     multipliers = {table.price(model_id, L, e, table.epoch) for L in moe for e in range(cfg.num_experts)}
     assert len(multipliers) > 1  # market prices, not a flat 1.0
+
+
+def test_backbones_publish_signed_demand_that_the_market_reads_from_the_dht() -> None:
+    from dataclasses import replace
+
+    from moeswarm.market import decode_report, fetch_reports, verify_report
+
+    daemons = [start_daemon("n0", ["node", "--model", str(CHECKPOINT)])]
+    try:
+        async def run() -> list:
+            config = BackboneConfig(SwarmConfig(str(CHECKPOINT), bootstrap=(daemons[0].info["multiaddrs"][0],),
+                                                client_mode=True))
+            config = replace(config, demand_interval_s=0.2)
+            async with SwarmBackbone(config) as bb:
+                tok = Tokenizer.from_folder(CHECKPOINT, bb.cfg.bos_token_id)
+                ids = tok.encode("And it came to pass")
+                await asyncio.to_thread(lambda: list(generate(bb.model, ids, SamplingParams(max_new_tokens=6))))  # type: ignore[arg-type]
+                deadline = time.monotonic() + 20
+                reports: list = []
+                while not reports and time.monotonic() < deadline:
+                    reports = [decode_report(v) for v in await fetch_reports(bb.p2p, bb.model_id)]
+                    await asyncio.sleep(0.1)  # bounded poll for the periodic publisher
+                return [(r, bb.identity.peer_id, bb.demand.snapshot().sum()) for r in reports]
+
+        found = asyncio.run(run())
+    finally:
+        stop_daemon(daemons[0])
+    assert found, "no demand report reached the DHT"
+    report, me, total = found[0]
+    assert report.reporter == me and verify_report(report) and report.counts.sum() > 0 and total > 0
