@@ -9,7 +9,33 @@ import click
 
 from ._cli_util import friendly_errors
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class LazyGroup(click.Group):
+    """Subcommands that live in other packages are imported only when used: ``moeswarm generate``
+    should not pay for aiohttp, onnxruntime or the ledger's SQLAlchemy (time and resident memory)."""
+
+    lazy = {
+        "node": "moeswarm.node.cli:node",
+        "backbone": "moeswarm.node.cli:backbone",
+        "relay": "moeswarm.relay.cli:relay",
+        "bridge": "moeswarm.mobile_bridge.cli:bridge",
+        "export-onnx": "moeswarm.mobile_bridge.cli:export_onnx",
+        "market": "moeswarm.market.cli:market",
+        "convert-gguf": "moeswarm.model.gguf_cli:convert_gguf",
+    }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.lazy])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy:
+            import importlib
+
+            module, _, attr = self.lazy[name].partition(":")
+            return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="moeswarm")
 def main() -> None:
     """moeswarm: serve Mixture-of-Experts language models from a swarm of volunteer machines."""
@@ -175,19 +201,6 @@ def demo(model_dir: str | None, prompt: str | None, nodes: int, max_new_tokens: 
 
     run_demo(model_dir or _default_model(), prompt or DEFAULT_PROMPT, nodes, max_new_tokens)
 
-
-def _register() -> None:
-    from .market.cli import market
-    from .mobile_bridge.cli import bridge, export_onnx
-    from .model.gguf_cli import convert_gguf
-    from .node.cli import backbone, node
-    from .relay.cli import relay
-
-    for command in (node, backbone, relay, bridge, export_onnx, market, convert_gguf):
-        main.add_command(command)
-
-
-_register()
 
 if __name__ == "__main__":  # pragma: no cover
     main()
