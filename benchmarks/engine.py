@@ -67,10 +67,10 @@ def bench_hf(folder: Path, batch: int, steps: int, prompt: np.ndarray) -> float:
     ids = torch.from_numpy(prompt[:batch])
     out = model(ids, use_cache=True)
     cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    out = model(token, past_key_values=cache, use_cache=True)
+    out = model(token, cache=cache, use_cache=True)
     t0 = time.perf_counter()
     for _ in range(steps):
-        out = model(token, past_key_values=out.past_key_values, use_cache=True)
+        out = model(token, cache=out.past_key_values, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
     return batch * steps / (time.perf_counter() - t0)
 
