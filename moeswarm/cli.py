@@ -68,6 +68,8 @@ def _default_model() -> str:
 @click.option("--show-experts", is_flag=True, help="With --swarm: print which peer served which experts (stderr).")
 @click.option("--ledger", "ledger_url", default=None, metavar="URL",
               help="With --swarm: submit the countersigned receipts of the experts served to this ledger.")
+@click.option("--audit-fraction", default=0.0, show_default=True, type=click.FloatRange(0, 1), metavar="F",
+              help="With --swarm and --ledger: have the ledger re-execute this share of expert calls.")
 @click.option("--speculative", default=0, type=click.IntRange(0, 32), metavar="K",
               help="Greedy only: verify up to K prompt-lookup draft tokens per forward pass (same output, "
                    "fewer round trips through the swarm). 0 = off.")
@@ -78,8 +80,8 @@ def _default_model() -> str:
 @friendly_errors
 def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, max_new_tokens: int, backend: str,
              temperature: float, top_p: float, seed: int | None, print_token_ids: bool, swarm: tuple[str, ...],
-             local_fallback: bool, relay_ca: str | None, show_experts: bool, ledger_url: str | None, speculative: int,
-             memory_budget: str | None, stats: bool) -> None:
+             local_fallback: bool, relay_ca: str | None, show_experts: bool, ledger_url: str | None,
+             audit_fraction: float, speculative: int, memory_budget: str | None, stats: bool) -> None:
     """Generate text from a checkpoint, streaming it to stdout: in this process, or with --swarm."""
     from .model import load_model
 
@@ -95,7 +97,7 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
             set_relay_ca(relay_ca)
 
         config = BackboneConfig(SwarmConfig(model_dir, bootstrap=swarm, client_mode=True),
-                                local_fallback=local_fallback, ledger_url=ledger_url)
+                                local_fallback=local_fallback, ledger_url=ledger_url, audit_fraction=audit_fraction)
 
         async def in_swarm() -> None:
             async with SwarmBackbone(config) as backbone:

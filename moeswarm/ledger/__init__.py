@@ -8,7 +8,8 @@ epoch into signed statements with Merkle roots, spot-checked by audits.
     statement = settle_epoch(ledger, epoch)                            # signed, with a Merkle root
     report = verify_chain(ledger)                                      # every link and signature
 
-A backbone submits through ``ReceiptSubmitter(url, queue_dir)`` (its receipt sink) to a
+Settled roots go into the swarm's DHT (``publish_root``), where volunteers check proofs against
+them (``fetch_root``, ``root_problem``). A backbone submits through ``ReceiptSubmitter(url, queue_dir)`` (its receipt sink) to a
 ``LedgerService`` (``moeswarm-ledger serve``). See ``cli.py`` for the command line.
 """
 
@@ -20,6 +21,7 @@ from ._ingest import IngestResult
 from ._merkle import inclusion_proof, leaf_hash, merkle_root, node_hash, verify_inclusion
 from ._queries import ReceiptRow, list_receipts, load_key
 from ._remote import RemoteJudge
+from ._roots import fetch_root, publish_root, root_problem, root_record
 from ._service import LedgerService, ServiceConfig
 from ._settle import Balance, FlatPrice, PerExpertPrice, Pricing, Statement, balances, credits
 from ._settlement import PeerBalance, Proof, check_proof, peer_balance, prove, settle_epoch, stored_statement
@@ -37,6 +39,8 @@ __all__ = [
     "Pricing", "FlatPrice", "PerExpertPrice", "Balance", "Statement", "balances", "credits", "settle_epoch",
     "stored_statement", "Proof", "prove", "check_proof", "PeerBalance", "peer_balance",
     "merkle_root", "inclusion_proof", "verify_inclusion", "leaf_hash", "node_hash",
+    # settlement roots in the DHT
+    "publish_root", "fetch_root", "root_problem", "root_record",
     # service and submitter
     "LedgerService", "ServiceConfig", "ReceiptSubmitter", "SubmitterConfig",
     # audits

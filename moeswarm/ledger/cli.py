@@ -2,8 +2,9 @@
 
 Every command takes ``--db``: a file path (SQLite) or any SQLAlchemy URL
 (``postgresql://user@host/dbname``). Errors are one line on stderr with exit code 2 (a missing
-database, a bad URL, a missing key ...); ``verify`` and ``check-proof`` exit 1 when what they
-check is wrong.
+database, a bad URL, a missing key ...); ``verify``, ``check-proof``, ``prove --bootstrap`` and
+``root`` exit 1 when what they check is wrong (or, for ``root``, absent). ``--bootstrap`` reaches
+the swarm's DHT, where ``settle`` publishes each epoch's signed root.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ _DB = click.option("--db", default="ledger.db", show_default=True, metavar="PATH
 _KEY = click.option("--key", "key_path", type=click.Path(dir_okay=False), default=None,
                     help="The ledger's Ed25519 key (32-byte seed file). Default: DB.key beside a SQLite "
                          "file, else ./ledger.key.")
+_BOOTSTRAP = click.option("--bootstrap", multiple=True, metavar="MULTIADDR",
+                         help="A swarm peer to reach the DHT through, e.g. /ip4/1.2.3.4/tcp/4001/p2p/12D3Koo... "
+                              "(repeatable).")
 _FORMAT = click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table",
                        show_default=True)
 
@@ -158,14 +162,54 @@ def verify(db: str, ledger_key: str | None) -> None:
 @_DB
 @_KEY
 @click.option("--epoch", type=click.IntRange(0), required=True, help="Epoch number (see `epochs`).")
+@_BOOTSTRAP
 @friendly_errors
-def settle(db: str, key_path: str | None, epoch: int) -> None:
-    """Settle an ended epoch: balances per server and a signed statement with the Merkle root."""
+def settle(db: str, key_path: str | None, epoch: int, bootstrap: tuple[str, ...]) -> None:
+    """Settle an ended epoch: balances per server and a signed statement with the Merkle root.
+
+    With --bootstrap, the epoch's signed root is also published in the swarm's DHT (again, if
+    the epoch was settled before), where `root` and `check-proof --bootstrap` find it."""
     from ._settlement import settle_epoch
 
     with _open(db, key_path, need_key=True) as ledger:
         statement = settle_epoch(ledger, epoch)
+        identity = ledger.identity
     click.echo(json.dumps(statement.to_json(), indent=1))
+    if bootstrap:
+        from ._roots import publish_root
+
+        assert identity is not None
+        root, stored = asyncio.run(publish_root(statement, identity, bootstrap))
+        click.echo(f"published the root of epoch {epoch} ({root.merkle_root.hex()[:16]}) in the DHT: "
+                   f"{stored} peers stored it", err=True)
+
+
+@main.command()
+@_BOOTSTRAP
+@click.option("--ledger-peer", required=True, metavar="PEER_ID", help="The ledger's peer ID (base58).")
+@click.option("--epoch", type=click.IntRange(0), required=True, help="Epoch number.")
+@friendly_errors
+def root(bootstrap: tuple[str, ...], ledger_peer: str, epoch: int) -> None:
+    """Fetch a ledger's signed settlement root of an epoch from the DHT and verify it (JSON on stdout;
+    exit 1 if the DHT holds none)."""
+    from ._roots import fetch_root
+
+    found = asyncio.run(fetch_root(peer_id_from_str(ledger_peer), epoch, bootstrap))
+    if found is None:
+        click.echo(f"BAD no settlement root of epoch {epoch} of {ledger_peer} in the DHT", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(found.to_json(), indent=1))
+
+
+def _check_dht_root(proof: Any, ledger: bytes, bootstrap: tuple[str, ...]) -> None:
+    """Exit 1 unless the proof leads to the root the DHT holds for its epoch."""
+    from ._roots import fetch_root, root_problem
+
+    problem = root_problem(proof, asyncio.run(fetch_root(ledger, proof.epoch, bootstrap)))
+    if problem is not None:
+        click.echo(f"BAD proof: {problem}", err=True)
+        sys.exit(1)
+    click.echo(f"ok: the proof leads to the root in the DHT for epoch {proof.epoch}", err=True)
 
 
 @main.command()
@@ -189,22 +233,32 @@ def epochs(db: str) -> None:
 @main.command()
 @_DB
 @click.argument("receipt_id")
+@_BOOTSTRAP
 @friendly_errors
-def prove(db: str, receipt_id: str) -> None:
-    """Merkle inclusion proof of a receipt (full hex id or a prefix) as JSON; check it with check-proof."""
+def prove(db: str, receipt_id: str, bootstrap: tuple[str, ...]) -> None:
+    """Merkle inclusion proof of a receipt (full hex id or a prefix) as JSON; check it with check-proof.
+
+    With --bootstrap, also check it against the epoch's root in the DHT (exit 1 if it differs)."""
     from ._settlement import prove as make_proof
 
     with _open(db) as ledger:
         proof = make_proof(ledger, receipt_id)
+        ledger_peer = ledger.ledger_peer_id
     click.echo(json.dumps(proof.to_json(), indent=1))
+    if bootstrap:
+        _check_dht_root(proof, ledger_peer, bootstrap)
 
 
 @main.command("check-proof")
 @click.argument("proof_file", type=click.File("r"))
 @click.option("--ledger-key", default=None, metavar="PEER_ID", help="Require statements signed by this ledger.")
+@_BOOTSTRAP
 @friendly_errors
-def check_proof_cmd(proof_file: Any, ledger_key: str | None) -> None:
-    """Verify an inclusion proof (a file, or - for stdin) without the database."""
+def check_proof_cmd(proof_file: Any, ledger_key: str | None, bootstrap: tuple[str, ...]) -> None:
+    """Verify an inclusion proof (a file, or - for stdin) without the database.
+
+    With --bootstrap, also require that it leads to the root the ledger published in the DHT for
+    that epoch (the ledger is --ledger-key, else the signer of the proof's statement)."""
     from ._settlement import Proof, check_proof
 
     try:
@@ -216,6 +270,11 @@ def check_proof_cmd(proof_file: Any, ledger_key: str | None) -> None:
     if problem is not None:
         click.echo(f"BAD proof: {problem}", err=True)
         sys.exit(1)
+    if bootstrap:
+        ledger = peer_id_from_str(ledger_key) if ledger_key else proof.statement.ledger if proof.statement else None
+        if ledger is None:
+            raise ConfigError("the proof holds no statement: name the ledger with --ledger-key")
+        _check_dht_root(proof, ledger, bootstrap)
     signed = "in the signed statement of" if proof.statement else "in the (unsettled) tree of"
     click.echo(f"ok: receipt {proof.receipt_id.hex()[:16]} is leaf {proof.leaf_index} of {proof.tree_size} "
                f"{signed} epoch {proof.epoch}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Protocol
 
 from moeswarm.errors import ProtocolError, SwarmError
@@ -84,9 +84,9 @@ async def publish_demand(dht: DHT, report: DemandReport) -> None:
 
 
 async def fetch_announcements(dht: DHT, shape: ModelShape, *, now_ms: int | None = None) -> list[Announcement]:
-    """Every valid announcement of ``shape``'s model, one per peer (Discovery's read pattern)."""
-    seen: set[str] = set()
-    out: list[Announcement] = []
+    """Every valid announcement of ``shape``'s model, each peer's newest (Discovery's read pattern:
+    a provider is read again under a layer its newest record so far does not cover)."""
+    newest: dict[str, Announcement] = {}
     for layer in shape.moe_layers:
         try:
             providers = await dht.find_providers(provider_key(shape.model_id, layer))
@@ -94,8 +94,9 @@ async def fetch_announcements(dht: DHT, shape: ModelShape, *, now_ms: int | None
             log.info("find_providers for layer %d failed: %s", layer, e)
             continue
         for peer in providers:
-            if peer in seen:
-                continue  # its record, read under an earlier layer, covers its whole range
+            seen = newest.get(peer)
+            if seen is not None and seen.layers[0] <= layer <= seen.layers[1]:
+                continue  # the record read under an earlier layer covers this one
             try:
                 key = announcement_key(shape.model_id, layer, peer_id_from_str(peer))
                 value = await dht.get(key)
@@ -105,9 +106,9 @@ async def fetch_announcements(dht: DHT, shape: ModelShape, *, now_ms: int | None
             except SwarmError as e:  # ProtocolError is one
                 log.info("record of %s for layer %d rejected: %s", peer, layer, e)
                 continue
-            seen.add(peer)
-            out.append(record)
-    return out
+            if seen is None or record.seq > seen.seq:
+                newest[peer] = record
+    return list(newest.values())
 
 
 async def fetch_reports(dht: DHT, model_id: str) -> list[bytes]:
@@ -133,14 +134,17 @@ async def fetch_state(dht: DHT, shape: ModelShape, *, now_ms: int | None = None,
                       extra_reports: Iterable[DemandReport | bytes] = (),
                       previous_prices: PriceTable | None = None,
                       merge_config: MergeConfig = MergeConfig(),
-                      price_config: PriceConfig = PriceConfig()) -> MarketState:
+                      price_config: PriceConfig = PriceConfig(),
+                      exclude_peers: Collection[bytes] = ()) -> MarketState:
     """The market's state of ``shape``'s model, read live from the DHT.
 
-    Supply from the validated announcements of every MoE layer; demand merged from the
-    reports under the demand key plus ``extra_reports`` (e.g. the local backbone's own).
+    Supply from the validated announcements of every MoE layer, except those of
+    ``exclude_peers`` (a node re-evaluating its own block counts itself as it knows it is, not
+    as the DHT last heard); demand merged from the reports under the demand key plus
+    ``extra_reports`` (e.g. the local backbone's own).
     """
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    announcements = await fetch_announcements(dht, shape, now_ms=now)
+    announcements = [a for a in await fetch_announcements(dht, shape, now_ms=now) if a.peer_id not in exclude_peers]
     reports: list[DemandReport | bytes] = [*await fetch_reports(dht, shape.model_id), *extra_reports]
     merged = merge_reports(reports, shape, now_ms=now, config=merge_config)
     if merged.rejected:

@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ..errors import SwarmError
@@ -52,14 +52,17 @@ class Announcer:
         self._task: asyncio.Task[None] | None = None
         self.last: Announcement | None = None
 
-    def record(self, ttl_s: float) -> Announcement:
-        self._seq += 1
+    def record(self, ttl_s: float, config: AnnounceConfig | None = None, seq: int | None = None) -> Announcement:
+        """A signed record of ``config`` (default: the current one) with the next ``seq`` (or ``seq``)."""
+        if seq is None:
+            self._seq += 1
+            seq = self._seq
         throughput, load = self.stats()
-        c = self.config
+        c = config or self.config
         return sign_announcement(
             self.identity, model_id=c.model_id, layers=c.layers, experts=c.experts, endpoints=c.endpoints,
             capacity_bytes=c.capacity_bytes, throughput=throughput, load_permille=load, software=SOFTWARE,
-            seq=self._seq, expires_at_ms=int((time.time() + ttl_s) * 1000),
+            seq=seq, expires_at_ms=int((time.time() + ttl_s) * 1000),
         )
 
     async def publish(self, ttl_s: float | None = None, *, provide: bool = True) -> None:
@@ -70,6 +73,30 @@ class Announcer:
             if provide:
                 await self.dht.provide(provider_key(self.config.model_id, layer))
         self.last = record
+
+    async def move(self, layers: tuple[int, int], moe_layers: Sequence[int], experts: tuple[int, int],
+                   capacity_bytes: int, *, retire_ttl_s: float = 2.0) -> None:
+        """Announce another block instead of the current one (one record per node, new ``seq``).
+
+        The new record goes under the keys of the new layers. A record stored under a layer's key
+        must cover that layer, so the key of each layer no longer held gets a record of that layer
+        alone (old experts), expiring in ``retire_ttl_s``, with a ``seq`` below the new record's:
+        readers that keep a peer's newest record and re-read it under layers that record does not
+        cover (``Discovery``) see the new block at once. The caller serves the old block longer.
+        """
+        old = self.config
+        stale = [L for L in old.moe_layers if L not in moe_layers]
+        retire_seqs = range(self._seq + 1, self._seq + 1 + len(stale))
+        self._seq += len(stale)
+        self.config = replace(old, layers=layers, moe_layers=tuple(moe_layers), experts=experts,
+                              capacity_bytes=capacity_bytes)
+        await self.publish()
+        for layer, seq in zip(stale, retire_seqs):
+            record = self.record(retire_ttl_s, replace(old, layers=(layer, layer), moe_layers=(layer,)), seq)
+            try:
+                await self.dht.put(announcement_key(old.model_id, layer, self.identity.peer_id), encode(record))
+            except SwarmError as e:  # readers then believe the old record (which we serve) until it expires
+                log.warning("retiring the record of layer %d failed: %s", layer, e)
 
     async def start(self) -> None:
         await self.publish()

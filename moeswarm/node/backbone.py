@@ -61,6 +61,8 @@ class DispatchConfig:
 
 
 ReceiptSink = Callable[[CountersignedReceipt], None]
+AuditHook = Callable[[ExpertRequest, np.ndarray, CountersignedReceipt], None]
+"""Offered every countersigned call: the request, the outputs as received (P, H), the receipt."""
 
 
 class Connections:
@@ -114,7 +116,7 @@ class RemoteExperts:
 
     def __init__(self, cfg: ModelConfig, identity: Identity, table: SwarmTable, loop: asyncio.AbstractEventLoop,
                  *, config: DispatchConfig = DispatchConfig(), local: Weights | None = None,
-                 receipts: ReceiptSink | None = None) -> None:
+                 receipts: ReceiptSink | None = None, audit: AuditHook | None = None) -> None:
         self.cfg = cfg
         self.identity = identity
         self.table = table
@@ -122,6 +124,7 @@ class RemoteExperts:
         self.config = config
         self.local = local  # memory-mapped checkpoint for --local-fallback, or None
         self.receipts = receipts
+        self.audit = audit  # e.g. moeswarm.ledger.AuditRunner.offer: must not block
         self.connections = Connections(identity)
         self._seq = itertools.count(int(time.time() * 1000) * 1000)  # never reused across restarts
         self.served_by: dict[bytes, set[tuple[int, int]]] = {}  # peer -> (layer, expert) it computed
@@ -219,8 +222,11 @@ class RemoteExperts:
                 log.warning("refusing a receipt from %s: %s", peer.hex()[-12:], e)
                 self.table.holders[peer].fail(time.monotonic()) if peer in self.table.holders else None
                 continue
+            countersigned = countersign(self.identity, receipt)
             if self.receipts is not None:
-                self.receipts(countersign(self.identity, receipt))
+                self.receipts(countersigned)
+            if self.audit is not None:
+                self.audit(request, response.outputs, countersigned)
         return bad
 
     async def _call_once_or_reconnect(self, holder: Holder, request: ExpertRequest) -> ExpertResponse:

@@ -68,6 +68,10 @@ def host_port(text: str) -> tuple[str, int]:
                    "else half the free RAM).")
 @click.option("--device-class", default="hub", show_default=True, type=click.Choice(["hub", "edge"]),
               help="With --experts auto: hub machines take hot experts, edge devices the long tail.")
+@click.option("--rebalance-interval", default=600.0, show_default=True, type=click.FloatRange(min=0),
+              metavar="SECONDS",
+              help="With --experts auto: ask the market about this often whether another block is clearly worth "
+                   "more, and move there, never dropping experts that no other node holds; 0 = never.")
 @click.option("--port", "data_port", default=0, type=int, show_default=True,
               help="Data-plane (expert calls, TLS) port; 0 = any free.")
 @click.option("--announce-port", default=None, type=int,
@@ -76,8 +80,9 @@ def host_port(text: str) -> tuple[str, int]:
               help="Keep resident memory under SIZE (e.g. 8GB): experts are paged in from the memory-mapped "
                    "checkpoint when called and dropped when least recently used.")
 @friendly_errors
-def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str, data_port: int,
-         announce_port: int | None, memory_budget: str | None, **swarm: object) -> None:
+def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str,
+         rebalance_interval: float, data_port: int, announce_port: int | None, memory_budget: str | None,
+         **swarm: object) -> None:
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
@@ -95,7 +100,8 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 
     Every peer must use the same checkpoint (the model id is derived from its config.json).
 
-    Prints `READY {json}` (peer_id, multiaddrs, endpoint) on stdout once serving.
+    Prints `READY {json}` (peer_id, multiaddrs, endpoint) on stdout once serving, and with
+    --experts auto a `REBALANCE {json}` line (action, reason, layers, experts) per re-evaluation.
     """
     from .daemon import NodeConfig, run_node
 
@@ -104,7 +110,7 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
     budget = parse_size(memory_budget) if memory_budget is not None else None
     config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port,  # type: ignore[arg-type]
                         memory_budget=budget, capacity_bytes=parse_size(capacity) if capacity else None,
-                        device_class=device_class)
+                        device_class=device_class, rebalance_interval_s=rebalance_interval)
     asyncio.run(run_node(config))
 
 
@@ -118,9 +124,12 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
               help="Submit countersigned receipts to this ledger service (moeswarm-ledger serve).")
 @click.option("--ledger-queue", default=None, type=click.Path(),
               help="Spool folder for receipts not yet acknowledged (default: ~/.moeswarm/receipts/PEER).")
+@click.option("--audit-fraction", default=0.0, show_default=True, type=click.FloatRange(0, 1), metavar="F",
+              help="With --ledger: have the ledger re-execute this share of expert calls (e.g. 0.01); a server "
+                   "caught lying gets signed evidence and its receipts of the epoch are withheld.")
 @friendly_errors
 def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_url: str | None,
-             ledger_queue: str | None, **swarm: object) -> None:
+             ledger_queue: str | None, audit_fraction: float, **swarm: object) -> None:
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
 
     Serves /v1/models, /v1/completions and /v1/chat/completions. Prints `READY {json}`
@@ -129,5 +138,5 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
     from .daemon import BackboneConfig, run_backbone
 
     config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout,  # type: ignore[arg-type]
-                            ledger_url=ledger_url, ledger_queue_dir=ledger_queue)
+                            ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction)
     asyncio.run(run_backbone(config))

@@ -16,9 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import psutil
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, SwarmError, Unreachable
 from ..model import Model, ModelConfig, Tokenizer, load_weights
@@ -28,8 +26,22 @@ from .backbone import DispatchConfig, RemoteExperts
 from .dataplane import DataPlaneServer, ServerConfig
 from .discovery import Discovery
 from .expert_server import ExpertServer, ExpertServerConfig
+from .rebalancer import (
+    Decision,
+    Holding,
+    Rebalancer,
+    held_bytes,
+    load_block,
+    market_assignment,
+    market_view,
+    moe_layers_in,
+    report_decision,
+    watch_memory,
+)
 from .routing_table import SwarmTable
 
+if TYPE_CHECKING:
+    from ..market import RebalanceConfig
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +123,9 @@ class NodeConfig:
     capacity_bytes: int | None = None  # --experts auto: memory offered for expert weights (default: budget or half of free RAM)
     throughput: float = 10_000.0  # --experts auto: (expert, token) pairs per second this machine can compute
     device_class: str = "hub"  # --experts auto: "hub" (fat link) or "edge" (phone, NAT'd box)
+    rebalance_interval_s: float = 600.0  # --experts auto: re-evaluate the block about this often, seconds (0: never)
+    rebalance_grace_s: float = 30.0  # after a move, serve the old block this long too (calls in flight, stale tables)
+    rebalance: RebalanceConfig | None = None  # --experts auto: hysteresis and cooldown of moves (None: the market's)
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,14 @@ class BackboneConfig:
     demand_interval_s: float = 120.0  # publish the routers' decayed expert counts (signed) this often
     ledger_url: str | None = None  # submit countersigned receipts to this ledger service
     ledger_queue_dir: str | None = None  # receipts spooled here until the ledger acknowledges them
+    audit_fraction: float = 0.0  # share of expert calls the ledger re-executes (needs ledger_url), 0..1
+    audit_drain_s: float = 30.0  # on shutdown, wait at most this long for the audits still queued
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.audit_fraction <= 1.0:
+            raise ConfigError(f"the audit fraction must be within 0..1, not {self.audit_fraction}")
+        if self.audit_fraction > 0 and self.ledger_url is None:
+            raise ConfigError("audits are judged by the ledger: --audit-fraction needs --ledger")
 
 
 @contextlib.asynccontextmanager
@@ -148,64 +171,45 @@ def stop_event() -> asyncio.Event:
     return event
 
 
-async def market_assignment(p2p: Any, cfg: ModelConfig, model_id: str, config: NodeConfig) -> tuple[
-        tuple[int, int], tuple[int, int]]:
-    """``--experts auto``: ask the market which block of experts this volunteer should hold."""
-    from ..market import ModelShape, Volunteer, assign, fetch_state
-
-    probe = load_weights(config.swarm.model_dir, config=cfg,
-                         keep_expert=lambda L, e: e == 0 and L == next(i for i, m in enumerate(cfg.moe_layers) if m))
-    expert_bytes = next(w for layer in probe.experts.values() for w in layer.values()).nbytes
-    shape = ModelShape(model_id, tuple(L for L in range(cfg.num_layers) if cfg.moe_layers[L]), cfg.num_experts,
-                       expert_bytes)
-    state = await fetch_state(p2p, shape)
-    memory = config.capacity_bytes or config.memory_budget or int(psutil.virtual_memory().available // 2)
-    volunteer = Volunteer(memory_bytes=memory, throughput=config.throughput, device_class=config.device_class)
-    assignment = assign(shape, state.supply, state.demand, volunteer)
-    if not assignment.blocks:
-        raise ConfigError(f"{memory / 2**20:.0f} MiB cannot hold a single expert ({expert_bytes / 2**20:.1f} MiB)")
-    block = assignment.blocks[0]
-    return block.layers, block.experts
-
-
 async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
-                   stop: asyncio.Event | None = None) -> None:
+                   stop: asyncio.Event | None = None,
+                   on_decision: Callable[[Decision], None] = report_decision) -> None:
     sc = config.swarm
     cfg = ModelConfig.from_folder(sc.model_dir)
     model_id = sc.model_id or model_id_for(sc.model_dir, cfg)
     identity = load_identity(sc.identity_file)
     stop = stop or stop_event()
     async with p2p_node(identity, sc) as p2p:
+        market = None
         if config.experts == "auto":
-            layers, experts = await market_assignment(p2p, cfg, model_id, config)
+            market = market_view(cfg, model_id, config)
+            block = await market_assignment(p2p, *market)
+            layers, experts = block.layers, block.experts
         else:
             layers = parse_range(config.layers, cfg.num_layers, "layers")
             experts = parse_range(config.experts, cfg.num_experts, "experts")
-        moe = tuple(L for L in range(layers[0], layers[1] + 1) if cfg.moe_layers[L])
-        if not moe:
-            raise ConfigError(f"layers {layers[0]}-{layers[1]} hold no MoE layer")
-        keep = lambda L, e: layers[0] <= L <= layers[1] and experts[0] <= e <= experts[1]  # noqa: E731
-        weights = load_weights(sc.model_dir, config=cfg, keep_expert=keep)
+        moe = moe_layers_in(cfg, layers)
+        weights = load_block(sc.model_dir, cfg, layers, experts)
         server = ExpertServer(weights, identity, ExpertServerConfig(
             model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
-        if config.memory_budget is not None:
-            from ..model.memory import MemoryBudget
-
-            server.on_access = MemoryBudget(weights, config.memory_budget).before_expert
+        watch_memory(server, weights, config.memory_budget)
         dataplane = DataPlaneServer(identity, server.handle, ServerConfig(host=sc.host, port=config.data_port))
         await server.start()
         await dataplane.start()
         try:
             host = sc.announce_host or sc.host
             endpoint = f"tcp+tls://{host}:{config.announce_port or dataplane.port}"
-            capacity = sum(w.nbytes for layer in weights.experts.values() for w in layer.values())
             announcer = Announcer(p2p, identity, AnnounceConfig(
-                model_id, layers, moe, experts, (endpoint,), capacity, config.announce_interval_s,
+                model_id, layers, moe, experts, (endpoint,), held_bytes(weights), config.announce_interval_s,
                 config.record_ttl_s), stats=lambda: (server.throughput, server.load_permille))
             await announcer.start()
             on_ready({"peer_id": identity.peer_id_str, "multiaddrs": public_multiaddrs(p2p.multiaddrs, sc),
                       "endpoint": endpoint, "model_id": model_id, "layers": list(layers), "experts": list(experts)})
-            await stop.wait()
+            if market is not None and config.rebalance_interval_s > 0:
+                holding = Holding(cfg, server, announcer, weights, layers, experts, config.memory_budget)
+                await Rebalancer(p2p, identity.peer_id, *market, holding, config, on_decision).run_until(stop)
+            else:
+                await stop.wait()
             await announcer.withdraw()
         finally:
             await dataplane.aclose()
@@ -226,6 +230,7 @@ class SwarmBackbone:
         self.p2p: Any = None
         self.model: Model | None = None
         self.executor: RemoteExperts | None = None
+        self.audits: Any = None  # moeswarm.ledger.AuditRunner when audit_fraction > 0
 
     async def __aenter__(self) -> "SwarmBackbone":
         sc, cfg = self.config.swarm, self.cfg
@@ -241,8 +246,10 @@ class SwarmBackbone:
             self._stack.push_async_callback(self.discovery.aclose)
             local = load_weights(sc.model_dir, config=cfg) if self.config.local_fallback else None
             receipts = await self._ledger_sink() if self.config.ledger_url else None
+            self.audits = await self._audit_runner() if self.config.audit_fraction > 0 else None
             self.executor = RemoteExperts(cfg, self.identity, self.table, asyncio.get_running_loop(),
-                                          config=self.config.dispatch, local=local, receipts=receipts)
+                                          config=self.config.dispatch, local=local, receipts=receipts,
+                                          audit=self.audits.offer if self.audits is not None else None)
             self._stack.push_async_callback(self.executor.aclose)
             weights = load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
             self.model = Model(weights, experts=self.executor)
@@ -295,6 +302,25 @@ class SwarmBackbone:
         await submitter.start()
         self._stack.push_async_callback(submitter.aclose)
         return submitter
+
+    async def _audit_runner(self) -> Any:
+        """Samples calls for the ledger to re-execute (POST /v1/audits); closed after the executor,
+        waiting (bounded) for the audits still queued."""
+        from ..ledger import AuditConfig, AuditRunner, RemoteJudge
+
+        assert self.config.ledger_url is not None
+        runner = AuditRunner(AuditConfig(fraction=self.config.audit_fraction), RemoteJudge(self.config.ledger_url))
+        await runner.start()
+
+        async def close() -> None:
+            try:
+                await asyncio.wait_for(runner.drain(), self.config.audit_drain_s)
+            except TimeoutError:
+                log.warning("stopping with audits still queued")
+            await runner.aclose()
+
+        self._stack.push_async_callback(close)
+        return runner
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_folder(self.config.swarm.model_dir, self.cfg.bos_token_id)

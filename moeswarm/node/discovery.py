@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 
 from ..errors import ProtocolError, SwarmError
-from ..protocol import announcement_key, peer_id_from_str, provider_key, validate_record
+from ..protocol import Announcement, announcement_key, peer_id_from_str, provider_key, validate_record
 from .announce import DHT
 from .routing_table import SwarmTable
 
@@ -29,8 +29,10 @@ class Discovery:
         self.refreshes = 0
 
     async def refresh(self) -> None:
-        """One pass: every MoE layer's providers, each provider's record (once per pass)."""
-        seen: set[str] = set()
+        """One pass: every MoE layer's providers and their records. A provider is read once more
+        under a layer that its newest record so far does not cover: a peer that moved its block
+        leaves records of the layers it left (``Announcer.move``), and the table keeps the newest."""
+        newest: dict[str, Announcement] = {}
         for layer in self.moe_layers:
             try:
                 providers = await self.dht.find_providers(provider_key(self.table.model_id, layer))
@@ -38,8 +40,9 @@ class Discovery:
                 log.info("find_providers for layer %d failed: %s", layer, e)
                 continue
             for peer in providers:
-                if peer in seen:
-                    continue  # its record, read under an earlier layer, covers its whole range
+                seen = newest.get(peer)
+                if seen is not None and seen.layers[0] <= layer <= seen.layers[1]:
+                    continue  # the record read under an earlier layer covers this one
                 key = announcement_key(self.table.model_id, layer, peer_id_from_str(peer))
                 try:
                     value = await self.dht.get(key)
@@ -49,7 +52,8 @@ class Discovery:
                 except (SwarmError, ProtocolError) as e:
                     log.info("record of %s for layer %d rejected: %s", peer, layer, e)
                     continue
-                seen.add(peer)
+                if seen is None or record.seq > seen.seq:
+                    newest[peer] = record
                 self.table.update(record)
         self.refreshes += 1
 

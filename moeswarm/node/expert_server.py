@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -39,6 +39,7 @@ class _Job:
     client: bytes
     request: ExpertRequest
     future: asyncio.Future[ExpertResponse]
+    held: Mapping[int, ExpertWeights]  # the layer's experts when the request was accepted
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -80,6 +81,15 @@ class ExpertServer:
     def _experts(self, layer: int) -> dict[int, ExpertWeights]:
         return self.weights.experts.get(layer, {})
 
+    def serve(self, weights: Weights, layers: tuple[int, int], experts: tuple[int, int]) -> None:
+        """Serve the experts of ``weights`` from now on (a node moving its block). Requests already
+        accepted are computed with the experts they were accepted for, even ones no longer held."""
+        dropped = any(e not in weights.experts.get(L, {}) for L, held in self.weights.experts.items() for e in held)
+        self.weights = weights
+        self.config = replace(self.config, layers=layers, experts=experts)
+        if dropped:  # free the float32 copies of experts no longer held
+            self._f32 = F32Cache(self.config.f32_cache_bytes)
+
     def validate(self, request: ExpertRequest) -> None:
         """Everything the codec cannot know: is this model/layer/expert served here, shapes."""
         c = self.config
@@ -100,7 +110,7 @@ class ExpertServer:
         self.validate(request)
         if self._queue.qsize() >= self.config.max_queue:
             raise ProtocolError("expert queue is full", code=ErrorCode.OVERLOADED)
-        job = _Job(client, request, asyncio.get_running_loop().create_future())
+        job = _Job(client, request, asyncio.get_running_loop().create_future(), self._experts(request.layer))
         self._queue.put_nowait(job)
         return await job.future
 
@@ -154,7 +164,8 @@ class ExpertServer:
                 offset += len(e.rows)
         for (layer, expert), parts in work.items():
             x = np.concatenate([inputs[i][rows] for i, rows, _ in parts])
-            y = expert_ffn(self._f32.layer(layer, self._experts(layer), self.on_access)[expert], x, self.cfg)
+            held = jobs[parts[0][0]].held  # validated to hold this expert, even if a move dropped it since
+            y = expert_ffn(self._f32.layer(layer, held, self.on_access)[expert], x, self.cfg)
             start = 0
             for i, rows, offset in parts:
                 outputs[i][offset : offset + len(rows)] = y[start : start + len(rows)]

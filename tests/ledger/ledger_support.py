@@ -9,12 +9,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from moeswarm.ledger import ModelShape
+from moeswarm.model import ExpertWeights
+from moeswarm.node.expert_server import ExpertServer
 from moeswarm.protocol import (
     CountersignedReceipt,
     ExpertRequest,
@@ -74,6 +76,18 @@ class Peers:
             c, s = self.clients[i % len(self.clients)], self.servers[i % len(self.servers)]
             out.append(receipt(c, s, seq=next(self._seq), **kw))  # type: ignore[arg-type]
         return out
+
+
+class LyingServer(ExpertServer):
+    """Computes every expert with its down projection scaled by 1.05 and signs the result: every
+    signature checks, only re-execution catches it."""
+
+    def _experts(self, layer: int) -> dict[int, ExpertWeights]:
+        cache = self.__dict__.setdefault("_lies", {})
+        if layer not in cache:
+            cache[layer] = {e: replace(w, down=(w.down.astype(np.float32) * 1.05))
+                            for e, w in super()._experts(layer).items()}
+        return cache[layer]
 
 
 def free_port() -> int:

@@ -33,7 +33,7 @@ from moeswarm.ledger import (
     verify_chain,
 )
 from moeswarm.ledger._models import Evidence
-from moeswarm.model import ExpertWeights, Weights, load_weights
+from moeswarm.model import Weights, load_weights
 from moeswarm.node.expert_server import ExpertServer, ExpertServerConfig
 from moeswarm.protocol import (
     CountersignedReceipt,
@@ -44,20 +44,9 @@ from moeswarm.protocol import (
     countersign,
 )
 
-from ledger_support import EPOCH_MS, T0, Clock
+from ledger_support import EPOCH_MS, T0, Clock, LyingServer
 
 MODEL_ID = "demo-kjv"
-
-
-class LyingServer(ExpertServer):
-    """Computes every expert with its down projection scaled by 1.05 and signs the result."""
-
-    def _experts(self, layer: int) -> dict[int, ExpertWeights]:
-        cache = self.__dict__.setdefault("_lies", {})
-        if layer not in cache:
-            cache[layer] = {e: replace(w, down=(w.down.astype(np.float32) * 1.05))
-                            for e, w in super()._experts(layer).items()}
-        return cache[layer]
 
 
 @pytest.fixture(scope="module")
