@@ -49,7 +49,7 @@ class StoreConfig:
     sqlite_synchronous: str = "FULL"  # SQLite durability: FULL survives power loss, NORMAL a process crash
     busy_timeout_s: float = 30.0  # SQLite: how long a writer waits for another process's transaction
     max_batch: int = 10_000  # receipts per ingest call
-    verify_threads: int = 1  # threads checking signatures of one batch (Ed25519 releases the GIL)
+    verify_threads: int = 2  # threads checking signatures of one batch (Ed25519 releases the GIL)
 
 
 @dataclass(frozen=True)

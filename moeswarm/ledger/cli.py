@@ -320,7 +320,7 @@ def model_id_for(folder: str) -> str:
 @click.option("--audit-tolerance", type=click.FloatRange(0), default=1e-2, show_default=True,
               help="Largest max|output - reference| / max(1, max|reference|) an audited call may show.")
 @click.option("--no-client-models", is_flag=True, help="Refuse model shapes registered by backbones.")
-@click.option("--verify-threads", type=click.IntRange(1, 64), default=1, show_default=True,
+@click.option("--verify-threads", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Threads checking the signatures of one batch.")
 @friendly_errors
 def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models: tuple[str, ...],
