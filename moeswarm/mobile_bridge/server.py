@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..model import Weights, expert_flops
+from ..model import Weights
 from ..node.expert_server import ExpertServer, ExpertServerConfig
-from ..protocol import ExpertResponse, Identity, make_receipt
+from ..protocol import ExpertResponse, Identity
 from .shards import OnnxShards
 
 
@@ -51,13 +51,4 @@ class OnnxExpertServer(ExpertServer):
                 for i, rows, offset in parts:
                     outputs[i][offset : offset + len(rows)] = y[start : start + len(rows)]
                     start += len(rows)
-        compute_us = int((time.perf_counter() - t0) * 1e6)
-        now_ms = int(time.time() * 1000)
-        responses = []
-        for job, out in zip(jobs, outputs):
-            req = job.request
-            out = out.astype(req.hidden.dtype, copy=False)
-            flops = sum(expert_flops(self.cfg, len(e.rows)) for e in req.experts)
-            receipt = make_receipt(self.identity, req, out, client=job.client, expert_flops=flops, time_ms=now_ms)
-            responses.append(ExpertResponse(req.request_id, out, receipt, compute_us, self.load_permille))
-        return responses
+        return self._respond(jobs, outputs, t0)

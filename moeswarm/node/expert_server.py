@@ -170,6 +170,10 @@ class ExpertServer:
             for i, rows, offset in parts:
                 outputs[i][offset : offset + len(rows)] = y[start : start + len(rows)]
                 start += len(rows)
+        return self._respond(jobs, outputs, t0)
+
+    def _respond(self, jobs: list[_Job], outputs: list[np.ndarray], t0: float) -> list[ExpertResponse]:
+        """Sign a receipt for each job's outputs (in its request's dtype) and build the responses."""
         compute_us = int((time.perf_counter() - t0) * 1e6)
         now_ms = int(time.time() * 1000)
         responses = []
