@@ -96,8 +96,28 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
+def live_state(model_dir: str, bootstrap: tuple[str, ...], model_id: str | None = None) -> MarketState:
+    """The market read live from the swarm's DHT (joins as a DHT client for the duration)."""
+    import asyncio
+
+    from ..model import ModelConfig
+    from ..node.daemon import SwarmConfig, model_id_for, p2p_node  # the shell may use the node's DHT
+    from ..node.rebalancer import model_shape
+    from ..protocol import Identity
+    from ._dht import fetch_state
+
+    cfg = ModelConfig.from_folder(model_dir)
+    shape = model_shape(model_dir, cfg, model_id or model_id_for(model_dir, cfg))
+
+    async def read() -> MarketState:
+        async with p2p_node(Identity.generate(), SwarmConfig(model_dir, bootstrap=bootstrap, client_mode=True)) as dht:
+            return await fetch_state(dht, shape)
+
+    return asyncio.run(read())
+
+
 @click.command()
-@click.option("--state", "state_file", required=True, type=click.Path(dir_okay=False),
+@click.option("--state", "state_file", default=None, type=click.Path(dir_okay=False),
               help="JSON state file: the model's shape, holders and demand (schema: moeswarm.market._state).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (totals, per-layer rows, uncovered experts, "
                                                       "the full price table) instead of a table.")
@@ -108,12 +128,24 @@ def _size(n: float) -> str:
 @click.option("--device-class", default="hub", show_default=True, type=click.Choice(["hub", "edge"]),
               help="With --suggest: hub (fat link, low RTT) or edge (phone, NAT'd box).")
 @friendly_errors
-def market(state_file: str, as_json: bool, suggest_memory: str | None, throughput: float, device_class: str) -> None:
+@click.option("--bootstrap", multiple=True, metavar="MULTIADDR",
+              help="Read the market live from the swarm reached through this peer (with --model).")
+@click.option("--model", "model_dir", default=None, type=click.Path(),
+              help="With --bootstrap: the model folder (its shape and id).")
+def market(state_file: str | None, bootstrap: tuple[str, ...], model_dir: str | None, as_json: bool,
+           suggest_memory: str | None, throughput: float, device_class: str) -> None:
     """Show which experts the swarm covers and what each costs this epoch.
 
-    Example:  moeswarm market --state swarm.json --suggest 8GB --device-class hub
+    \b
+    Examples:
+      moeswarm market --model ./mixtral --bootstrap /ip4/.../p2p/12D3KooW...   # live, from the DHT
+      moeswarm market --state swarm.json --suggest 8GB --device-class hub       # from a state file
     """
-    state = load_state(state_file)
+    if (state_file is None) == (not bootstrap):
+        raise ConfigError("give either --state FILE or --bootstrap ADDR (with --model DIR)")
+    if bootstrap and model_dir is None:
+        raise ConfigError("--bootstrap needs --model DIR (the model's shape and id)")
+    state = load_state(state_file) if state_file is not None else live_state(model_dir, bootstrap)  # type: ignore[arg-type]
     suggestion = None
     if suggest_memory is not None:
         volunteer = Volunteer(parse_size(suggest_memory), throughput,

@@ -50,14 +50,21 @@ def held_bytes(weights: Weights) -> int:
     return sum(w.nbytes for layer in weights.experts.values() for w in layer.values())
 
 
-def market_view(cfg: ModelConfig, model_id: str, config: NodeConfig) -> tuple[ModelShape, Volunteer]:
-    """The model's expert grid and what this machine offers, as the market sees them."""
-    from ..market import ModelShape, Volunteer
+def model_shape(model_dir: str, cfg: ModelConfig, model_id: str) -> ModelShape:
+    """The model's expert grid as the market sees it (bytes per expert read from the checkpoint)."""
+    from ..market import ModelShape
 
     first = next(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
-    probe = load_block(config.swarm.model_dir, cfg, (first, first), (0, 0))
-    shape = ModelShape(model_id, tuple(L for L in range(cfg.num_layers) if cfg.moe_layers[L]), cfg.num_experts,
-                       held_bytes(probe))
+    probe = load_block(model_dir, cfg, (first, first), (0, 0))
+    return ModelShape(model_id, tuple(L for L in range(cfg.num_layers) if cfg.moe_layers[L]), cfg.num_experts,
+                      held_bytes(probe))
+
+
+def market_view(cfg: ModelConfig, model_id: str, config: NodeConfig) -> tuple[ModelShape, Volunteer]:
+    """The model's expert grid and what this machine offers, as the market sees them."""
+    from ..market import Volunteer
+
+    shape = model_shape(config.swarm.model_dir, cfg, model_id)
     memory = config.capacity_bytes or config.memory_budget or int(psutil.virtual_memory().available // 2)
     return shape, Volunteer(memory_bytes=memory, throughput=config.throughput,
                             device_class=cast("DeviceClass", config.device_class))  # Volunteer checks it

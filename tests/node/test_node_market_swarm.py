@@ -115,3 +115,19 @@ def test_backbones_publish_signed_demand_that_the_market_reads_from_the_dht() ->
     assert found, "no demand report reached the DHT"
     report, me, total = found[0]
     assert report.reporter == me and verify_report(report) and report.counts.sum() > 0 and total > 0
+
+
+def test_market_cli_reads_coverage_live_from_the_dht() -> None:
+    import json
+    import subprocess
+    import sys
+
+    daemons = [start_daemon("half", ["node", "--model", str(CHECKPOINT), "--experts", "0-3"])]
+    try:
+        r = subprocess.run([sys.executable, "-m", "moeswarm.cli", "market", "--model", str(CHECKPOINT), "--bootstrap",
+                            daemons[0].info["multiaddrs"][0], "--json"], capture_output=True, text=True, timeout=120)
+    finally:
+        stop_daemon(daemons[0])
+    assert r.returncode == 0, r.stderr
+    view = json.loads(r.stdout)
+    assert view["coverage"] == 0.5 and len(view["uncovered"]) == view["experts"] // 2
