@@ -5,8 +5,9 @@ The bridge never listens. It dials the relay, proves its identity, signs its own
 DHT, then answers the expert calls the relay forwards, with ``OnnxExpertServer``.
 
 Which experts it serves: by default everything its shard folder holds, narrowed by
-``--layers``/``--experts``. ``AssignmentHook`` is where the market plugs in later: a coroutine
-that, given the shards on disk, returns the assignment to serve.
+``--layers``/``--experts``, or as an ``AssignmentHook`` (a coroutine that, given the shards on
+disk, returns the assignment to serve) decides. With ``--experts auto`` the market chooses
+before any shard exists: ``auto.market_shards`` exports its block and the bridge serves all of it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Assignment:
 
 
 AssignmentHook = Callable[[Manifest], Awaitable[Assignment]]
-"""``market_assignment`` hook: given the exported shards, decide what to serve (the market issue)."""
+"""Given the exported shards, decide what of them to serve (for embedders; the CLI narrows by range)."""
 
 
 @dataclass(frozen=True)

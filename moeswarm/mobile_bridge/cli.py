@@ -48,10 +48,22 @@ def export_onnx(model_dir: str, layers: str | None, experts: str | None, out_dir
 @click.option("--relay", "relay_url", required=True, metavar="wss://HOST:PORT", help="The relay to dial out to.")
 @click.option("--ca", "ca_file", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Trust only this CA for the relay's certificate (default: the system trust store).")
-@click.option("--shards", "shards_dir", required=True, type=click.Path(file_okay=False, exists=True),
-              help="An export-onnx output folder.")
+@click.option("--shards", "shards_dir", default=None, type=click.Path(file_okay=False, exists=True),
+              help="An export-onnx output folder to serve.")
 @click.option("--layers", default=None, metavar="A-B", help="Serve only these layers of the shards.")
-@click.option("--experts", default=None, metavar="X-Y", help="Serve only these experts of the shards.")
+@click.option("--experts", default=None, metavar="X-Y|auto",
+              help="Serve only these experts of the shards; 'auto' (with --model and --bootstrap, instead of "
+                   "--shards) asks the swarm's market which experts it lacks and exports them.")
+@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False, exists=True),
+              help="With --experts auto: the checkpoint every peer of the swarm uses.")
+@click.option("--bootstrap", multiple=True, metavar="MULTIADDR",
+              help="With --experts auto: a swarm peer to read the market through (repeatable).")
+@click.option("--capacity", default=None, metavar="SIZE",
+              help="With --experts auto: memory for the exported experts, e.g. 2GB (default: half the free RAM).")
+@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]),
+              help="With --experts auto: export dtype (fp32 matches the engine to 1e-5, fp16 halves the bytes).")
+@click.option("--shards-cache", default=None, type=click.Path(file_okay=False),
+              help="With --experts auto: where exports are kept and reused [default: ~/.cache/moeswarm/shards].")
 @click.option("--identity", "identity_file", type=click.Path(dir_okay=False), default=None,
               help="File holding this device's Ed25519 key (created if missing). Default: a new key each run.")
 @click.option("--relay-peer", default=None, metavar="PEER_ID", help="Refuse a relay with another peer ID.")
@@ -61,9 +73,10 @@ def export_onnx(model_dir: str, layers: str | None, experts: str | None, out_dir
 @click.option("--announce-interval", default=240.0, show_default=True, help="Re-announce this often, seconds.")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr.")
 @friendly_errors
-def bridge(relay_url: str, ca_file: str | None, shards_dir: str, layers: str | None, experts: str | None,
-           identity_file: str | None, relay_peer: str | None, threads: int, mmap: bool, max_backoff: float,
-           announce_interval: float, verbose: int) -> None:
+def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: str | None, experts: str | None,
+           model_dir: str | None, bootstrap: tuple[str, ...], capacity: str | None, dtype: str,
+           shards_cache: str | None, identity_file: str | None, relay_peer: str | None, threads: int, mmap: bool,
+           max_backoff: float, announce_interval: float, verbose: int) -> None:
     """Serve ONNX expert shards from behind NAT, through a relay (this device never listens).
 
     Dials the relay over TLS, proves this device's identity, announces the shards' experts in
@@ -73,14 +86,43 @@ def bridge(relay_url: str, ca_file: str | None, shards_dir: str, layers: str | N
     \b
         moeswarm bridge --relay wss://relay.example.org --shards ./shards --identity ~/.moeswarm/device.key
 
+    Or let the swarm's market choose: the bridge joins the DHT briefly as a client, takes the
+    block the market assigns an edge device of --capacity, exports it (or reuses an earlier
+    export from --shards-cache) and serves it:
+
+    \b
+        moeswarm bridge --relay wss://relay.example.org --model ./mixtral --experts auto \\
+            --capacity 2GB --bootstrap /ip4/203.0.113.5/tcp/4001/p2p/12D3KooW...
+
     Prints `READY {json}` (peer_id, endpoint, layers, experts) once the relay has published it.
     """
+    from ..errors import ConfigError
     from .bridge import BridgeConfig, run_bridge
 
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(asctime)s %(name)s %(message)s")
-    config = BridgeConfig(relay_url, shards_dir, ca_file, identity_file, relay_peer, layers, experts, threads, mmap,
-                          announce_interval, max_backoff_s=max_backoff)
-    asyncio.run(run_bridge(config))
+    auto = experts == "auto"
+    if auto and (shards_dir is not None or model_dir is None or layers is not None):
+        raise ConfigError("--experts auto exports its own shards: give --model (and --bootstrap), "
+                          "not --shards or --layers")
+    if not auto and (shards_dir is None or model_dir is not None):
+        raise ConfigError("give --shards DIR (an export-onnx folder), or --model DIR with --experts auto")
+
+    async def main() -> None:
+        folder = shards_dir
+        if auto:
+            from ..model.memory import parse_size
+            from .auto import AutoConfig, market_shards
+
+            assert model_dir is not None  # checked above
+            path, _ = await market_shards(AutoConfig(model_dir, bootstrap, parse_size(capacity) if capacity else None,
+                                                     dtype=dtype, cache_dir=shards_cache))
+            folder = str(path)
+        assert folder is not None  # checked above
+        config = BridgeConfig(relay_url, folder, ca_file, identity_file, relay_peer, layers,
+                              None if auto else experts, threads, mmap, announce_interval, max_backoff_s=max_backoff)
+        await run_bridge(config)
+
+    asyncio.run(main())
 
 
 _standalone = click.Group(commands={"bridge": bridge, "export-onnx": export_onnx},
