@@ -15,16 +15,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Iterable
-from typing import Protocol
 
 from moeswarm.errors import ProtocolError, SwarmError
 from moeswarm.protocol import (
+    DHT,
     Announcement,
-    announcement_key,
     peer_id_from_str,
     peer_id_to_str,
     provider_key,
-    validate_record,
+    read_announcements,
 )
 
 from ._grid import ModelShape
@@ -34,15 +33,6 @@ from ._state import MarketState
 from ._supply import supply_from_holders
 
 log = logging.getLogger(__name__)
-
-
-class DHT(Protocol):
-    """The DHT operations the market uses; the same as ``moeswarm.node.announce.DHT``."""
-
-    async def put(self, key: str, value: bytes) -> None: ...
-    async def get(self, key: str) -> bytes | None: ...
-    async def provide(self, key: str) -> None: ...
-    async def find_providers(self, key: str) -> list[str]: ...
 
 
 def demand_provider_key(model_id: str) -> str:
@@ -84,31 +74,8 @@ async def publish_demand(dht: DHT, report: DemandReport) -> None:
 
 
 async def fetch_announcements(dht: DHT, shape: ModelShape, *, now_ms: int | None = None) -> list[Announcement]:
-    """Every valid announcement of ``shape``'s model, each peer's newest (Discovery's read pattern:
-    a provider is read again under a layer its newest record so far does not cover)."""
-    newest: dict[str, Announcement] = {}
-    for layer in shape.moe_layers:
-        try:
-            providers = await dht.find_providers(provider_key(shape.model_id, layer))
-        except SwarmError as e:
-            log.info("find_providers for layer %d failed: %s", layer, e)
-            continue
-        for peer in providers:
-            seen = newest.get(peer)
-            if seen is not None and seen.layers[0] <= layer <= seen.layers[1]:
-                continue  # the record read under an earlier layer covers this one
-            try:
-                key = announcement_key(shape.model_id, layer, peer_id_from_str(peer))
-                value = await dht.get(key)
-                if value is None:
-                    continue
-                record = validate_record(key, value, now_ms=now_ms)
-            except SwarmError as e:  # ProtocolError is one
-                log.info("record of %s for layer %d rejected: %s", peer, layer, e)
-                continue
-            if seen is None or record.seq > seen.seq:
-                newest[peer] = record
-    return list(newest.values())
+    """Every valid announcement of ``shape``'s model, each peer's newest."""
+    return await read_announcements(dht, shape.model_id, shape.moe_layers, now_ms=now_ms)
 
 
 async def fetch_reports(dht: DHT, model_id: str) -> list[bytes]:

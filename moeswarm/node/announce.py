@@ -13,20 +13,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from ..errors import SwarmError
-from ..protocol import Announcement, Identity, announcement_key, encode, provider_key, sign_announcement
+from ..protocol import DHT, Announcement, Identity, announcement_key, encode, provider_key, sign_announcement
 
 log = logging.getLogger(__name__)
 SOFTWARE = "moeswarm/0.1.0"
-
-
-class DHT(Protocol):
-    async def put(self, key: str, value: bytes) -> int: ...  # how many peers stored it
-    async def get(self, key: str) -> bytes | None: ...
-    async def provide(self, key: str) -> None: ...
-    async def find_providers(self, key: str) -> list[str]: ...
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from ..errors import ProtocolError, SwarmError
-from ..protocol import Announcement, announcement_key, peer_id_from_str, provider_key, validate_record
-from .announce import DHT
+from ..errors import SwarmError
+from ..protocol import DHT, read_announcements
 from .routing_table import SwarmTable
 
 log = logging.getLogger(__name__)
@@ -29,32 +28,10 @@ class Discovery:
         self.refreshes = 0
 
     async def refresh(self) -> None:
-        """One pass: every MoE layer's providers and their records. A provider is read once more
-        under a layer that its newest record so far does not cover: a peer that moved its block
-        leaves records of the layers it left (``Announcer.move``), and the table keeps the newest."""
-        newest: dict[str, Announcement] = {}
-        for layer in self.moe_layers:
-            try:
-                providers = await self.dht.find_providers(provider_key(self.table.model_id, layer))
-            except SwarmError as e:
-                log.info("find_providers for layer %d failed: %s", layer, e)
-                continue
-            for peer in providers:
-                seen = newest.get(peer)
-                if seen is not None and seen.layers[0] <= layer <= seen.layers[1]:
-                    continue  # the record read under an earlier layer covers this one
-                key = announcement_key(self.table.model_id, layer, peer_id_from_str(peer))
-                try:
-                    value = await self.dht.get(key)
-                    if value is None:
-                        continue
-                    record = validate_record(key, value)
-                except (SwarmError, ProtocolError) as e:
-                    log.info("record of %s for layer %d rejected: %s", peer, layer, e)
-                    continue
-                if seen is None or record.seq > seen.seq:
-                    newest[peer] = record
-                self.table.update(record)
+        """One pass over every MoE layer's providers (``read_announcements``: each peer's newest
+        record, including peers that moved their block)."""
+        for record in await read_announcements(self.dht, self.table.model_id, self.moe_layers):
+            self.table.update(record)
         self.refreshes += 1
 
     async def wait_for_coverage(self, num_experts: int, timeout_s: float) -> set[tuple[int, int]]:

@@ -59,6 +59,8 @@ from ._records import (
     announcement_key,
     parse_announcement_key,
     provider_key,
+    DHT,
+    read_announcements,
     select_record,
     sign_announcement,
     validate_record,
@@ -91,5 +93,5 @@ __all__ = [
     "input_hash", "output_hash",
     # DHT records
     "provider_key", "announcement_key", "parse_announcement_key", "sign_announcement",
-    "verify_announcement", "validate_record", "select_record",
+    "verify_announcement", "validate_record", "select_record", "DHT", "read_announcements",
 ]

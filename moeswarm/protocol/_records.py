@@ -11,13 +11,14 @@ each provider's own key.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Final
+from typing import Final, Protocol
 
-from moeswarm.errors import ConfigError, ProtocolError
+from moeswarm.errors import ConfigError, ProtocolError, SwarmError
 
 from ._codec import MODEL_ID_RE, announcement_body, decode
 from ._identity import Identity, peer_id_from_public_key, peer_id_from_str, peer_id_to_str, verify
@@ -172,3 +173,46 @@ def select_record(key: str, values: Sequence[bytes], *, now_ms: int | None = Non
     if best < 0 and error is not None:
         raise error
     return best
+
+
+class DHT(Protocol):
+    """The DHT operations the swarm uses (``moeswarm.node.p2p.P2PNode`` provides them)."""
+
+    async def put(self, key: str, value: bytes) -> int: ...  # how many peers stored it
+    async def get(self, key: str) -> bytes | None: ...
+    async def provide(self, key: str) -> None: ...
+    async def find_providers(self, key: str) -> list[str]: ...
+
+
+async def read_announcements(dht: DHT, model_id: str, layers: Iterable[int], *,
+                             now_ms: int | None = None) -> list[Announcement]:
+    """Every valid announcement for ``layers`` of ``model_id``, each peer's newest.
+
+    The reading rule of the spec (section 13, moves): a provider is read again under any layer
+    its newest record so far does not cover, since a peer that moved its block leaves records
+    under the layers it left.  Failed lookups and rejected records are logged and skipped.
+    """
+    log = logging.getLogger(__name__)
+    newest: dict[str, Announcement] = {}
+    for layer in layers:
+        try:
+            providers = await dht.find_providers(provider_key(model_id, layer))
+        except SwarmError as e:
+            log.info("find_providers for layer %d failed: %s", layer, e)
+            continue
+        for peer in providers:
+            seen = newest.get(peer)
+            if seen is not None and seen.layers[0] <= layer <= seen.layers[1]:
+                continue  # the record read under an earlier layer covers this one
+            try:
+                key = announcement_key(model_id, layer, peer_id_from_str(peer))
+                value = await dht.get(key)
+                if value is None:
+                    continue
+                record = validate_record(key, value, now_ms=now_ms)
+            except SwarmError as e:  # ProtocolError is one
+                log.info("record of %s for layer %d rejected: %s", peer, layer, e)
+                continue
+            if seen is None or record.seq > seen.seq:
+                newest[peer] = record
+    return list(newest.values())
