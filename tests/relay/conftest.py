@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import IO, Any
 
 import pytest
@@ -101,3 +103,15 @@ def spawn() -> Iterator[Callable[..., Proc]]:
 @pytest.fixture(scope="session")
 def mixtral(oracle_checkpoints: Any) -> tuple[Path, Any]:
     return oracle_checkpoints.get("mixtral", "packed")
+
+
+@pytest.fixture(scope="session")
+def conformance() -> ModuleType:
+    """``tests/relay/conformance.py``: the suite any relay implementation can run (loaded by path:
+    it is a standalone script, not a test module)."""
+    if "relay_conformance" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("relay_conformance", Path(__file__).with_name("conformance.py"))
+        assert spec is not None and spec.loader is not None
+        sys.modules["relay_conformance"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["relay_conformance"])
+    return sys.modules["relay_conformance"]

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import statistics
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,15 +22,6 @@ from moeswarm.mobile_bridge import BridgeConfig, export_onnx, run_bridge, runnin
 from moeswarm.node.dataplane import ExpertClient
 from moeswarm.protocol import ExpertRequest, ExpertRows, Identity, Ping, check_response, frame, peer_id_from_str
 from moeswarm.relay import Kind, MemoryDirectory, RelayConfig, RelayLimits, RelayServer, WSClose, pack, set_relay_ca
-
-
-def _conformance() -> ModuleType:
-    if "relay_conformance" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("relay_conformance", Path(__file__).with_name("conformance.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules["relay_conformance"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["relay_conformance"])
-    return sys.modules["relay_conformance"]
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +65,8 @@ def errors(relay: RelayServer, kind: str) -> float:
     return relay.metrics.errors.labels(kind)._value.get()
 
 
-def test_a_flooding_device_is_disconnected_while_another_device_keeps_serving(certs: Any, shards: Any) -> None:
+def test_a_flooding_device_is_disconnected_while_another_device_keeps_serving(conformance: ModuleType, certs: Any, shards: Any) -> None:
     set_relay_ca(str(certs.ca))
-    conformance = _conformance()
 
     async def main() -> None:
         async with relay_with_bridge(certs, shards, device_frames_per_s=500, max_flood_s=0.3) as (relay, info):
@@ -119,10 +107,9 @@ def test_a_flooding_device_is_disconnected_while_another_device_keeps_serving(ce
     (pack(Kind.DATA, 7, (80 << 20).to_bytes(4, "big") + b"x"), WSClose.TOO_BIG),  # above max_frame
     ("hello", WSClose.UNSUPPORTED_DATA),  # a text message
 ], ids=["length-mismatch", "data-on-stream-0", "unknown-kind", "device-open", "frame-too-large", "text"])
-def test_malformed_device_messages_disconnect_only_the_sender(certs: Any, shards: Any, bad: bytes | str,
+def test_malformed_device_messages_disconnect_only_the_sender(conformance: ModuleType, certs: Any, shards: Any, bad: bytes | str,
                                                               close: WSClose) -> None:
     set_relay_ca(str(certs.ca))
-    conformance = _conformance()
 
     async def main() -> None:
         async with relay_with_bridge(certs, shards) as (relay, info):
@@ -140,9 +127,8 @@ def test_malformed_device_messages_disconnect_only_the_sender(certs: Any, shards
     asyncio.run(main())
 
 
-def test_a_flooding_client_is_disconnected_and_the_device_keeps_serving(certs: Any, shards: Any) -> None:
+def test_a_flooding_client_is_disconnected_and_the_device_keeps_serving(conformance: ModuleType, certs: Any, shards: Any) -> None:
     set_relay_ca(str(certs.ca))
-    conformance = _conformance()
 
     async def main() -> None:
         async with relay_with_bridge(certs, shards, client_frames_per_s=300, max_flood_s=0.3) as (relay, info):
@@ -213,9 +199,8 @@ def test_a_client_over_its_byte_quota_is_cut_off(certs: Any, shards: Any) -> Non
     asyncio.run(main())
 
 
-def test_a_client_that_stops_reading_loses_its_stream_not_the_device(certs: Any, shards: Any) -> None:
+def test_a_client_that_stops_reading_loses_its_stream_not_the_device(conformance: ModuleType, certs: Any, shards: Any) -> None:
     set_relay_ca(str(certs.ca))
-    conformance = _conformance()
 
     async def main() -> None:
         async with relay_with_bridge(certs, shards, queue_bytes=256 << 10) as (relay, info):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -14,18 +13,7 @@ from moeswarm.protocol import Identity
 from moeswarm.relay import MemoryDirectory, RelayConfig, RelayLimits, RelayServer
 
 
-def load_conformance() -> ModuleType:
-    path = Path(__file__).with_name("conformance.py")
-    spec = importlib.util.spec_from_file_location("relay_conformance", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("relay_conformance", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_our_relay_and_bridge_pass_the_conformance_suite(certs: Any, mixtral: tuple[Path, Any], tmp_path: Path) -> None:
-    conformance = load_conformance()
+def test_our_relay_and_bridge_pass_the_conformance_suite(conformance: ModuleType, certs: Any, mixtral: tuple[Path, Any], tmp_path: Path) -> None:
     folder, _ = mixtral
     manifest = export_onnx(folder, tmp_path / "shards", experts=(1, 2))
 

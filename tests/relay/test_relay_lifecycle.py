@@ -4,10 +4,8 @@ moment, a restart on the same port, dials that wait for a reconnecting device, p
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import ssl
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -22,15 +20,6 @@ from moeswarm.mobile_bridge import BridgeConfig, export_onnx, run_bridge, runnin
 from moeswarm.node.dataplane import ExpertClient
 from moeswarm.protocol import ExpertRequest, ExpertRows, Identity, peer_id_from_str
 from moeswarm.relay import GoAway, MemoryDirectory, RelayConfig, RelayLimits, RelayServer, WSClose, set_relay_ca
-
-
-def _conformance() -> ModuleType:
-    if "relay_conformance" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("relay_conformance", Path(__file__).with_name("conformance.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules["relay_conformance"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["relay_conformance"])
-    return sys.modules["relay_conformance"]
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +85,8 @@ def test_metrics_and_health(certs: Any, shards: Any) -> None:
     assert values['moeswarm_relay_errors_total{kind="malformed"}'] == 0
 
 
-def test_graceful_shutdown_sends_devices_away_and_they_return_to_the_restarted_relay(certs: Any, shards: Any) -> None:
+def test_graceful_shutdown_sends_devices_away_and_they_return_to_the_restarted_relay(conformance: ModuleType, certs: Any, shards: Any) -> None:
     set_relay_ca(str(certs.ca))
-    conformance = _conformance()
 
     async def main() -> None:
         relay = new_relay(certs)
