@@ -93,6 +93,10 @@ class Connections:
                     error = e
             raise error or NetworkError("holder announced no endpoint")
 
+    def is_open(self, peer: bytes) -> bool:
+        """Whether a connection to ``peer`` was opened earlier (it may have died since)."""
+        return peer in self._clients
+
     async def drop(self, peer: bytes) -> None:
         client = self._clients.pop(peer, None)
         if client is not None:
@@ -232,7 +236,7 @@ class RemoteExperts:
     async def _call_once_or_reconnect(self, holder: Holder, request: ExpertRequest) -> ExpertResponse:
         """A connection that was already open may have died since its last use (a relay restarted,
         a NAT forgot us): then dial once more before counting the holder as failed."""
-        reused = holder.peer_id in self.connections._clients
+        reused = self.connections.is_open(holder.peer_id)
         client = await self.connections.get(holder, self.config.timeout_s)
         try:
             return await client.call(request, self.config.timeout_s)

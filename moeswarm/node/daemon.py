@@ -251,7 +251,8 @@ class SwarmBackbone:
                                           config=self.config.dispatch, local=local, receipts=receipts,
                                           audit=self.audits.offer if self.audits is not None else None)
             self._stack.push_async_callback(self.executor.aclose)
-            weights = load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
+            # the backbone's own tensors; with --local-fallback the full map already holds them
+            weights = local or load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
             self.model = Model(weights, experts=self.executor)
             await self._start_demand_reports(moe)
         except BaseException:
