@@ -94,8 +94,8 @@ def main() -> None:
             hf = bench_hf(folder, batch, args.steps, prompt)
             rows.append((size, f"{gb:.2f}", batch, ours, hf, ours / hf))
     print(f"\ndecode tokens/s, 1 thread each, {args.steps} steps after a 16-token prefill")
-    print(f"| model | GB | batch | moeswarm | transformers eager | ratio |")
-    print(f"|---|---|---|---|---|---|")
+    print("| model | GB | batch | moeswarm | transformers eager | ratio |")
+    print("|---|---|---|---|---|---|")
     for size, gb, batch, ours, hf, ratio in rows:
         print(f"| {size} | {gb} | {batch} | {ours:.1f} | {hf:.1f} | {ratio:.2f}x |")
 

@@ -74,7 +74,6 @@ async def raw_tcp_rtt(n: int = 400) -> float:
 
 def decode_rate(model, ids: list[int], tokens: int) -> float:  # type: ignore[no-untyped-def]
     params = SamplingParams(max_new_tokens=tokens)
-    t0 = time.perf_counter()
     first = None
     n = 0
     for _ in generate(model, ids, params):

@@ -11,7 +11,6 @@ eagerly; it is validated against the file size so a truncated file fails at open
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -108,11 +107,6 @@ class SafetensorsFile:
         buf = self._map[start : self._data_start + end]
         return buf.view(dtype).reshape(shape) if shape else buf.view(dtype).reshape(())
 
-    def byte_range(self, key: str) -> tuple[int, int]:
-        """Absolute file offsets ``[start, end)`` of a tensor's bytes (for madvise / fadvise)."""
-        _, _, begin, end = self._entries[key]
-        return self._data_start + begin, self._data_start + end
-
 
 def open_folder(folder: str | os.PathLike[str]) -> dict[str, tuple[SafetensorsFile, str]]:
     """Map every safetensors shard of a Hugging Face model folder.
@@ -143,7 +137,3 @@ def open_folder(folder: str | os.PathLike[str]) -> dict[str, tuple[SafetensorsFi
             if key not in out:
                 raise CheckpointError("tensor listed in the index is missing from its shard", path=str(folder / name), tensor=key)
     return out
-
-
-def page_size() -> int:
-    return mmap.PAGESIZE

@@ -11,12 +11,11 @@ from ..errors import CheckpointError
 
 
 class Tokenizer:
-    def __init__(self, encode_fn, decode_fn, bos_id: int | None, add_bos: bool, special_ids: set[int]) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, encode_fn, decode_fn, bos_id: int | None, add_bos: bool) -> None:  # type: ignore[no-untyped-def]
         self._encode = encode_fn
         self._decode = decode_fn
         self.bos_id = bos_id
         self.add_bos = add_bos
-        self.special_ids = special_ids
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike[str], bos_id: int | None = None) -> "Tokenizer":
@@ -29,14 +28,12 @@ class Tokenizer:
                 tok = HFTokenizer.from_file(str(path))
             except Exception as e:  # the library raises a bare Exception on malformed files
                 raise CheckpointError(f"cannot read tokenizer: {e}", path=str(path)) from None
-            special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
             # tokenizer.json carries its own post-processor: it adds <s> itself when the model wants it
             return cls(
                 lambda s: tok.encode(s, add_special_tokens=True).ids,
                 lambda ids: tok.decode(ids, skip_special_tokens=True),
                 bos_id,
                 False,
-                special,
             )
         if (folder / "tokenizer.model").exists():
             import sentencepiece as spm
@@ -53,7 +50,6 @@ class Tokenizer:
                 lambda ids: sp.decode([i for i in ids if i not in special]),
                 sp_bos if sp_bos >= 0 else bos_id,
                 sp_bos >= 0,  # Llama/Mistral convention: prompts start with <s>
-                special,
             )
         raise CheckpointError("no tokenizer.json or tokenizer.model in the model folder", path=str(folder))
 
