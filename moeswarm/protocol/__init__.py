@@ -24,7 +24,9 @@ from ._identity import (
 )
 from ._limits import (
     DEFAULT_MAX_FRAME,
+    EXPERT_TENSORS,
     FATAL_CODES,
+    MAX_PROBE_BYTES,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
     ErrorCode,
@@ -44,6 +46,8 @@ from ._messages import (
     Ping,
     Pong,
     Receipt,
+    WeightsRequest,
+    WeightsResponse,
 )
 from ._receipts import (
     check_response,
@@ -72,10 +76,12 @@ from ._wire import canonical
 __all__ = [
     # constants
     "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "DEFAULT_MAX_FRAME", "ErrorCode", "FATAL_CODES",
+    "MAX_PROBE_BYTES", "EXPERT_TENSORS",
     "SignatureKind", "WIRE_DTYPES", "DHT_NAMESPACE",
     # messages
     "Message", "Hello", "HelloAck", "Auth", "ExpertRows", "ExpertRequest", "ExpertResponse",
     "Receipt", "CountersignedReceipt", "Error", "Ping", "Pong", "Announcement",
+    "WeightsRequest", "WeightsResponse",
     # codec and framing
     "encode", "decode", "to_wire", "peek_request_id", "canonical", "receipt_body",
     "announcement_body", "frame", "frame_body", "parse_frame_header", "read_frame",

@@ -17,6 +17,7 @@ from moeswarm.errors import ConfigError, ProtocolError
 
 from ._identity import is_peer_id
 from ._limits import (
+    EXPERT_TENSORS,
     HASH_SIZE,
     LOAD_SCALE,
     MAX_ENDPOINT_BYTES,
@@ -24,6 +25,7 @@ from ._limits import (
     MAX_ERROR_MESSAGE_BYTES,
     MAX_EXPERTS_PER_REQUEST,
     MAX_MODEL_ID_BYTES,
+    MAX_PROBE_BYTES,
     MAX_SOFTWARE_BYTES,
     MAX_VERSIONS,
     NONCE_SIZE,
@@ -48,6 +50,8 @@ from ._messages import (
     Ping,
     Pong,
     Receipt,
+    WeightsRequest,
+    WeightsResponse,
 )
 from ._tensor import tensor_from_wire, tensor_to_wire
 from ._wire import Fields, bad, check_text, check_uint, pack, sorted_map, unpack
@@ -137,16 +141,60 @@ def _dec_error(f: Fields) -> Error:
                  f.opt_bin("request_id", size=REQUEST_ID_SIZE))
 
 
-def _enc_ping(m: Ping | Pong) -> dict[str, Any]:
-    return {"ts": _u(m.ts)}
+def _enc_ping(m: Ping) -> dict[str, Any]:
+    out: dict[str, Any] = {"ts": _u(m.ts)}
+    if m.pad:  # optional fields are written only when used: a plain ping is the same bytes as ever
+        out["pad"] = m.pad
+    if m.want:
+        out["want"] = _u(m.want)
+    return out
+
+
+def _enc_pong(m: Pong) -> dict[str, Any]:
+    out: dict[str, Any] = {"ts": _u(m.ts)}
+    if m.pad:
+        out["pad"] = m.pad
+    return out
 
 
 def _dec_ping(f: Fields) -> Ping:
-    return Ping(f.uint("ts"))
+    pad = f.bin("pad", max_size=MAX_PROBE_BYTES) if f.has("pad") else b""
+    return Ping(f.uint("ts"), pad, f.opt_uint("want", hi=MAX_PROBE_BYTES) or 0)
 
 
 def _dec_pong(f: Fields) -> Pong:
-    return Pong(f.uint("ts"))
+    return Pong(f.uint("ts"), f.bin("pad", max_size=MAX_PROBE_BYTES) if f.has("pad") else b"")
+
+
+# ---------------------------------------------------------------- weight fetching
+
+
+def _enc_weights_request(m: WeightsRequest) -> dict[str, Any]:
+    return {"expert": _u(m.expert), "layer": _u(m.layer), "model_id": m.model_id, "request_id": m.request_id,
+            "start": _u(m.start), "stop": _u(m.stop), "tensor": m.tensor}
+
+
+def _dec_weights_request(f: Fields) -> WeightsRequest:
+    tensor = f.text("tensor", max_bytes=16)
+    if tensor not in EXPERT_TENSORS:
+        bad(f"tensor must be one of {list(EXPERT_TENSORS)}")
+    start, stop = f.uint("start", hi=U32_MAX), f.uint("stop", lo=1, hi=U32_MAX)
+    if stop <= start:
+        bad(f"rows [{start}, {stop}) are empty")
+    return WeightsRequest(f.bin("request_id", size=REQUEST_ID_SIZE), _model_id(f), f.uint("layer", hi=U32_MAX),
+                          f.uint("expert", hi=U32_MAX), tensor, start, stop)
+
+
+def _enc_weights_response(m: WeightsResponse) -> dict[str, Any]:
+    return {"data": tensor_to_wire(m.data), "request_id": m.request_id}
+
+
+def _dec_weights_response(f: Fields) -> WeightsResponse:
+    request_id = f.bin("request_id", size=REQUEST_ID_SIZE)
+    data = tensor_from_wire(f.raw("data"), "data")
+    if data.ndim > 2 or data.shape[0] < 1:
+        bad("data must be rows of a matrix or of a bias vector", ErrorCode.BAD_TENSOR)
+    return WeightsResponse(request_id, data)
 
 
 # ---------------------------------------------------------------- expert calls
@@ -301,13 +349,15 @@ def _dec_announcement(f: Fields) -> Announcement:
 
 _ENCODERS: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
     Hello: _enc_hello, HelloAck: _enc_hello_ack, Auth: _enc_auth, Error: _enc_error,
-    Ping: _enc_ping, Pong: _enc_ping, ExpertRequest: _enc_expert_request,
+    Ping: _enc_ping, Pong: _enc_pong, ExpertRequest: _enc_expert_request,
+    WeightsRequest: _enc_weights_request, WeightsResponse: _enc_weights_response,
     ExpertResponse: _enc_expert_response, CountersignedReceipt: _enc_countersigned,
     Announcement: _enc_announcement,
 }
 _DECODERS: Final[dict[str, Callable[[Fields], Message]]] = {
     Hello.TYPE: _dec_hello, HelloAck.TYPE: _dec_hello_ack, Auth.TYPE: _dec_auth,
     Error.TYPE: _dec_error, Ping.TYPE: _dec_ping, Pong.TYPE: _dec_pong,
+    WeightsRequest.TYPE: _dec_weights_request, WeightsResponse.TYPE: _dec_weights_response,
     ExpertRequest.TYPE: _dec_expert_request, ExpertResponse.TYPE: _dec_expert_response,
     CountersignedReceipt.TYPE: _dec_countersigned, Announcement.TYPE: _dec_announcement,
 }

@@ -124,18 +124,44 @@ class Error:
 
 @dataclass(frozen=True, slots=True)
 class Ping:
-    """Either direction: keepalive and RTT probe."""
+    """Either direction: keepalive and link probe (RTT; with ``pad``/``want``, bandwidth each way)."""
 
     TYPE: ClassVar[str] = "ping"
     ts: int  # opaque to the receiver; the sender's clock, e.g. monotonic microseconds
+    pad: bytes = b""  # filler carried to the receiver: times the sender -> receiver direction
+    want: int = 0  # filler bytes asked back in the Pong: times the receiver -> sender direction
 
 
 @dataclass(frozen=True, slots=True)
 class Pong:
-    """Answer to ``Ping``, echoing its ``ts``."""
+    """Answer to ``Ping``, echoing its ``ts`` (and carrying the ``want`` bytes of filler asked for)."""
 
     TYPE: ClassVar[str] = "pong"
     ts: int
+    pad: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsRequest:
+    """Client -> server: rows ``[start, stop)`` of one tensor of one expert the server holds."""
+
+    TYPE: ClassVar[str] = "weights_request"
+    request_id: bytes  # 16 random bytes
+    model_id: str
+    layer: int
+    expert: int
+    tensor: str  # "gate", "up", "down", or "gate_bias", "up_bias", "down_bias" where the model has them
+    start: int  # first row
+    stop: int  # one past the last row; stop > start
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WeightsResponse:
+    """Server -> client: the rows asked for, in the server's storage dtype (quantised ones as f32)."""
+
+    TYPE: ClassVar[str] = "weights_response"
+    request_id: bytes
+    data: np.ndarray  # (stop - start, columns), or (stop - start,) for a bias
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +193,8 @@ Message = (
     | Error
     | Ping
     | Pong
+    | WeightsRequest
+    | WeightsResponse
     | CountersignedReceipt
     | Announcement
 )

@@ -149,6 +149,13 @@ def _messages() -> dict[str, dict[str, Any]]:
          "connection-level error, no request_id"),
         ("ping", p.Ping(1_234_567_890), "ts is opaque to the receiver"),
         ("pong", p.Pong(1_234_567_890), "echoes ping.ts"),
+        ("ping_probe_up", p.Ping(1_234_567_891, bytes(16)), "link probe: 16 filler bytes to the receiver"),
+        ("ping_probe_down", p.Ping(1_234_567_892, want=16), "link probe: asks for 16 filler bytes back"),
+        ("pong_probe_down", p.Pong(1_234_567_892, bytes(16)), "answers ping_probe_down"),
+        ("weights_request", p.WeightsRequest(REQUEST_ID, "tiny-moe", 3, 6, "gate", 0, 2),
+         "rows 0..1 of expert 6's gate in layer 3"),
+        ("weights_response", p.WeightsResponse(REQUEST_ID, np.arange(8, dtype="<f2").reshape(2, 4)),
+         "answers weights_request: the rows in the holder's storage dtype (f16 here)"),
         ("announcement", _announcement(), "DHT value; also in records.json"),
     ]
     return {name: _message_vector(name, msg, note) for name, msg, note in items}
@@ -251,6 +258,8 @@ def _invalid_cases() -> list[dict[str, Any]]:
     hello = p.to_wire(_handshake()[0])
     req = p.to_wire(_request())
     resp = p.to_wire(_response(_request()))
+    wreq = p.to_wire(p.WeightsRequest(REQUEST_ID, "tiny-moe", 3, 6, "gate", 0, 2))
+    wresp = p.to_wire(p.WeightsResponse(REQUEST_ID, np.zeros((2, 4), "<f2")))
     t = dict(req["hidden"])
     nan32 = np.array([[1.0, np.nan, 0.0, 0.0], [0.0] * 4], dtype=np.float32).tobytes()
     inf16 = np.array([[1.0, 0.0, np.inf, 0.0]] * 2, dtype=np.float16).tobytes()
@@ -274,6 +283,13 @@ def _invalid_cases() -> list[dict[str, Any]]:
         ("ping.ts negative", _body(p.to_wire(p.Ping(1)), ts=-1), E.BAD_FIELD),
         ("ping.ts is a bool", _body(p.to_wire(p.Ping(1)), ts=True), E.BAD_FIELD),
         ("ping.ts is a float", _body(p.to_wire(p.Ping(1)), ts=1.0), E.BAD_FIELD),
+        ("ping.want above 8 MiB", _body(p.to_wire(p.Ping(1)), want=8 * 2**20 + 1), E.BAD_FIELD),
+        ("ping.pad is a str", _body(p.to_wire(p.Ping(1)), pad="x"), E.BAD_FIELD),
+        ("weights_request rows empty", _body(wreq, start=2, stop=2), E.BAD_FIELD),
+        ("weights_request unknown tensor", _body(wreq, tensor="router"), E.BAD_FIELD),
+        ("weights_request request_id 15 bytes", _body(wreq, request_id=bytes(15)), E.BAD_FIELD),
+        ("weights_response data holds NaN", _body(wresp, data={**wresp["data"], "dtype": "f32",
+                                                               "data": nan32}), E.NON_FINITE),
         ("hello.nonce missing", _body(hello, nonce=...), E.BAD_FIELD),
         ("hello.nonce is a str", _body(hello, nonce="0" * 32), E.BAD_FIELD),
         ("hello.nonce is 31 bytes", _body(hello, nonce=bytes(31)), E.BAD_FIELD),
