@@ -26,6 +26,14 @@ class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.lazy])
 
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        # ``moeswarm node status``: a command of its own (``node`` itself takes a required --model)
+        if args[:2] == ["node", "status"]:
+            from .node.cli import node_status
+
+            return "node status", node_status, args[2:]
+        return super().resolve_command(ctx, args)
+
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in self.lazy:
             import importlib

@@ -7,6 +7,7 @@ decoded when the engine converts them; an expert-stacked tensor is split into pe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -120,6 +121,27 @@ class GGUFFile:
             if raw.get("vocab_size") is None and "token_embd.weight" in self.tensors:
                 raw["vocab_size"] = int(self.tensors["token_embd.weight"].shape[-1])  # older files lack the key
         return ModelConfig.from_hf(raw, model_id=model_id, path=self.path)
+
+    def config_text(self) -> str:
+        """The config.json this file embeds, verbatim (so it hashes like the safetensors folder's), else
+        the config rebuilt from llama.cpp's keys as canonical JSON."""
+        text = self.meta.get(HF_CONFIG)
+        return str(text) if text is not None else json.dumps(self.config().raw, sort_keys=True)
+
+    def expert_encoding(self, cfg: ModelConfig) -> str:
+        """How the routed experts' matrices are stored: the GGML type in lower case (``q8_0``, ``f16``)
+        when all of them share it, else ``mixed-`` and a hash of which tensor has which type (llama.cpp's
+        K-quant mixes vary it by layer).  Expert biases do not count: GGUF keeps 1-D tensors F32."""
+        types: dict[str, str] = {}
+        for L in range(cfg.num_layers):
+            if cfg.moe_layers[L]:
+                for part in ("gate", "up", "down"):
+                    name = gguf_name(cfg.arch, f"{L}.experts.0.{part}")[1]
+                    types[name] = self._tensor(name).tensor_type.name
+        kinds = set(types.values())
+        if len(kinds) == 1:
+            return kinds.pop().lower()
+        return "mixed-" + hashlib.sha256(json.dumps(sorted(types.items())).encode()).hexdigest()[:8]
 
     def _tensor(self, name: str) -> Any:
         t = self.tensors.get(name)

@@ -204,8 +204,9 @@ def convert_to_gguf(
     """Convert a model folder (or a GGUF file) to a GGUF file.
 
     ``sidecar`` also writes config.json and the tokenizer files beside it, byte for byte (never
-    overwriting), so its folder works as a model folder everywhere -- the swarm derives a model's id
-    from config.json's bytes, so GGUF and safetensors holders of one model find each other.
+    overwriting), so its folder works as a model folder everywhere.  The swarm still tells the GGUF
+    apart from the safetensors checkpoint: its model id adds the experts' encoding to the hash of
+    config.json (``mixtral-76b2c92d8168-q8_0``, see ``moeswarm.node.daemon.model_id_for``).
     """
     out = Path(out)
     if out.suffix != ".gguf":

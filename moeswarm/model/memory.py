@@ -15,6 +15,7 @@ steers it:
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -128,6 +129,23 @@ def _regions(w: ExpertWeights) -> list[_Region]:
         end = min(-(-(high - _origin(mm)) // page) * page, len(mm))
         out.append(_Region(mm, str(mapped.filename), start, end - start))
     return out
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def resident_fraction(w: ExpertWeights) -> float:
+    """Share of an expert's mapped pages in RAM now (``mincore``: the page cache, whether or not
+    this process touched them).  Arrays not backed by a file count as resident."""
+    resident = total = 0
+    for r in _regions(w):
+        pages = r.length // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        if _libc.mincore(ctypes.c_void_p(_origin(r.map) + r.start), ctypes.c_size_t(r.length), vec) != 0:
+            continue  # not a mapping we can ask about: leave it out
+        resident += int((np.frombuffer(vec, np.uint8) & 1).sum())
+        total += pages
+    return resident / total if total else 1.0
 
 
 class MemoryBudget:

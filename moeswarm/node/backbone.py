@@ -21,11 +21,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import BadResponse, ConfigError, NetworkError, ProtocolError, SwarmError
-from ..model import ModelConfig, Weights, expert_ffn
+from ..model import ExpertWeights, ModelConfig, Weights, expert_ffn
+from ..model.experts import F32Cache
 from ..protocol import (
     CountersignedReceipt,
     ErrorCode,
@@ -38,6 +40,9 @@ from ..protocol import (
 )
 from .dataplane import ExpertClient
 from .routing_table import Holder, SwarmTable, plan_dispatch
+
+if TYPE_CHECKING:
+    from .tiers import TierPlanner
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +125,8 @@ class RemoteExperts:
 
     def __init__(self, cfg: ModelConfig, identity: Identity, table: SwarmTable, loop: asyncio.AbstractEventLoop,
                  *, config: DispatchConfig = DispatchConfig(), local: Weights | None = None,
-                 receipts: ReceiptSink | None = None, audit: AuditHook | None = None) -> None:
+                 receipts: ReceiptSink | None = None, audit: AuditHook | None = None,
+                 tiers: "TierPlanner | None" = None) -> None:
         self.cfg = cfg
         self.identity = identity
         self.table = table
@@ -129,6 +135,9 @@ class RemoteExperts:
         self.local = local  # memory-mapped checkpoint for --local-fallback, or None
         self.receipts = receipts
         self.audit = audit  # e.g. moeswarm.ledger.AuditRunner.offer: must not block
+        self.tiers = tiers  # acting tier planner: experts it places here are computed here
+        self._f32 = F32Cache(256 << 20)
+        self.local_pairs = 0  # (token, expert) pairs computed here on the planner's word
         self.connections = Connections(identity)
         self._seq = itertools.count(int(time.time() * 1000) * 1000)  # never reused across restarts
         self.served_by: dict[bytes, set[tuple[int, int]]] = {}  # peer -> (layer, expert) it computed
@@ -148,6 +157,13 @@ class RemoteExperts:
         T, k = ids.shape
         y = np.zeros((T, k, x.shape[1]), np.float32)  # each (token, slot) expert output
         pending = sorted(set(int(e) for e in np.unique(ids)))
+        here: asyncio.Future[None] | None = None
+        if self.tiers is not None:  # the planner's local/fetched experts: computed here meanwhile
+            mine = [e for e in pending if self._here(layer, e)]
+            if mine:
+                pending = [e for e in pending if e not in mine]
+                here = asyncio.ensure_future(self._compute_here(layer, x, ids, mine, y))
+                self.local_pairs += int(np.isin(ids, mine).sum())
         tried: dict[int, set[bytes]] = {e: set() for e in pending}
         reasons: list[str] = []
         for _ in range(self.config.attempts):
@@ -169,12 +185,29 @@ class RemoteExperts:
             pending = sorted(failed)
             if unheld and len(unheld) == len(pending):
                 break  # nobody else to ask
+        if here is not None:
+            await here
         if pending:
             if self.local is None or any(e not in self.local.experts.get(layer, {}) for e in pending):
                 raise MissingExperts(layer, pending, reasons)
             await asyncio.to_thread(self._compute_locally, layer, x, ids, pending, y)
             self.fallbacks += 1
         return (weights[:, :, None] * y).sum(axis=1, dtype=np.float32) if k > 1 else weights * y[:, 0]
+
+    def _here(self, layer: int, expert: int) -> bool:
+        assert self.tiers is not None
+        tier = self.tiers.tier_of(layer, expert)
+        return tier == "fetch" or (tier == "local" and self.tiers.weights(layer, expert) is not None)
+
+    async def _compute_here(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int],
+                            y: np.ndarray) -> None:
+        """Experts the planner placed here; ones to fetch on a miss are fetched first."""
+        assert self.tiers is not None
+        tiers = self.tiers
+        weights = dict(zip(experts, await asyncio.gather(*(
+            _ready(tiers.weights(layer, e)) if tiers.tier_of(layer, e) != "fetch" else tiers.ensure(layer, e)
+            for e in experts))))
+        await asyncio.to_thread(self._compute_locally, layer, x, ids, experts, y, lambda L, e: weights[e])
 
     async def _call(self, peer: bytes, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int],
                     y: np.ndarray) -> None:
@@ -247,12 +280,18 @@ class RemoteExperts:
             client = await self.connections.get(holder, self.config.timeout_s)
             return await client.call(request, self.config.timeout_s)
 
-    def _compute_locally(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int], y: np.ndarray) -> None:
-        assert self.local is not None
+    def _compute_locally(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int], y: np.ndarray,
+                         source: Callable[[int, int], ExpertWeights | None] | None = None) -> None:
+        """Thread: experts from ``source`` (default: the local map), float32 copies kept for reuse."""
         for e in experts:
+            w = source(layer, e) if source is not None else None
+            if w is None:
+                assert self.local is not None
+                w = self.local.experts[layer][e]
             tokens = np.nonzero((ids == e).any(axis=1))[0]
             slots = np.argmax(ids[tokens] == e, axis=1)
-            y[tokens, slots] = expert_ffn(self.local.experts[layer][e], x[tokens], self.cfg)
+            w32 = w if w.gate.dtype == np.float32 else self._f32.get((layer, e), w)
+            y[tokens, slots] = expert_ffn(w32, x[tokens], self.cfg)
 
     def end_step(self) -> None:
         """After each forward pass: settle receipts once decoding pauses (checking and signing
@@ -273,6 +312,10 @@ class RemoteExperts:
             self._idle_timer.cancel()
         self.settle_receipts()
         await self.connections.aclose()
+
+
+async def _ready(value: ExpertWeights | None) -> ExpertWeights | None:
+    return value
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

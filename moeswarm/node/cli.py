@@ -79,10 +79,14 @@ def host_port(text: str) -> tuple[str, int]:
 @click.option("--memory-budget", default=None, metavar="SIZE",
               help="Keep resident memory under SIZE (e.g. 8GB): experts are paged in from the memory-mapped "
                    "checkpoint when called and dropped when least recently used.")
+@click.option("--status", "status", default="127.0.0.1:0", show_default=True, metavar="HOST:PORT|off",
+              help="Serve /status (JSON) and /metrics (Prometheus) here, for `moeswarm node status`.")
+@click.option("--probe-interval", default=30.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+              help="Re-measure round trip and bandwidth (each direction) to the other holders this often; 0 = never.")
 @friendly_errors
 def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str,
          rebalance_interval: float, data_port: int, announce_port: int | None, memory_budget: str | None,
-         **swarm: object) -> None:
+         status: str, probe_interval: float, **swarm: object) -> None:
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
@@ -100,8 +104,9 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 
     Every peer must use the same checkpoint (the model id is derived from its config.json).
 
-    Prints `READY {json}` (peer_id, multiaddrs, endpoint) on stdout once serving, and with
-    --experts auto a `REBALANCE {json}` line (action, reason, layers, experts) per re-evaluation.
+    Prints `READY {json}` (peer_id, multiaddrs, endpoint, status URL) on stdout once serving, and
+    with --experts auto a `REBALANCE {json}` line (action, reason, layers, experts) per
+    re-evaluation. `moeswarm node status` shows what a running node measures and plans.
     """
     from .daemon import NodeConfig, run_node
 
@@ -110,7 +115,8 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
     budget = parse_size(memory_budget) if memory_budget is not None else None
     config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port,  # type: ignore[arg-type]
                         memory_budget=budget, capacity_bytes=parse_size(capacity) if capacity else None,
-                        device_class=device_class, rebalance_interval_s=rebalance_interval)
+                        device_class=device_class, rebalance_interval_s=rebalance_interval,
+                        status=None if status == "off" else host_port(status), probe_interval_s=probe_interval)
     asyncio.run(run_node(config))
 
 
@@ -127,16 +133,58 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 @click.option("--audit-fraction", default=0.0, show_default=True, type=click.FloatRange(0, 1), metavar="F",
               help="With --ledger: have the ledger re-execute this share of expert calls (e.g. 0.01); a server "
                    "caught lying gets signed evidence and its receipts of the epoch are withheld.")
+@click.option("--tiers", default="remote", show_default=True, type=click.Choice(["remote", "auto", "fetch"]),
+              help="remote: call every routed expert in the swarm. auto: the tier planner decides per expert, "
+                   "from measured links and disk, whether to compute it here from the checkpoint, call a "
+                   "holder, or fetch its weights into a local cache. fetch: fetch every expert's weights "
+                   "from a holder on a cache miss and compute it here (remote RAM as the cold tier).")
+@click.option("--fetch-cache", default="1GB", show_default=True, metavar="SIZE",
+              help="With --tiers auto or fetch: memory for expert weights fetched from holders.")
+@click.option("--probe-interval", default=30.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+              help="Re-measure round trip and bandwidth (each direction) to the holders this often; 0 = never.")
 @friendly_errors
 def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_url: str | None,
-             ledger_queue: str | None, audit_fraction: float, **swarm: object) -> None:
+             ledger_queue: str | None, audit_fraction: float, tiers: str, fetch_cache: str, probe_interval: float,
+             **swarm: object) -> None:
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
 
-    Serves /v1/models, /v1/completions and /v1/chat/completions. Prints `READY {json}`
-    (peer_id, multiaddrs, http) on stdout once serving.
+    Serves /v1/models, /v1/completions and /v1/chat/completions, and /status and /metrics.
+    Prints `READY {json}` (peer_id, multiaddrs, http) on stdout once serving.
     """
     from .daemon import BackboneConfig, run_backbone
 
+    from ..model.memory import parse_size
+
     config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout,  # type: ignore[arg-type]
-                            ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction)
+                            ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction,
+                            tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval)
     asyncio.run(run_backbone(config))
+
+
+@click.command("status")
+@click.option("--url", "urls", multiple=True, metavar="URL",
+              help="A daemon's status URL (from its READY line); default: every node and backbone running here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw reports as JSON.")
+@click.option("--experts", "show_experts", is_flag=True, help="List the planned tier of every expert, layer by layer.")
+@friendly_errors
+def node_status(urls: tuple[str, ...], as_json: bool, show_experts: bool) -> None:
+    """Show what running nodes and backbones measure and decide.
+
+    For each: what it holds and served, memory (VmSize/VmRSS/VmSwap, faults, disk reads), the
+    expert cache, round trip and bandwidth to each peer in each direction, and the tier plan
+    (how many experts it would compute from its own checkpoint, call on a holder, or fetch),
+    with the tokens/s the plan predicts.
+    """
+    import json
+
+    from .status import fetch_reports, render_report
+
+    reports = fetch_reports(list(urls))
+    if as_json:
+        click.echo(json.dumps(reports, indent=2, sort_keys=True))
+        return
+    if not reports:
+        click.echo("no moeswarm node or backbone is running here (give --url to ask another)")
+        return
+    for report in reports:
+        render_report(report, show_experts)

@@ -18,14 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, SwarmError, Unreachable
-from ..model import Model, ModelConfig, Tokenizer, load_weights
+from ..errors import CheckpointError, ConfigError, SwarmError, Unreachable
+from ..model import Model, ModelConfig, Tokenizer, Weights, load_weights
 from ..protocol import Identity
 from .announce import AnnounceConfig, Announcer
 from .backbone import DispatchConfig, RemoteExperts
 from .dataplane import DataPlaneServer, ServerConfig
 from .discovery import Discovery
 from .expert_server import ExpertServer, ExpertServerConfig
+from .fetch import serve_weights
+from .links import ProbeConfig
 from .rebalancer import (
     Decision,
     Holding,
@@ -61,10 +63,31 @@ def parse_range(text: str | None, upper: int, what: str) -> tuple[int, int]:
 
 
 def model_id_for(folder: str, cfg: ModelConfig) -> str:
-    """A stable id for a checkpoint: its architecture plus a hash of its config.json, so every
-    holder of the same checkpoint agrees without naming it (override with --model-id)."""
-    digest = hashlib.sha256(Path(folder, "config.json").read_bytes()).hexdigest()[:12]
-    return f"{cfg.arch}-{digest}"
+    """A stable id for a checkpoint, so every holder of the same checkpoint agrees without naming it
+    (override with --model-id).
+
+    * A safetensors folder: its architecture plus a hash of its config.json, ``mixtral-76b2c92d8168``.
+    * A GGUF checkpoint (a ``.gguf`` file, or a folder holding one and no safetensors, with or without
+      the converter's config.json beside it): the same hash of the config.json it embeds, plus how its
+      routed experts are encoded, ``mixtral-76b2c92d8168-q8_0``.
+
+    The id promises what an expert call computes.  A Q8_0 expert's outputs differ from the fp16/fp32
+    one's by the quantisation error, enough to flip near-tie tokens, so a backbone must not mix the two
+    without being told: nodes and a backbone holding the same GGUF (or GGUFs whose experts are encoded
+    alike) find each other by default; a backbone on the safetensors folder sees Q8_0 nodes only when
+    every side passes the same --model-id, which is how one accepts their numbers.  Every GGUF gets the
+    suffix, F32 too: one rule, and the id says what the file holds.  Like the safetensors id, it does not
+    hash the weights (that would read the whole checkpoint at start): two fine-tunes with one config.json
+    and one encoding share an id.
+    """
+    from ..model.gguf import GGUFFile, find_gguf  # the gguf package: imported only when an id is derived
+
+    gguf_file = find_gguf(folder)
+    if gguf_file is None:
+        return f"{cfg.arch}-{hashlib.sha256(Path(folder, 'config.json').read_bytes()).hexdigest()[:12]}"
+    f = GGUFFile(gguf_file)
+    digest = hashlib.sha256(f.config_text().encode("utf-8")).hexdigest()[:12]
+    return f"{cfg.arch}-{digest}-{f.expert_encoding(cfg)}"
 
 
 def load_identity(path: str | None) -> Identity:
@@ -106,7 +129,7 @@ class SwarmConfig:
     announce_host: str | None = None  # address others should dial, if not ``host``
     p2p_port: int = 0  # 0 picks a free port
     client_mode: bool = False  # behind NAT: DHT client mode
-    model_id: str | None = None  # default: derived from config.json
+    model_id: str | None = None  # default: derived from the checkpoint (model_id_for)
     identity_file: str | None = None
 
 
@@ -126,6 +149,8 @@ class NodeConfig:
     rebalance_interval_s: float = 600.0  # --experts auto: re-evaluate the block about this often, seconds (0: never)
     rebalance_grace_s: float = 30.0  # after a move, serve the old block this long too (calls in flight, stale tables)
     rebalance: RebalanceConfig | None = None  # --experts auto: hysteresis and cooldown of moves (None: the market's)
+    status: tuple[str, int] | None = ("127.0.0.1", 0)  # serve /status and /metrics here (None: not at all)
+    probe_interval_s: float = 30.0  # re-measure the links to peers this often (0: never)
 
 
 @dataclass(frozen=True)
@@ -141,12 +166,19 @@ class BackboneConfig:
     ledger_queue_dir: str | None = None  # receipts spooled here until the ledger acknowledges them
     audit_fraction: float = 0.0  # share of expert calls the ledger re-executes (needs ledger_url), 0..1
     audit_drain_s: float = 30.0  # on shutdown, wait at most this long for the audits still queued
+    tiers: str = "remote"  # "remote": every routed expert is called in the swarm; "auto": the tier planner
+    # decides; "fetch": every expert is fetched from a holder on a miss and computed here
+    fetch_cache_bytes: int = 1 << 30  # --tiers auto: memory for expert weights fetched from holders
+    probe_interval_s: float = 30.0  # re-measure the links to holders this often (0: never)
+    replan_s: float = 10.0  # recompute the tier plan this often
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.audit_fraction <= 1.0:
             raise ConfigError(f"the audit fraction must be within 0..1, not {self.audit_fraction}")
         if self.audit_fraction > 0 and self.ledger_url is None:
             raise ConfigError("audits are judged by the ledger: --audit-fraction needs --ledger")
+        if self.tiers not in ("remote", "auto", "fetch"):
+            raise ConfigError(f"--tiers is 'remote', 'auto' or 'fetch', not {self.tiers!r}")
 
 
 @contextlib.asynccontextmanager
@@ -193,7 +225,9 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
         server = ExpertServer(weights, identity, ExpertServerConfig(
             model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
         watch_memory(server, weights, config.memory_budget)
-        dataplane = DataPlaneServer(identity, server.handle, ServerConfig(host=sc.host, port=config.data_port))
+        dataplane = DataPlaneServer(identity, server.handle, ServerConfig(host=sc.host, port=config.data_port),
+                                    weights_handler=lambda client, request: asyncio.to_thread(
+                                        serve_weights, server.weights, model_id, request))
         await server.start()
         await dataplane.start()
         try:
@@ -203,17 +237,61 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
                 model_id, layers, moe, experts, (endpoint,), held_bytes(weights), config.announce_interval_s,
                 config.record_ttl_s), stats=lambda: (server.throughput, server.load_permille))
             await announcer.start()
-            on_ready({"peer_id": identity.peer_id_str, "multiaddrs": public_multiaddrs(p2p.multiaddrs, sc),
-                      "endpoint": endpoint, "model_id": model_id, "layers": list(layers), "experts": list(experts)})
-            if market is not None and config.rebalance_interval_s > 0:
-                holding = Holding(cfg, server, announcer, weights, layers, experts, config.memory_budget)
-                await Rebalancer(p2p, identity.peer_id, *market, holding, config, on_decision).run_until(stop)
-            else:
-                await stop.wait()
+            async with contextlib.AsyncExitStack() as stack:
+                status_url = await _node_status(stack, config, identity, p2p, cfg, model_id, server, endpoint)
+                on_ready({"peer_id": identity.peer_id_str, "multiaddrs": public_multiaddrs(p2p.multiaddrs, sc),
+                          "endpoint": endpoint, "model_id": model_id, "layers": list(layers),
+                          "experts": list(experts), "status": status_url})
+                if market is not None and config.rebalance_interval_s > 0:
+                    holding = Holding(cfg, server, announcer, weights, layers, experts, config.memory_budget)
+                    await Rebalancer(p2p, identity.peer_id, *market, holding, config, on_decision).run_until(stop)
+                else:
+                    await stop.wait()
             await announcer.withdraw()
         finally:
             await dataplane.aclose()
             await server.aclose()
+
+
+async def _node_status(stack: contextlib.AsyncExitStack, config: NodeConfig, identity: Identity, p2p: Any,
+                       cfg: ModelConfig, model_id: str, server: ExpertServer, endpoint: str) -> str | None:
+    """``moeswarm node status``'s source: the tier planner over the whole local checkpoint (what
+    this machine would compute itself, call, or fetch), link figures, memory, what it served."""
+    from .status import cache_snapshot, memory_snapshot, run_file, serve_status
+    from .tiers import TierConfig, start_planner
+
+    if config.status is None:
+        return None
+    everything = load_block(config.swarm.model_dir, cfg, (0, cfg.num_layers - 1), (0, cfg.num_experts - 1))
+    tiers = await start_planner(stack, identity, p2p, cfg, model_id, local=everything,
+                                probe=ProbeConfig(interval_s=config.probe_interval_s),
+                                config=TierConfig(act=False), backbone_bytes=backbone_bytes(everything))
+    started = time.time()
+
+    def snapshot() -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "role": "node", "peer_id": identity.peer_id_str, "model_id": model_id, "endpoint": endpoint,
+            "layers": list(server.config.layers), "experts": list(server.config.experts),
+            "uptime_s": round(time.time() - started, 1), "memory": memory_snapshot(),
+            "memory_budget": config.memory_budget,
+            "serving": {"requests": server.requests_served, "pairs": server.pairs_served,
+                        "throughput_pairs_per_s": server.throughput, "load_permille": server.load_permille},
+            "tiers": tiers.status(),
+        }
+        budget = getattr(server.on_access, "__self__", None)
+        if budget is not None and hasattr(budget, "stats"):
+            out["expert_cache"] = cache_snapshot(budget.stats)
+        return out
+
+    runner, url = await serve_status(snapshot, *config.status)
+    stack.push_async_callback(runner.cleanup)
+    stack.enter_context(run_file("node", identity.peer_id_str, url))
+    return url
+
+
+def backbone_bytes(weights: Weights) -> int:
+    """Bytes of the non-expert weights one token streams through (the LM head included)."""
+    return sum(int(getattr(a, "nbytes", 0)) for name, a in weights.tensors.items() if name != "embed")
 
 
 class SwarmBackbone:
@@ -231,6 +309,7 @@ class SwarmBackbone:
         self.model: Model | None = None
         self.executor: RemoteExperts | None = None
         self.audits: Any = None  # moeswarm.ledger.AuditRunner when audit_fraction > 0
+        self.tiers: Any = None  # moeswarm.node.tiers.TierPlanner
 
     async def __aenter__(self) -> "SwarmBackbone":
         sc, cfg = self.config.swarm, self.cfg
@@ -244,7 +323,8 @@ class SwarmBackbone:
                 raise Unreachable(f"{len(missing)} (layer, expert) pairs have no holder in the swarm, e.g. {sample}")
             await self.discovery.start()
             self._stack.push_async_callback(self.discovery.aclose)
-            local = load_weights(sc.model_dir, config=cfg) if self.config.local_fallback else None
+            # the whole map: experts the planner places here, or nobody serves, are computed from it
+            local = self._local_experts()
             receipts = await self._ledger_sink() if self.config.ledger_url else None
             self.audits = await self._audit_runner() if self.config.audit_fraction > 0 else None
             self.executor = RemoteExperts(cfg, self.identity, self.table, asyncio.get_running_loop(),
@@ -255,6 +335,7 @@ class SwarmBackbone:
             weights = local or load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
             self.model = Model(weights, experts=self.executor)
             await self._start_demand_reports(moe)
+            await self._start_planner(local, weights)
         except BaseException:
             await self._stack.aclose()
             raise
@@ -262,6 +343,50 @@ class SwarmBackbone:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
+
+    def _local_experts(self) -> Weights | None:
+        """The whole checkpoint mapped, for --local-fallback or --tiers auto; with --tiers auto a
+        backbone whose checkpoint holds no experts plans with remote holders and fetching only."""
+        c, sc = self.config, self.config.swarm
+        if not (c.local_fallback or c.tiers == "auto"):
+            return None
+        try:
+            return load_weights(sc.model_dir, config=self.cfg)
+        except CheckpointError as e:
+            if c.local_fallback:
+                raise
+            log.info("no local experts (%s): the planner chooses between calling and fetching", e)
+            return None
+
+    async def _start_planner(self, local: Weights | None, weights: Weights) -> None:
+        """Measure the links to holders and keep a tier plan; with --tiers auto the executor follows it."""
+        from .tiers import TierConfig, start_planner
+
+        c = self.config
+        act = c.tiers != "remote"
+        self.tiers = await start_planner(
+            self._stack, self.identity, self.p2p, self.cfg, self.model_id, local=local, table=self.table,
+            demand=self.demand, probe=ProbeConfig(interval_s=c.probe_interval_s),
+            config=TierConfig(act=act, force="fetch" if c.tiers == "fetch" else None, replan_s=c.replan_s,
+                              fetch_cache_bytes=c.fetch_cache_bytes),
+            backbone_bytes=backbone_bytes(weights))
+        if act:
+            assert self.executor is not None
+            self.executor.tiers = self.tiers
+
+    def status(self) -> dict[str, Any]:
+        from .status import memory_snapshot
+
+        ex = self.executor
+        out: dict[str, Any] = {"role": "backbone", "peer_id": self.identity.peer_id_str, "model_id": self.model_id,
+                               "memory": memory_snapshot(), "holders": len(self.table.live())}
+        if ex is not None:
+            out["dispatch"] = {"calls": ex.calls, "fallbacks": ex.fallbacks, "local_pairs": ex.local_pairs,
+                               "bad_receipts": ex.bad_receipts,
+                               "served_by": {p.hex(): len(s) for p, s in ex.served_by.items()}}
+        if self.tiers is not None:
+            out["tiers"] = self.tiers.status()
+        return out
 
     async def _start_demand_reports(self, moe: list[int]) -> None:
         """Count what the routers pick and publish it, signed, for the market (issue: scarcity)."""
@@ -341,11 +466,16 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
                                 "model_id": backbone.model_id}
         runner = None
         if config.http is not None:
-            runner, port = await serve_http(service, config.http[0], config.http[1])
-            info["http"] = f"http://{config.http[0]}:{port}"
+            runner, port = await serve_http(service, config.http[0], config.http[1], status=backbone.status)
+            info["http"] = info["status"] = f"http://{config.http[0]}:{port}"
         try:
-            on_ready(info)
-            await stop.wait()
+            with contextlib.ExitStack() as files:
+                if runner is not None:
+                    from .status import run_file
+
+                    files.enter_context(run_file("backbone", backbone.identity.peer_id_str, info["status"]))
+                on_ready(info)
+                await stop.wait()
         finally:
             if runner is not None:
                 await runner.cleanup()

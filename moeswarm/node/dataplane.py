@@ -2,7 +2,7 @@
 Ed25519 handshake of ``moeswarm.protocol``.
 
 ``DataPlaneServer`` accepts connections, runs the handshake, then answers ``ExpertRequest``s
-(concurrently, through a handler) and ``Ping``s.  A bad frame gets an ``Error`` with the
+and ``WeightsRequest``s (concurrently, through handlers) and ``Ping``s (link probes too).  A bad frame gets an ``Error`` with the
 spec's code; after a fatal code the connection is closed, otherwise it keeps going; the server
 keeps serving other connections either way.  ``ExpertClient`` is one authenticated,
 multiplexed connection: many calls in flight, answered by ``request_id``.
@@ -37,6 +37,8 @@ from ..protocol import (
     Ping,
     Pong,
     ServerHandshake,
+    WeightsRequest,
+    WeightsResponse,
     decode,
     peek_request_id,
     read_frame,
@@ -48,6 +50,7 @@ from .tls import channel_binding, client_context, self_signed_server_context
 log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, ExpertRequest], Awaitable[ExpertResponse]]
+WeightsHandler = Callable[[bytes, WeightsRequest], Awaitable[WeightsResponse]]
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
@@ -69,9 +72,11 @@ class ServerConfig:
 
 
 class DataPlaneServer:
-    def __init__(self, identity: Identity, handler: Handler, config: ServerConfig = ServerConfig()) -> None:
+    def __init__(self, identity: Identity, handler: Handler, config: ServerConfig = ServerConfig(),
+                 weights_handler: WeightsHandler | None = None) -> None:
         self.identity = identity
         self.handler = handler
+        self.weights_handler = weights_handler  # None: weight fetches get UNKNOWN_EXPERT
         self.config = config
         self._ssl: ssl.SSLContext | None = None
         self._cert: bytes | None = None
@@ -185,7 +190,7 @@ class _ServerConnection:
                 continue
             except NetworkError:
                 return
-            if isinstance(msg, ExpertRequest):
+            if isinstance(msg, (ExpertRequest, WeightsRequest)):
                 if len(self.in_flight) >= self.server.config.max_in_flight:
                     await self.send(Error(ErrorCode.OVERLOADED, "too many requests in flight", msg.request_id))
                     continue
@@ -193,16 +198,21 @@ class _ServerConnection:
                 self.in_flight.add(task)
                 task.add_done_callback(self.in_flight.discard)
             elif isinstance(msg, Ping):
-                await self.send(Pong(msg.ts))
+                await self.send(Pong(msg.ts, bytes(msg.want)))
             elif isinstance(msg, Error):
                 log.info("peer reported error %s: %s", msg.code, msg.message)
             else:
                 await self.send(Error(ErrorCode.UNEXPECTED_MESSAGE, f"unexpected {type(msg).__name__}"))
                 return
 
-    async def _answer(self, client: bytes, request: ExpertRequest) -> None:
+    async def _answer(self, client: bytes, request: ExpertRequest | WeightsRequest) -> None:
         try:
-            reply: object = await self.server.handler(client, request)
+            if isinstance(request, WeightsRequest):
+                if self.server.weights_handler is None:
+                    raise ProtocolError("this server does not hand out weights", code=ErrorCode.UNKNOWN_EXPERT)
+                reply: object = await self.server.weights_handler(client, request)
+            else:
+                reply = await self.server.handler(client, request)
         except ProtocolError as e:
             reply = Error(e.code, str(e), request.request_id)
         except asyncio.CancelledError:
@@ -222,7 +232,7 @@ class ExpertClient:
         self.reader, self.writer = reader, writer
         self.server_peer = server_peer
         self.max_frame = max_frame
-        self._pending: dict[bytes, asyncio.Future[ExpertResponse]] = {}
+        self._pending: dict[bytes, asyncio.Future[ExpertResponse | WeightsResponse]] = {}
         self._pings: dict[int, asyncio.Future[float]] = {}
         self._write_lock = asyncio.Lock()
         self._closed: BaseException | None = None
@@ -279,27 +289,45 @@ class ExpertClient:
         return self._closed is not None
 
     async def call(self, request: ExpertRequest, timeout: float) -> ExpertResponse:
+        response = await self._request(request, timeout, "expert call")
+        if not isinstance(response, ExpertResponse):
+            raise ProtocolError("a weights_response answered an expert_request", code=ErrorCode.UNEXPECTED_MESSAGE)
+        return response
+
+    async def fetch(self, request: WeightsRequest, timeout: float) -> WeightsResponse:
+        """Rows of one tensor of one expert (``moeswarm.node.fetch`` assembles whole experts)."""
+        response = await self._request(request, timeout, "weight fetch")
+        if not isinstance(response, WeightsResponse):
+            raise ProtocolError("an expert_response answered a weights_request", code=ErrorCode.UNEXPECTED_MESSAGE)
+        return response
+
+    async def _request(self, request: ExpertRequest | WeightsRequest, timeout: float,
+                       what: str) -> ExpertResponse | WeightsResponse:
         if self._closed is not None:
             raise Unreachable(f"connection is closed: {self._closed}")
-        future: asyncio.Future[ExpertResponse] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[ExpertResponse | WeightsResponse] = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = future
         try:
             async with self._write_lock:
                 await write_message(self.writer, request, max_size=self.max_frame)
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
-            raise Timeout(f"expert call timed out after {timeout:.1f}s") from None
+            raise Timeout(f"{what} timed out after {timeout:.1f}s") from None
         finally:
             self._pending.pop(request.request_id, None)
 
-    async def ping(self, timeout: float = 5.0) -> float:
-        """Round-trip time in seconds."""
+    async def ping(self, timeout: float = 5.0, *, pad: int = 0, want: int = 0) -> float:
+        """Seconds from sending a ``Ping`` (carrying ``pad`` filler bytes) until its ``Pong``
+        (carrying ``want`` filler bytes back) has been read: the round trip plus the transfer time
+        of ``pad`` bytes up and ``want`` bytes down (``moeswarm.node.links`` times each direction)."""
         ts = time.monotonic_ns() // 1000
+        while ts in self._pings:  # two probes in the same microsecond
+            ts += 1
         future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._pings[ts] = future
         try:
             async with self._write_lock:
-                await write_message(self.writer, Ping(ts), max_size=self.max_frame)
+                await write_message(self.writer, Ping(ts, bytes(pad), want), max_size=self.max_frame)
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             raise Timeout("ping timed out") from None
@@ -312,7 +340,7 @@ class ExpertClient:
                 msg = await read_message(self.reader, max_size=self.max_frame)
                 if msg is None:
                     raise Unreachable("server closed the connection")
-                if isinstance(msg, ExpertResponse):
+                if isinstance(msg, (ExpertResponse, WeightsResponse)):
                     fut = self._pending.get(msg.request_id)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)

@@ -357,8 +357,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error_response(500, "internal server error", "server_error")
 
 
-def make_app(service: GenerationService, config: ApiConfig = ApiConfig()) -> web.Application:
-    """The aiohttp application serving ``service`` with OpenAI's API."""
+def make_app(service: GenerationService, config: ApiConfig = ApiConfig(),
+             status: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+    """The aiohttp application serving ``service`` with OpenAI's API (and, given ``status``, the
+    daemon's ``/status`` and ``/metrics``: ``moeswarm.node.status``)."""
     app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
     app[SERVICE] = service
     app[CONFIG] = config
@@ -367,18 +369,23 @@ def make_app(service: GenerationService, config: ApiConfig = ApiConfig()) -> web
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/healthz", _healthz)
+    if status is not None:
+        from .status import add_status_routes
+
+        add_status_routes(app, status)
     return app
 
 
 async def serve_http(
-    service: GenerationService, host: str, port: int, config: ApiConfig = ApiConfig()
+    service: GenerationService, host: str, port: int, config: ApiConfig = ApiConfig(),
+    status: Callable[[], dict[str, Any]] | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Start serving on ``host:port`` (0 picks a free port) -> (runner, bound port).
 
     Handlers are cancelled when their client disconnects, which stops the generation.  Call
     ``await runner.cleanup()`` to stop.
     """
-    runner = web.AppRunner(make_app(service, config), handler_cancellation=True)
+    runner = web.AppRunner(make_app(service, config, status), handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

@@ -47,6 +47,7 @@ class ExpertSpec:
     holders: tuple[str, ...] = ()  # peers that serve it
     local: bool = True  # present in the local checkpoint
     reuse: float = 1.0  # expected calls served while cached, if fetched
+    resident: float | None = None  # share of its bytes in RAM now (None: the tier's hit rate)
 
 
 @dataclass
@@ -73,7 +74,8 @@ class Plan:
 
 
 def local_seconds(spec: ExpertSpec, local: LocalTier) -> float:
-    return (1 - local.hit_rate) * spec.bytes / local.disk_bps + spec.bytes / local.compute_bps
+    hit = local.hit_rate if spec.resident is None else spec.resident
+    return (1 - hit) * spec.bytes / local.disk_bps + spec.bytes / local.compute_bps
 
 
 def remote_seconds(spec: ExpertSpec, link: Link, tokens: int, hidden_bytes: int) -> float:

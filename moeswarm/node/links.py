@@ -1,0 +1,177 @@
+"""Link measurement: round-trip time and bandwidth to each peer, each direction separately.
+
+Links are asymmetric (seed 000: 49 Mbit/s up, 89 Mbit/s down between the same two machines),
+and the narrow direction is often the one an expert's outputs come back on, so one number per
+peer is not enough.  A probe uses the data plane's ``ping``: plain pings give the round trip;
+a ping carrying ``pad`` filler bytes times the way up, one asking for ``want`` bytes back times
+the way down.  Each transfer is sized to take about ``target_s`` (doubling from what the last
+estimate says), so probes stay short on slow links and still measure fast ones.
+
+``LinkMonitor`` keeps a probe connection to every live holder (apart from the connections
+that carry expert calls, so a probe never queues ahead of a call) and re-measures each every
+``interval_s``; estimates are smoothed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from ..errors import ConfigError, NetworkError, ProtocolError
+from ..protocol import MAX_PROBE_BYTES, Identity
+from .dataplane import ExpertClient
+from .planner import Link
+from .routing_table import Holder, SwarmTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    interval_s: float = 30.0  # re-measure each peer this often
+    pings: int = 3  # plain pings per probe; the fastest is the round trip
+    target_s: float = 0.05  # size each bandwidth transfer to take about this long
+    min_bytes: int = 64 << 10
+    max_bytes: int = MAX_PROBE_BYTES
+    rounds: int = 4  # at most this many growing transfers per direction and probe
+    timeout_s: float = 10.0
+    smoothing: float = 0.5  # weight of the newest measurement
+    max_peers: int = 32  # peers kept measured (the first ones met stay; a swarm of 1,000 is not probed n^2)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_bytes <= self.max_bytes <= MAX_PROBE_BYTES:
+            raise ConfigError(f"probe sizes must satisfy 0 < min <= max <= {MAX_PROBE_BYTES}")
+
+
+@dataclass
+class LinkEstimate:
+    rtt_s: float
+    up_bps: float  # bytes/s, us -> peer
+    down_bps: float  # bytes/s, peer -> us
+    measured_at: float  # time.monotonic()
+    probes: int = 1
+
+    def link(self, compute_bps: float = Link.compute_bps) -> Link:
+        return Link(self.rtt_s, self.up_bps, self.down_bps, compute_bps)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"rtt_ms": round(self.rtt_s * 1e3, 3), "up_mbit": round(self.up_bps * 8e-6, 2),
+                "down_mbit": round(self.down_bps * 8e-6, 2), "age_s": round(time.monotonic() - self.measured_at, 1),
+                "probes": self.probes}
+
+
+async def _rate(client: ExpertClient, rtt_s: float, start_bytes: int, config: ProbeConfig, *, up: bool) -> float:
+    """Bytes/s in one direction: grow the transfer until it takes at least half of ``target_s``."""
+    size = max(config.min_bytes, min(config.max_bytes, start_bytes))
+    rate = 0.0
+    for _ in range(config.rounds):
+        seconds = await client.ping(config.timeout_s, pad=size if up else 0, want=0 if up else size)
+        transfer = max(seconds - rtt_s, 1e-6)
+        rate = size / transfer
+        if transfer >= config.target_s / 2 or size >= config.max_bytes:
+            break
+        size = min(config.max_bytes, max(2 * size, int(rate * config.target_s)))
+    return rate
+
+
+async def measure(client: ExpertClient, config: ProbeConfig = ProbeConfig(),
+                  previous: LinkEstimate | None = None) -> tuple[float, float, float]:
+    """(rtt_s, up_bps, down_bps) over ``client``'s connection."""
+    rtt = min([await client.ping(config.timeout_s) for _ in range(config.pings)])
+    guess_up = int(previous.up_bps * config.target_s) if previous else config.min_bytes
+    guess_down = int(previous.down_bps * config.target_s) if previous else config.min_bytes
+    up = await _rate(client, rtt, guess_up, config, up=True)
+    down = await _rate(client, rtt, guess_down, config, up=False)
+    return rtt, up, down
+
+
+class LinkMonitor:
+    """Current link estimates to every live holder of a ``SwarmTable`` (see the module docstring)."""
+
+    def __init__(self, identity: Identity, table: SwarmTable, config: ProbeConfig = ProbeConfig()) -> None:
+        self.identity = identity
+        self.table = table
+        self.config = config
+        self.links: dict[bytes, LinkEstimate] = {}
+        self.errors: dict[bytes, str] = {}
+        self._clients: dict[bytes, ExpertClient] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.rounds = 0  # probe rounds completed (a test can wait for one)
+
+    def link(self, peer: bytes) -> LinkEstimate | None:
+        return self.links.get(peer)
+
+    async def client(self, holder: Holder) -> ExpertClient:
+        """This monitor's own connection to ``holder`` (probes and weight fetches, never calls)."""
+        client = self._clients.get(holder.peer_id)
+        if client is None or client.closed:
+            client = await self._connect(holder)
+        return client
+
+    async def probe(self, holder: Holder) -> LinkEstimate:
+        client = await self.client(holder)
+        try:
+            rtt, up, down = await measure(client, self.config, self.links.get(holder.peer_id))
+        except (NetworkError, ProtocolError):
+            self._clients.pop(holder.peer_id, None)
+            await client.aclose()
+            raise
+        old = self.links.get(holder.peer_id)
+        now = time.monotonic()
+        if old is None:
+            new = LinkEstimate(rtt, up, down, now)
+        else:
+            a = self.config.smoothing
+            new = LinkEstimate((1 - a) * old.rtt_s + a * rtt, (1 - a) * old.up_bps + a * up,
+                               (1 - a) * old.down_bps + a * down, now, old.probes + 1)
+        self.links[holder.peer_id] = new
+        self.errors.pop(holder.peer_id, None)
+        return new
+
+    async def _connect(self, holder: Holder) -> ExpertClient:
+        error: Exception | None = None
+        for endpoint in holder.endpoints:
+            try:
+                client = await ExpertClient.connect(endpoint, self.identity, expected_peer=holder.peer_id,
+                                                    timeout=self.config.timeout_s)
+                self._clients[holder.peer_id] = client
+                return client
+            except (NetworkError, ProtocolError, ConfigError) as e:
+                error = e
+        raise error or NetworkError("holder announced no endpoint")
+
+    async def probe_all(self) -> None:
+        """One round: every live holder whose estimate is missing or older than the interval."""
+        now = time.monotonic()
+        live = [h for h in self.table.live() if h.peer_id != self.identity.peer_id]
+        live.sort(key=lambda h: (h.peer_id not in self.links, h.peer_id))  # measured ones first
+        for holder in live[: self.config.max_peers]:
+            old = self.links.get(holder.peer_id)
+            if old is not None and now - old.measured_at < self.config.interval_s:
+                continue
+            try:
+                await self.probe(holder)
+            except (NetworkError, ProtocolError, ConfigError) as e:
+                self.errors[holder.peer_id] = f"{type(e).__name__}: {e}"
+                log.info("probing %s failed: %s", holder.peer_id.hex()[-12:], e)
+        self.rounds += 1
+
+    async def start(self) -> None:
+        async def loop() -> None:
+            while True:
+                await self.probe_all()
+                await asyncio.sleep(min(self.config.interval_s, 5.0))
+
+        self._task = asyncio.create_task(loop())
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for client in list(self._clients.values()):
+            await client.aclose()
+        self._clients.clear()

@@ -1,0 +1,355 @@
+"""The tier planner, live: measured figures in, a decision per expert out, re-planned as they change.
+
+``planner.plan`` is the arithmetic; this module feeds it what this machine and its links really
+do and keeps the result current:
+
+* the **local tier**: disk bandwidth (a timed cold read of the checkpoint), the rate the expert
+  math streams weights (a timed expert), and per expert whether its pages are in RAM now
+  (``mincore``);
+* the **links**: round trip and bandwidth to each holder, each direction (``LinkMonitor``);
+* the **holders**: who serves what, and how fast they compute (their announcements);
+* **demand**: how often the routers pick each expert (``DemandCounter``), which says how many
+  calls a fetched copy would serve.
+
+Every ``replan_s`` the plan is recomputed; with ``act=True`` a backbone follows it (the
+executor asks ``tier_of`` per expert) and experts planned ``fetch`` are pulled, in the
+background, into a bounded cache (``FetchedExperts``); until one arrives it is called remotely.
+A node that only serves runs the same planner for ``moeswarm node status``: what it would do if
+it ran the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import NetworkError, ProtocolError, SwarmError
+from ..model import ExpertWeights, ModelConfig, Weights, expert_ffn
+from ..model.memory import resident_fraction
+from ..protocol import peer_id_to_str
+from . import planner
+from .fetch import FetchedExperts, expert_shapes, fetch_expert
+from .links import LinkMonitor, ProbeConfig
+from .routing_table import SwarmTable
+
+if TYPE_CHECKING:
+    from ..market import DemandCounter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    act: bool = False  # follow the plan (a backbone with --tiers auto) or only show it
+    force: str | None = None  # "fetch": every expert fetched on a miss and computed here (the remote-RAM
+    # cold tier of seed 000, for benchmarks and for links faster than the local disk); None: plan
+    replan_s: float = 10.0
+    horizon_tokens: float = 256.0  # tokens a fetched expert is expected to stay cached for
+    fetch_cache_bytes: int = 1 << 30
+    wire_bytes_per_value: int = 4  # hidden states travel as float32
+
+
+def measure_disk_bps(weights: Weights, sample_bytes: int = 32 << 20) -> float:
+    """Bytes/s of a cold read from the checkpoint's disk: drop a range of the largest file from the
+    page cache, then time reading it.  Falls back to 500 MB/s when nothing can be measured."""
+    files = {str(ref.path) for ref in weights.sources.values() if getattr(ref, "path", None)}
+    files = {f for f in files if os.path.isfile(f)}
+    if not files:
+        return 500e6
+    path = max(files, key=os.path.getsize)
+    size = os.path.getsize(path)
+    length = min(sample_bytes, size)
+    offset = max(0, size - length)  # the tail: least likely to be mapped and pinned by our own use
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        done = 0
+        while done < length:
+            chunk = os.pread(fd, min(4 << 20, length - done), offset + done)
+            if not chunk:
+                break
+            done += len(chunk)
+        seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return done / seconds if done and seconds > 0 else 500e6
+
+
+def measure_compute_bps(cfg: ModelConfig, expert: ExpertWeights | None = None, repeats: int = 5) -> float:
+    """Bytes/s of expert weights one token's expert math streams (float32), the best of a few runs."""
+    if expert is None:
+        rng = np.random.default_rng(0)
+        expert = ExpertWeights(*(rng.standard_normal(s, dtype=np.float32) * 0.02
+                                 for n, s in expert_shapes(cfg).items() if not n.endswith("bias")))
+    w = ExpertWeights(*(np.asarray(a, dtype=np.float32) for a in (expert.gate, expert.up, expert.down)))
+    x = np.ones((1, cfg.hidden_size), np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        expert_ffn(w, x, cfg)
+        best = min(best, time.perf_counter() - t0)
+    return w.nbytes / max(best, 1e-7)
+
+
+class TierPlanner:
+    def __init__(self, cfg: ModelConfig, table: SwarmTable, links: LinkMonitor, *, self_peer: bytes,
+                 local: Weights | None = None, demand: "DemandCounter | None" = None,
+                 backbone_bytes: int = 0, config: TierConfig = TierConfig()) -> None:
+        self.cfg = cfg
+        self.table = table
+        self.links = links
+        self.self_peer = self_peer
+        self.local = local
+        self.demand = demand
+        self.config = config
+        self.moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
+        self.fetched = FetchedExperts(config.fetch_cache_bytes)
+        self.plan: planner.Plan | None = None
+        self.planned_at = 0.0
+        self.backbone_bytes = backbone_bytes
+        self.local_tier = planner.LocalTier(disk_bps=500e6, compute_bps=10e9)
+        self._fetching: set[tuple[int, int]] = set()
+        self._inflight: dict[tuple[int, int], asyncio.Future[ExpertWeights]] = {}
+        self.fetch_errors = 0
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ figures
+
+    def calibrate(self) -> None:
+        """Measure the local tier (blocking: run it in a thread)."""
+        sample = next((e for L in self.moe for e in (self.local.experts.get(L) or {}).values()), None) \
+            if self.local is not None else None
+        disk = measure_disk_bps(self.local) if self.local is not None else 500e6
+        self.local_tier = planner.LocalTier(disk_bps=disk, compute_bps=measure_compute_bps(self.cfg, sample))
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        if self.local is not None and expert in self.local.experts.get(layer, {}):
+            return self.local.experts[layer][expert].nbytes
+        return 2 * sum(int(np.prod(s)) for s in expert_shapes(self.cfg).values())  # assume 16-bit weights
+
+    def _uses_per_token(self) -> np.ndarray:
+        """(L, E): expected uses of each expert per token, from the routers' counts if any."""
+        k, E = self.cfg.top_k, self.cfg.num_experts
+        even = np.full((len(self.moe), E), k / E)
+        if self.demand is None:
+            return even
+        counts = self.demand.snapshot()
+        totals = counts.sum(axis=1, keepdims=True)
+        return np.where(totals > 0, counts * k / np.maximum(totals, 1e-12), even)
+
+    def specs(self) -> list[planner.ExpertSpec]:
+        live = [h for h in self.table.live() if h.peer_id != self.self_peer]
+        uses = self._uses_per_token()
+        out = []
+        for row, L in enumerate(self.moe):
+            held_here = self.local.experts.get(L, {}) if self.local is not None else {}
+            for e in range(self.cfg.num_experts):
+                key = (L, e)
+                cached = key in self.fetched
+                local = e in held_here or cached
+                resident = 1.0 if cached else (resident_fraction(held_here[e]) if e in held_here else None)
+                out.append(planner.ExpertSpec(
+                    L, e, self.expert_bytes(L, e),
+                    holders=tuple(h.peer_id.hex() for h in live if h.holds(L, e)),
+                    local=local, reuse=max(1.0, float(uses[row, e]) * self.config.horizon_tokens),
+                    resident=resident))
+        return out
+
+    def link_table(self) -> dict[str, planner.Link]:
+        out = {}
+        for h in self.table.live():
+            est = self.links.link(h.peer_id)
+            if est is None:
+                continue
+            expert = self.expert_bytes(*(h.layers[0], h.experts[0]))
+            compute = expert * h.throughput if h.throughput else planner.Link.compute_bps
+            out[h.peer_id.hex()] = est.link(compute)
+        return out
+
+    def _in_local_map(self, layer: int, expert: int) -> bool:
+        return self.local is not None and expert in self.local.experts.get(layer, {})
+
+    def replan(self) -> planner.Plan:
+        specs = self.specs()
+        hidden = self.cfg.hidden_size * self.config.wire_bytes_per_value
+        backbone_s = self.backbone_bytes / self.local_tier.compute_bps
+        plan = planner.plan(specs, self.local_tier, self.link_table(), tokens=1, hidden_bytes=hidden,
+                            top_k=self.cfg.top_k, backbone_seconds=backbone_s)
+        self._cap_fetches(plan, specs)
+        for key in self.fetched.keys():  # fetched copies compute here, but say where they came from
+            d = plan.decisions.get(key)
+            if d is not None and d.tier == planner.LOCAL and not self._in_local_map(*key):
+                plan.decisions[key] = planner.Decision(planner.FETCH, d.seconds, d.peer)
+        self.plan, self.planned_at = plan, time.monotonic()
+        return plan
+
+    def _cap_fetches(self, plan: planner.Plan, specs: list[planner.ExpertSpec]) -> None:
+        """Keep ``fetch`` only for what fits the cache, the most used first; the rest go remote."""
+        by_key = {(s.layer, s.expert): s for s in specs}
+        want = sorted((k for k, d in plan.decisions.items() if d.tier == planner.FETCH),
+                      key=lambda k: -by_key[k].reuse)
+        room = self.config.fetch_cache_bytes
+        for key in want:
+            size = by_key[key].bytes
+            if size <= room:
+                room -= size
+                continue
+            d = plan.decisions[key]
+            link = self.link_table().get(d.peer or "")
+            seconds = planner.remote_seconds(by_key[key], link, 1, self.cfg.hidden_size * 4) if link else d.seconds
+            plan.decisions[key] = planner.Decision(planner.REMOTE, seconds, d.peer)
+
+    # ------------------------------------------------------------ acting on it
+
+    def tier_of(self, layer: int, expert: int) -> str:
+        """Where to compute this expert now: LOCAL (from the map or a fetched copy) or REMOTE."""
+        if self.config.force == planner.FETCH:
+            return planner.FETCH  # fetched now if not cached: see ensure()
+        if self.plan is None:
+            return planner.REMOTE
+        d = self.plan.decisions.get((layer, expert))
+        if d is None or d.tier == planner.REMOTE:
+            return planner.REMOTE
+        if d.tier == planner.FETCH:
+            return planner.LOCAL if (layer, expert) in self.fetched else planner.REMOTE
+        return planner.LOCAL
+
+    def weights(self, layer: int, expert: int) -> ExpertWeights | None:
+        """The weights to compute locally: a fetched copy, else the local map."""
+        w = self.fetched.get((layer, expert))
+        if w is not None:
+            return w
+        if self.local is not None:
+            return self.local.experts.get(layer, {}).get(expert)
+        return None
+
+    async def ensure(self, layer: int, expert: int) -> ExpertWeights:
+        """The expert's weights here, fetched now (from the best-measured holder) on a miss."""
+        key = (layer, expert)
+        w = self.fetched.get(key)
+        if w is not None:
+            return w
+        pending = self._inflight.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        holders = [h for h in self.table.live() if h.holds(layer, expert) and h.peer_id != self.self_peer]
+        if not holders:
+            raise SwarmError(f"no holder of expert {expert} of layer {layer} to fetch it from")
+        best = min(holders, key=lambda h: (self.links.link(h.peer_id) is None, h.score(), h.peer_id))
+        future: asyncio.Future[ExpertWeights] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            w = await fetch_expert(await self.links.client(best), self.cfg, self.table.model_id, layer, expert)
+            self.fetched.put(key, w)
+            future.set_result(w)
+            return w
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # retrieved: waiters re-raise it, nobody logs it as lost
+            raise
+        finally:
+            del self._inflight[key]
+
+    async def fetch_planned(self) -> int:
+        """Pull the experts planned ``fetch`` that are not cached yet, one at a time; returns how many."""
+        if self.plan is None:
+            return 0
+        done = 0
+        for key, d in list(self.plan.decisions.items()):
+            if d.tier != planner.FETCH or key in self.fetched or key in self._fetching or d.peer is None:
+                continue
+            holder = self.table.holders.get(bytes.fromhex(d.peer))
+            if holder is None:
+                continue
+            self._fetching.add(key)
+            try:
+                client = await self.links.client(holder)
+                w = await fetch_expert(client, self.cfg, self.table.model_id, *key)
+                self.fetched.put(key, w)
+                done += 1
+            except (NetworkError, ProtocolError, SwarmError) as e:
+                self.fetch_errors += 1
+                log.info("fetching expert %s from %s failed: %s", key, d.peer[-12:], e)
+            finally:
+                self._fetching.discard(key)
+        return done
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.calibrate)
+
+        async def loop() -> None:
+            while True:
+                try:
+                    self.replan()
+                    if self.config.act:
+                        await self.fetch_planned()
+                except Exception:  # noqa: BLE001 - a planning bug must not stop serving; it is logged
+                    log.exception("tier planning failed")
+                await asyncio.sleep(self.config.replan_s)
+
+        self._task = asyncio.create_task(loop())
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # ------------------------------------------------------------ status
+
+    def status(self, per_layer: bool = True) -> dict[str, Any]:
+        plan = self.plan
+        out: dict[str, Any] = {
+            "acting": self.config.act,
+            "local_tier": {"disk_mb_s": round(self.local_tier.disk_bps / 1e6, 1),
+                           "compute_gb_s": round(self.local_tier.compute_bps / 1e9, 2)},
+            "links": {peer_id_to_str(p): est.as_dict() for p, est in self.links.links.items()},
+            "link_errors": {peer_id_to_str(p): msg for p, msg in self.links.errors.items()},
+            "fetched": {"experts": len(self.fetched), "bytes": self.fetched.bytes,
+                        "bytes_fetched": self.fetched.fetched_bytes, "errors": self.fetch_errors},
+        }
+        if plan is None:
+            return out
+        out["plan"] = {"age_s": round(time.monotonic() - self.planned_at, 1), "counts": plan.counts(),
+                       "predicted_tokens_per_s": round(plan.tokens_per_s, 2)}
+        if per_layer:
+            layers: dict[str, dict[str, list[int]]] = {}
+            for (L, e), d in sorted(plan.decisions.items()):
+                layers.setdefault(str(L), {}).setdefault(d.tier, []).append(e)
+            out["plan"]["layers"] = layers
+        return out
+
+
+async def start_planner(stack: contextlib.AsyncExitStack, identity: Any, p2p: Any, cfg: ModelConfig, model_id: str,
+                        *, local: Weights | None, table: SwarmTable | None = None, demand: "DemandCounter | None" = None,
+                        probe: ProbeConfig | None = None, config: TierConfig = TierConfig(),
+                        backbone_bytes: int = 0) -> TierPlanner:
+    """Links measured, holders discovered (unless ``table`` is kept current by someone else) and the
+    plan kept current, all closed with ``stack``."""
+    from .discovery import Discovery
+
+    moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
+    if table is None:
+        table = SwarmTable(model_id)
+        discovery = Discovery(p2p, table, moe)
+        with contextlib.suppress(SwarmError):
+            await discovery.refresh()
+        await discovery.start()
+        stack.push_async_callback(discovery.aclose)
+    links = LinkMonitor(identity, table, probe or ProbeConfig())
+    if (probe or ProbeConfig()).interval_s > 0:
+        await links.start()
+    stack.push_async_callback(links.aclose)
+    tiers = TierPlanner(cfg, table, links, self_peer=identity.peer_id, local=local, demand=demand,
+                        backbone_bytes=backbone_bytes, config=config)
+    await tiers.start()
+    stack.push_async_callback(tiers.aclose)
+    return tiers

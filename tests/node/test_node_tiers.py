@@ -1,0 +1,161 @@
+"""The tier planner's moving parts: weight fetching over the data plane, and a backbone that
+follows its plan (fetching experts from real node processes and computing them itself) while
+giving the transformers oracle's tokens; ``moeswarm node status`` reporting live figures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from moeswarm.errors import ProtocolError
+from moeswarm.model import SamplingParams, generate, load_model, load_weights
+from moeswarm.node.daemon import SwarmBackbone
+from moeswarm.node.dataplane import DataPlaneServer, ExpertClient, ServerConfig
+from moeswarm.node.fetch import fetch_expert, serve_weights
+from moeswarm.node.status import fetch_reports
+from moeswarm.protocol import ErrorCode, Identity, WeightsRequest
+
+from test_node_swarm import backbone_config, nodes, run_logits
+
+pytestmark = pytest.mark.slow
+
+
+def test_fetched_expert_equals_the_holders_bytes_and_bad_fetches_get_codes(oracle_checkpoints) -> None:
+    folder, _ = oracle_checkpoints.get("mixtral", "per_expert")
+    weights = load_weights(folder)
+    cfg = weights.config
+
+    async def main() -> None:
+        server_id, client_id = Identity.generate(), Identity.generate()
+
+        async def no_calls(client, request):  # type: ignore[no-untyped-def]
+            raise ProtocolError("no expert calls here", code=ErrorCode.UNKNOWN_EXPERT)
+
+        async def weights_handler(client, request):  # type: ignore[no-untyped-def]
+            return serve_weights(weights, "m", request)
+
+        async with DataPlaneServer(server_id, no_calls, ServerConfig(), weights_handler=weights_handler) as srv:
+            client = await ExpertClient.connect(srv.endpoint, client_id)
+            try:
+                got = await fetch_expert(client, cfg, "m", 1, 5)
+                held = weights.experts[1][5]
+                for name in ("gate", "up", "down"):
+                    assert np.array_equal(getattr(got, name), np.asarray(getattr(held, name))), name
+                    assert getattr(got, name).dtype == getattr(held, name).dtype
+                bad = [
+                    (WeightsRequest(os.urandom(16), "m", 1, 99, "gate", 0, 1), ErrorCode.UNKNOWN_EXPERT),
+                    (WeightsRequest(os.urandom(16), "other", 1, 5, "gate", 0, 1), ErrorCode.UNKNOWN_EXPERT),
+                    (WeightsRequest(os.urandom(16), "m", 1, 5, "gate", 0, 10_000), ErrorCode.BAD_FIELD),
+                    (WeightsRequest(os.urandom(16), "m", 1, 5, "gate_bias", 0, 1), ErrorCode.BAD_FIELD),
+                ]
+                for request, code in bad:
+                    with pytest.raises(ProtocolError) as e:
+                        await client.fetch(request, timeout=5)
+                    assert e.value.code == code, request
+                assert await client.ping() > 0  # the connection and the server keep serving
+                again = await fetch_expert(client, cfg, "m", 0, 0)
+                assert np.array_equal(again.down, np.asarray(weights.experts[0][0].down))
+            finally:
+                await client.aclose()
+
+    asyncio.run(main())
+
+
+def backbone_only_copy(folder: Path, dest: Path) -> Path:
+    """The checkpoint without any routed expert: what a backbone of a real swarm holds."""
+    dest.mkdir()
+    for f in folder.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = {k: v for k, v in load_file(str(f)).items() if ".experts." not in k}
+            if tensors:
+                save_file(tensors, str(dest / f.name))
+        elif f.name.endswith(".index.json"):
+            continue  # the index would name expert tensors that are not there
+        elif f.is_file():
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+def test_backbone_following_its_plan_fetches_experts_and_keeps_the_oracle_tokens(oracle_checkpoints, tmp_path,
+                                                                                  monkeypatch) -> None:
+    folder, ref = oracle_checkpoints.get("mixtral", "per_expert")
+    expected = run_logits(load_model(folder), ref.prompt_ids, ref.decode_tokens)
+    own = backbone_only_copy(Path(folder), tmp_path / "backbone")
+    cfg = load_model(folder).config
+    total = sum(cfg.moe_layers) * cfg.num_experts
+    monkeypatch.setenv("MOESWARM_HOME", str(tmp_path / "home"))  # the nodes' run files, for `node status`
+
+    with nodes(Path(folder), ["0-3", "4-7"]) as daemons:
+        for d in daemons:  # started before this test set MOESWARM_HOME: ask them by URL
+            assert d.info["status"].startswith("http://127.0.0.1:")
+
+        async def main() -> tuple[np.ndarray, list[int], dict]:  # type: ignore[type-arg]
+            config = backbone_config(own, daemons[0].info["multiaddrs"][0], tiers="auto", probe_interval_s=1.0,
+                                     replan_s=0.2)
+            async with SwarmBackbone(config) as bb:
+                assert bb.tiers is not None and bb.executor is not None
+                assert bb.tiers.local is None  # this checkpoint holds no experts
+                deadline = time.monotonic() + 30  # until every expert is fetched (bounded)
+                while len(bb.tiers.fetched) < total and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                status = bb.status()
+                logits = await asyncio.to_thread(run_logits, bb.model, ref.prompt_ids, ref.decode_tokens)
+                params = SamplingParams(max_new_tokens=len(ref.greedy_tokens))
+                tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
+                status["local_pairs_after"] = bb.executor.local_pairs
+                return logits, tokens, status
+
+        logits, tokens, status = asyncio.run(main())
+
+        async def cold_tier() -> tuple[list[int], int, int, int]:
+            """--tiers fetch with room for 3 experts: every miss fetches, evictions fetch again."""
+            one = load_weights(folder).experts[0][0].nbytes
+            config = backbone_config(own, daemons[0].info["multiaddrs"][0], tiers="fetch", fetch_cache_bytes=3 * one)
+            async with SwarmBackbone(config) as bb:
+                params = SamplingParams(max_new_tokens=len(ref.greedy_tokens))
+                fetched_tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
+                assert bb.executor is not None and bb.tiers is not None
+                return fetched_tokens, bb.tiers.fetched.fetched_bytes, bb.tiers.fetched.bytes, bb.executor.calls
+
+        cold_tokens, fetched_bytes, held_bytes, calls = asyncio.run(cold_tier())
+        urls = [d.info["status"] for d in daemons]
+        deadline = time.monotonic() + 40  # nodes find each other (DHT, every 10 s) and probe (every 5 s)
+        while time.monotonic() < deadline and not all(len(r.get("tiers", {}).get("links", {})) == 1
+                                                      for r in fetch_reports(urls)):
+            time.sleep(0.5)
+        report = subprocess.run([sys.executable, "-m", "moeswarm.cli", "node", "status", "--json",
+                                 *(arg for d in daemons for arg in ("--url", d.info["status"]))],
+                                capture_output=True, text=True, timeout=60)
+
+    assert np.abs(logits - expected).max() <= 1e-5
+    assert tokens == ref.greedy_tokens
+    assert cold_tokens == ref.greedy_tokens and calls == 0  # every expert computed here, none called
+    one = load_weights(folder).experts[0][0].nbytes
+    assert held_bytes <= 3 * one and fetched_bytes > total * one  # evicted experts were fetched again
+    plan = status["tiers"]["plan"]
+    assert plan["counts"]["fetch"] == total and status["tiers"]["fetched"]["experts"] == total, status["tiers"]
+    assert status["local_pairs_after"] > 0  # the fetched copies did the work
+    links = status["tiers"]["links"]
+    assert {d.info["peer_id"] for d in daemons} <= set(links)
+    for link in links.values():
+        assert link["rtt_ms"] > 0 and link["up_mbit"] > 0 and link["down_mbit"] > 0
+
+    assert report.returncode == 0, report.stderr
+    reports = json.loads(report.stdout)
+    assert [r["peer_id"] for r in reports] == [d.info["peer_id"] for d in daemons]
+    for r, d in zip(reports, daemons):
+        assert r["role"] == "node" and r["endpoint"] == d.info["endpoint"]
+        assert r["memory"]["vm_rss"] > 0 and r["tiers"]["plan"]["counts"]["local"] == total
+        other = next(o for o in daemons if o is not d).info["peer_id"]
+        assert other in r["tiers"]["links"]  # each node measures the other, both directions
+        assert r["serving"]["requests"] >= 0
