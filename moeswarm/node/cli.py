@@ -15,7 +15,7 @@ def swarm_options(fn):  # type: ignore[no-untyped-def]
     """Options shared by every process that joins a swarm."""
     options = [
         click.option("--model", "model_dir", required=True, type=click.Path(),
-                     help="Hugging Face model folder (the same checkpoint every peer of this model uses)."),
+                     help="Hugging Face model folder, or a GGUF file (the same checkpoint every peer of this model uses)."),
         click.option("--bootstrap", multiple=True, metavar="MULTIADDR",
                      help="A peer to join through, e.g. /ip4/1.2.3.4/tcp/4001/p2p/12D3Koo... (repeatable). "
                           "Without it this process is a bootstrap peer."),
@@ -23,7 +23,7 @@ def swarm_options(fn):  # type: ignore[no-untyped-def]
         click.option("--announce-host", default=None, help="Address others dial, if not --host (e.g. your public IP)."),
         click.option("--p2p-port", default=0, type=int, show_default=True, help="libp2p TCP port (0 = any free)."),
         click.option("--client-mode", is_flag=True, help="Behind NAT: use the DHT without serving it."),
-        click.option("--model-id", default=None, help="Name of the model in the swarm (default: from config.json)."),
+        click.option("--model-id", default=None, help="Name of the model in the swarm (default: derived from the checkpoint's config and, for GGUF, how its experts are encoded)."),
         click.option("--identity", "identity_file", default=None, type=click.Path(),
                      help="File holding this peer's Ed25519 key (created if missing). Default: a new key each run."),
         click.option("--relay-ca", default=None, type=click.Path(exists=True, dir_okay=False),

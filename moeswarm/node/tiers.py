@@ -171,7 +171,10 @@ class TierPlanner:
                 continue
             expert = self.expert_bytes(*(h.layers[0], h.experts[0]))
             compute = expert * h.throughput if h.throughput else planner.Link.compute_bps
-            out[h.peer_id.hex()] = est.link(compute)
+            link = est.link(compute)
+            if h.rtt_s is not None and h.rtt_s > link.rtt_s:  # calls observed slower than pings: dispatch costs too
+                link = planner.Link(h.rtt_s, link.up_bps, link.down_bps, link.compute_bps)
+            out[h.peer_id.hex()] = link
         return out
 
     def _in_local_map(self, layer: int, expert: int) -> bool:

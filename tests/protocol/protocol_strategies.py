@@ -92,13 +92,23 @@ hellos = st.builds(
 hello_acks = st.builds(p.HelloAck, st.integers(1, 65535), peer_ids, fixed(32), fixed(32), fixed(64))
 auths = st.builds(p.Auth, fixed(64))
 errors = st.builds(p.Error, u32, st.text(max_size=200), st.none() | fixed(16))
-pings = st.builds(p.Ping, u64)
-pongs = st.builds(p.Pong, u64)
+pings = st.builds(p.Ping, u64, st.binary(max_size=64), st.integers(0, p.MAX_PROBE_BYTES))
+pongs = st.builds(p.Pong, u64, st.binary(max_size=64))
+
+
+@st.composite
+def weights_requests(draw: st.DrawFn) -> p.WeightsRequest:
+    start = draw(st.integers(0, U32 - 1))
+    return p.WeightsRequest(draw(fixed(16)), draw(model_ids), draw(u32), draw(u32),
+                            draw(st.sampled_from(p.EXPERT_TENSORS)), start, draw(st.integers(start + 1, U32)))
+
+
+weights_responses = st.builds(p.WeightsResponse, fixed(16), tensors())
 countersigned = st.builds(p.CountersignedReceipt, receipts(), fixed(64))
 
 messages: st.SearchStrategy[Any] = st.one_of(
     hellos, hello_acks, auths, errors, pings, pongs, expert_requests(), expert_responses(),
-    countersigned, announcements,
+    countersigned, announcements, weights_requests(), weights_responses,
 )
 
 # any msgpack value v1 might meet (ints span int64..uint64)

@@ -36,6 +36,8 @@ def _same(a: Any, b: Any) -> None:
         assert _bits(a.outputs) == _bits(b.outputs)
         assert (a.request_id, a.receipt, a.compute_us, a.load_permille) == (
             b.request_id, b.receipt, b.compute_us, b.load_permille)
+    elif isinstance(a, p.WeightsResponse):
+        assert _bits(a.data) == _bits(b.data) and a.request_id == b.request_id
     else:
         assert a == b
 
