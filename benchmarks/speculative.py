@@ -1,11 +1,12 @@
 """Speculative decoding through a swarm at a 3.4 ms round trip, repetitive vs non-repetitive text.
 
 Two expert nodes and a backbone on the demo checkpoint; every data-plane connection goes through
-a proxy that delays each direction by 1.7 ms (a 3.4 ms round trip, the seed's measured RTT; this
-kernel has no netem, so the link is emulated in userspace, benchmarks/_delay.py).  Prints decode
-tokens/s with and without prompt-lookup speculation (k=4) in one table.
+a proxy process that delays each direction by 1.7 ms (a 3.4 ms round trip, the seed's measured
+RTT; this kernel has no netem, so the link is emulated in userspace: benchmarks/_delay.py,
+benchmarks/_links.py ``delayed_swarm``).  Prints the measured round trips, then decode tokens/s
+with and without prompt-lookup speculation (k=4) in one table.
 
-    python benchmarks/speculative.py [--tokens 48]
+    python benchmarks/speculative.py [--tokens 48] [--rtt-ms 3.4]
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import asyncio
-import socket
-import threading
+import statistics
 import time
 
-from _delay import start_delay_proxy  # benchmarks/_delay.py
+from _delay import measure_rtts  # benchmarks/_delay.py
+from _links import delayed_swarm  # benchmarks/_links.py
+
 PROMPTS = {
     "repetitive": "And the LORD said unto Moses, Speak unto the children of Israel. And the LORD said unto Moses, "
                   "Speak unto the children of Israel. And the LORD said unto Moses,",
@@ -28,56 +30,24 @@ PROMPTS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Proxies:
-    """Delay proxies on their own event loop thread, so the backbone's loop does not carry them."""
-
-    def __init__(self, pairs: list[tuple[int, int]], delay_s: float) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.servers = [asyncio.run_coroutine_threadsafe(start_delay_proxy(a, b, delay_s), self.loop).result()
-                        for a, b in pairs]
-
-    def close(self) -> None:
-        for server in self.servers:
-            self.loop.call_soon_threadsafe(server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-def main(tokens: int) -> None:
+def main(tokens: int, rtt_ms: float) -> None:
     from moeswarm.demo import CHECKPOINT
-    from moeswarm.demo.swarm import start_daemon, stop_daemon
     from moeswarm.model import SamplingParams, generate
     from moeswarm.model.speculative import SpeculativeStats, generate_speculative
     from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
     from moeswarm.node.dataplane import ExpertClient
     from moeswarm.protocol import Identity
 
-    ports = [(free_port(), free_port()) for _ in range(2)]  # (proxy, node)
-    proxies = Proxies(ports, 0.0017)
-    daemons = []
     rows = []
-    rtts: list[float] = []
-    try:
-        for i, ((proxy, node), experts) in enumerate(zip(ports, ["0-3", "4-7"])):
-            args = ["node", "--model", str(CHECKPOINT), "--experts", experts, "--port", str(node),
-                    "--announce-port", str(proxy)]
-            if daemons:
-                args += ["--bootstrap", daemons[0].info["multiaddrs"][0]]
-            daemons.append(start_daemon(f"node{i}", args))
+    pings: list[float] = []
+    direct, proxied = measure_rtts(rtt_ms / 2e3, 200)  # raw TCP through the same kind of proxy
+    with delayed_swarm(str(CHECKPOINT), ["0-3", "4-7"], rtt_ms) as daemons:
 
         async def run() -> None:
             config = BackboneConfig(SwarmConfig(str(CHECKPOINT), bootstrap=(daemons[0].info["multiaddrs"][0],),
                                                 client_mode=True))
-            probe = await ExpertClient.connect(f"tcp+tls://127.0.0.1:{ports[0][0]}", Identity.generate())
-            rtts.extend([await probe.ping() for _ in range(20)])
+            probe = await ExpertClient.connect(daemons[0].info["endpoint"], Identity.generate())
+            pings.extend([await probe.ping() for _ in range(30)])
             await probe.aclose()
             async with SwarmBackbone(config) as bb:
                 tok = bb.tokenizer()
@@ -96,13 +66,11 @@ def main(tokens: int) -> None:
                     rows.append((name, len(plain) / t_plain, len(fast) / t_fast, stats, len(plain)))
 
         asyncio.run(run())
-    finally:
-        for d in daemons:
-            stop_daemon(d)
-        proxies.close()
-    rtt = sorted(rtts)[len(rtts) // 2] * 1e3
-    print(f"\ndecode through a swarm (2 expert nodes + backbone, demo model); data plane through 1.7 ms-each-way "
-          f"proxies, measured ping RTT {rtt:.2f} ms (asyncio timers round sleeps up to whole ms)")
+    med = statistics.median
+    print(f"\ndecode through a swarm (2 expert nodes + backbone, demo model); data plane through delay-proxy "
+          f"processes asked for {rtt_ms} ms RTT ({rtt_ms / 2} ms each way). Measured medians: raw 64 B TCP ping "
+          f"{med(proxied) * 1e3:.2f} ms through a proxy ({med(direct) * 1e3:.3f} ms without), data-plane ping "
+          f"(TLS, to node0) {med(pings) * 1e3:.2f} ms")
     print("| prompt | greedy tok/s | speculative k=4 tok/s | speedup | forward passes | drafts accepted |")
     print("|---|---|---|---|---|---|")
     for name, plain, fast, st, n in rows:
@@ -112,5 +80,7 @@ def main(tokens: int) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=48)
-    main(ap.parse_args().tokens)
+    ap.add_argument("--tokens", type=int, default=48, help="new tokens per prompt")
+    ap.add_argument("--rtt-ms", type=float, default=3.4, help="round trip added to every data-plane connection")
+    args = ap.parse_args()
+    main(args.tokens, args.rtt_ms)

@@ -3,12 +3,17 @@
 1. raw asyncio TCP round trip of a 4 KB message (the floor);
 2. one MoE layer dispatched through the swarm (TLS, framing, msgpack, receipts signed and
    countersigned) minus the same experts computed locally: the per-layer dispatch overhead;
-3. decode tokens/s of a backbone + 4 expert-node processes vs the single-process engine.
+3. decode tokens/s of a backbone + 4 expert-node processes vs the single-process engine;
+4. (``overlap``) what computing the shared expert while the routed experts are in flight saves:
+   decode tokens/s with and without that overlap, with every data-plane connection through a
+   delay proxy (3.4 ms round trip, benchmarks/_links.py ``delayed_swarm``).
 
-    python benchmarks/swarm.py [--tokens 32] [--keep DIR]
+    python benchmarks/swarm.py [--tokens 32] [--keep DIR] [--only dispatch|overlap] [--rtt-ms 3.4]
 
-Two models: the shipped demo checkpoint (tiny: dispatch overhead dominates) and a random
-1.1 GB Mixtral-style checkpoint written with numpy (expert math dominates, as in real models).
+Models: the shipped demo checkpoint (tiny: dispatch overhead dominates), a random 1.1 GB
+Mixtral-style checkpoint written with numpy (expert math dominates, as in real models), and for
+4. a random Qwen2-MoE-style checkpoint (0.6 GB) whose gated shared expert is as wide as its
+top-4 routed experts together, as in Qwen1.5-MoE-A2.7B.
 """
 
 from __future__ import annotations
@@ -19,21 +24,29 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import asyncio
+import json
 import sys
 import statistics
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from safetensors.numpy import save_file
+
+from _links import delayed_swarm  # benchmarks/_links.py
 from moeswarm.demo import CHECKPOINT
-from moeswarm.demo.swarm import local_swarm
-from moeswarm.model import SamplingParams, generate, load_model
+from moeswarm.demo.swarm import Daemon, local_swarm
+from moeswarm.model import ModelConfig, SamplingParams, generate, load_model
+from moeswarm.model.experts import dense_ffn
 from moeswarm.model.synthetic import random_mixtral
 from moeswarm.model.routing import route
 from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+from moeswarm.node.dataplane import ExpertClient
+from moeswarm.protocol import Identity
 
 
 ECHO = """
@@ -116,16 +129,116 @@ def measure(model_dir: str, tokens: int, reps: int) -> tuple[float, float, float
     return dispatch, compute, single, swarm, model.config.top_k
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed")
-    ap.add_argument("--reps", type=int, default=100, help="single-layer dispatches timed")
-    ap.add_argument("--keep", type=Path, default=None, help="build/reuse the 1.1 GB model here, not in a temp dir")
-    args = ap.parse_args()
+# ---------------------------------------------------------------- 4. shared-expert overlap
+
+
+def random_qwen2_moe(folder: Path, *, hidden: int = 1024, moe_inter: int = 512, shared_inter: int = 2048,
+                     layers: int = 4, experts: int = 16, top_k: int = 4, vocab: int = 8192, heads: int = 16,
+                     kv_heads: int = 4, seed: int = 0) -> Path:
+    """A random fp32 Qwen2-MoE checkpoint (hub tensor names, one file); weights ~ N(0, 1/fan_in)."""
+    if (folder / "config.json").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    hd = hidden // heads
+
+    def w(out: int, inp: int) -> np.ndarray:
+        return rng.standard_normal((out, inp), dtype=np.float32) / np.float32(inp**0.5)
+
+    def ffn(prefix: str, inter: int) -> dict[str, np.ndarray]:
+        return {f"{prefix}.gate_proj.weight": w(inter, hidden), f"{prefix}.up_proj.weight": w(inter, hidden),
+                f"{prefix}.down_proj.weight": w(hidden, inter)}
+
+    t = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden), dtype=np.float32),
+         "model.norm.weight": np.ones(hidden, np.float32), "lm_head.weight": w(vocab, hidden)}
+    for L in range(layers):
+        p = f"model.layers.{L}."
+        t[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
+        t[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
+        for name, rows in (("q", heads * hd), ("k", kv_heads * hd), ("v", kv_heads * hd)):
+            t[p + f"self_attn.{name}_proj.weight"] = w(rows, hidden)
+            t[p + f"self_attn.{name}_proj.bias"] = np.zeros(rows, np.float32)
+        t[p + "self_attn.o_proj.weight"] = w(hidden, heads * hd)
+        t[p + "mlp.gate.weight"] = w(experts, hidden)
+        for e in range(experts):
+            t.update(ffn(p + f"mlp.experts.{e}", moe_inter))
+        t.update(ffn(p + "mlp.shared_expert", shared_inter))
+        t[p + "mlp.shared_expert_gate.weight"] = w(1, hidden)
+    save_file(t, str(folder / "model.safetensors"))
+    config = {"model_type": "qwen2_moe", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": shared_inter,
+              "moe_intermediate_size": moe_inter, "shared_expert_intermediate_size": shared_inter,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": False,
+              "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 4096, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+              "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@dataclass
+class Overlap:
+    ping_s: float  # data-plane ping through the delay proxy
+    dispatch_s: float  # one MoE layer's routed experts through the swarm
+    shared_s: float  # one layer's shared expert, computed in the backbone
+    moe_layers: int
+    rates: dict[bool, list[float]]  # decode tok/s of each run, by overlap on / off
+
+
+async def overlap_side(model_dir: str, daemons: list[Daemon], ids: list[int], tokens: int, rounds: int) -> Overlap:
+    config = BackboneConfig(SwarmConfig(model_dir, bootstrap=(daemons[0].info["multiaddrs"][0],), client_mode=True))
+    probe = await ExpertClient.connect(daemons[0].info["endpoint"], Identity.generate())
+    pings = [await probe.ping() for _ in range(30)]
+    await probe.aclose()
+    async with SwarmBackbone(config) as bb:
+        assert bb.model is not None and bb.executor is not None
+        cfg, w = bb.cfg, bb.model.weights
+        layer = next(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
+        x = np.random.default_rng(0).standard_normal((1, cfg.hidden_size)).astype(np.float32)
+        ids1, weights = route(cfg, x, w[f"{layer}.router"], w.get(f"{layer}.router_bias"),
+                              w.get(f"{layer}.router_score_bias"))
+        dispatch, shared = [], []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            await bb.executor.dispatch(layer, x, ids1, weights)
+            dispatch.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            dense_ffn(w[f"{layer}.shared.gate"], w[f"{layer}.shared.up"], w[f"{layer}.shared.down"], x)
+            shared.append(time.perf_counter() - t0)
+        await asyncio.to_thread(decode_rate, bb.model, ids, 4)  # warm-up: connections, page cache
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(rounds):  # alternate, so drift hits both alike
+            for overlap in (True, False):
+                bb.model.overlap_shared = overlap
+                rates[overlap].append(await asyncio.to_thread(decode_rate, bb.model, ids, tokens))
+        return Overlap(statistics.median(pings), statistics.median(dispatch), statistics.median(shared),
+                       sum(cfg.moe_layers), rates)
+
+
+def overlap_section(folder: Path, tokens: int, rounds: int, rtt_ms: float) -> None:
+    model_dir = str(random_qwen2_moe(folder / "qwen2-moe-0.6GB"))
+    E = ModelConfig.from_folder(model_dir).num_experts
+    with delayed_swarm(model_dir, [f"0-{E // 2 - 1}", f"{E // 2}-{E - 1}"], rtt_ms) as daemons:
+        r = asyncio.run(overlap_side(model_dir, daemons, list(range(3, 19)), tokens, rounds))
+    on, off = (statistics.median(r.rates[k]) for k in (True, False))
+    saved = (1 / off - 1 / on) * 1e3
+    bound = r.moe_layers * min(r.shared_s, r.dispatch_s) * 1e3
+    print(f"\nshared-expert overlap: random Qwen2-MoE (H 1024, 16 experts of 512 top-4, shared 2048 gated, "
+          f"4 layers, fp32), backbone + 2 expert nodes, data plane through delay proxies asked for {rtt_ms} ms RTT; "
+          f"measured data-plane ping {r.ping_s * 1e3:.2f} ms; medians of {rounds} alternating runs of {tokens} tokens")
+    print("| shared expert, one layer | one MoE layer via swarm | decode, overlap on | decode, overlap off | "
+          "saved per token | upper bound (MoE layers x min of the two) |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {r.shared_s * 1e3:.2f} ms | {r.dispatch_s * 1e3:.2f} ms | {on:.2f} tok/s ({1e3 / on:.1f} ms) | "
+          f"{off:.2f} tok/s ({1e3 / off:.1f} ms) | {saved:.1f} ms ({on / off - 1:+.0%} tok/s) | {bound:.1f} ms |")
+    print(f"runs, tok/s: on {[round(v, 2) for v in r.rates[True]]}, off {[round(v, 2) for v in r.rates[False]]}")
+
+
+def dispatch_section(folder: Path, tokens: int, reps: int) -> None:
     rtt = asyncio.run(raw_tcp_rtt())
-    big = random_mixtral((args.keep or Path(tempfile.mkdtemp(prefix="moeswarm-bench-"))) / "mixtral-1.1GB")
-    rows = [("demo (4.4M params, fp16)", measure(str(CHECKPOINT), args.tokens, args.reps)),
-            ("random Mixtral 1.1 GB (H 1024, I 2816)", measure(str(big), args.tokens // 2, args.reps // 3))]
+    big = random_mixtral(folder / "mixtral-1.1GB")
+    rows = [("demo (4.4M params, fp16)", measure(str(CHECKPOINT), tokens, reps)),
+            ("random Mixtral 1.1 GB (H 1024, I 2816)", measure(str(big), tokens // 2, reps // 3))]
     print(f"\nloopback, medians; raw asyncio TCP 4 KB round trip to another process: {rtt * 1e3:.3f} ms")
     print("| model | one MoE layer via swarm | same experts locally | dispatch overhead | overhead / raw RTT "
           "| decode single process | decode backbone + 4 nodes | swarm / single |")
@@ -134,6 +247,22 @@ def main() -> None:
         overhead = dispatch - compute
         print(f"| {name} | {dispatch * 1e3:.2f} ms | {compute * 1e3:.2f} ms | {overhead * 1e3:.2f} ms | "
               f"{overhead / rtt:.1f}x | {single:.1f} tok/s | {swarm:.1f} tok/s | {swarm / single:.0%} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--reps", type=int, default=100, help="single-layer dispatches timed")
+    ap.add_argument("--keep", type=Path, default=None, help="build/reuse the random models here, not in a temp dir")
+    ap.add_argument("--only", choices=["dispatch", "overlap"], default=None, help="run one section (default both)")
+    ap.add_argument("--rtt-ms", type=float, default=3.4, help="overlap section: round trip added to the data plane")
+    ap.add_argument("--rounds", type=int, default=5, help="overlap section: alternating on/off runs")
+    args = ap.parse_args()
+    folder = args.keep or Path(tempfile.mkdtemp(prefix="moeswarm-bench-"))
+    if args.only in (None, "dispatch"):
+        dispatch_section(folder, args.tokens, args.reps)
+    if args.only in (None, "overlap"):
+        overlap_section(folder, args.tokens, args.rounds, args.rtt_ms)
 
 
 if __name__ == "__main__":

@@ -71,10 +71,14 @@ class RouteObserver(Protocol):
 class Model:
     """A loaded MoE model.  ``forward`` is pure numpy; all state lives in the ``KVCache``."""
 
-    def __init__(self, weights: Weights, experts: ExpertExecutor | None = None, backend: str = "auto") -> None:
+    def __init__(self, weights: Weights, experts: ExpertExecutor | None = None, backend: str = "auto",
+                 overlap_shared: bool = True) -> None:
         self.weights = weights
         self.config = cfg = weights.config
         self.experts: ExpertExecutor = experts or LocalExperts(weights.experts, cfg, backend)
+        # compute the shared expert while the routed experts are in flight; False waits for them
+        # first (the same numbers, only slower: for measuring what the overlap saves)
+        self.overlap_shared = overlap_shared
         self.rope = Rope(cfg)
         self.observers: list[RouteObserver] = []  # (layer, expert ids (T, k)) once a MoE layer has routed
         self.state_observers: list[Callable[[int, np.ndarray], None]] = []  # (layer, residual (N, H)) before its MLP
@@ -122,6 +126,8 @@ class Model:
         for observe in self.observers:
             observe(L, ids)
         handle = self.experts.submit(L, h, ids, weights)
+        if not self.overlap_shared:
+            handle.result()
         shared = None
         if cfg.shared_intermediate_size:  # overlaps with remote experts in flight
             shared = dense_ffn(w[f"{L}.shared.gate"], w[f"{L}.shared.up"], w[f"{L}.shared.down"], h)
