@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import csv
-import hashlib
 import json
 import signal
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import click
@@ -297,15 +295,6 @@ def _model_spec(text: str) -> tuple[str, ModelShape]:
         raise ConfigError(f"--model takes MODEL_ID=HIDDEN:FFN, not {text!r}") from None
 
 
-def model_id_for(folder: str) -> str:
-    """The id swarm nodes derive for a checkpoint: architecture + hash of config.json (the same rule
-    as ``moeswarm.node.daemon.model_id_for``; the ledger does not import the node package)."""
-    from moeswarm.model import ModelConfig
-
-    cfg = ModelConfig.from_folder(folder)
-    return f"{cfg.arch}-{hashlib.sha256(Path(folder, 'config.json').read_bytes()).hexdigest()[:12]}"
-
-
 @main.command()
 @_DB
 @_KEY
@@ -327,6 +316,7 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
           model_dirs: tuple[str, ...], audit_tolerance: float, no_client_models: bool, verify_threads: int) -> None:
     """Run the ingestion service; prints READY {json} on stdout when it accepts receipts."""
     from moeswarm.model import load_weights
+    from moeswarm.model.model_id import model_id_for
 
     from ._audit import AuditConfig, LocalJudge
     from ._service import LedgerService, ServiceConfig, ready_info
@@ -337,7 +327,7 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
     for spec in model_dirs:
         folder, _, model_id = spec.partition("=")
         w = load_weights(folder)
-        model_id = model_id or model_id_for(folder)
+        model_id = model_id or model_id_for(folder, w.config)
         weights[model_id] = w
         shapes.append((model_id, ModelShape(w.config.hidden_size, w.config.moe_intermediate_size)))
     ledger = _open(db, key_path, need_key=True, create=True, epoch_s=epoch_seconds, verify_threads=verify_threads)

@@ -101,7 +101,8 @@ def live_state(model_dir: str, bootstrap: tuple[str, ...], model_id: str | None 
     import asyncio
 
     from ..model import ModelConfig
-    from ..node.daemon import SwarmConfig, model_id_for, p2p_node  # the shell may use the node's DHT
+    from ..model.model_id import model_id_for
+    from ..node.daemon import SwarmConfig, p2p_node  # the shell may use the node's DHT
     from ..node.rebalancer import model_shape
     from ..protocol import Identity
     from ._dht import fetch_state

@@ -22,7 +22,8 @@ import psutil
 from ..errors import ConfigError
 from ..market import Block, Volunteer
 from ..model import ModelConfig
-from ..node.daemon import SwarmConfig, load_identity, model_id_for, p2p_node
+from ..model.model_id import model_id_for
+from ..node.daemon import SwarmConfig, load_identity, p2p_node
 from ..node.rebalancer import market_assignment, model_shape
 from ._graph import DTYPES
 from ._manifest import Manifest

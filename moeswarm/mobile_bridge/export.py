@@ -17,7 +17,7 @@ from onnx import TensorProto, external_data_helper
 
 from ..errors import ConfigError
 from ..model import ModelConfig, load_weights
-from ..node.daemon import model_id_for
+from ..model.model_id import model_id_for
 from ._graph import DTYPES, OPSET, Activation, layer_graph
 from ._manifest import Manifest, ShardEntry, sha256_file
 

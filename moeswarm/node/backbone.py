@@ -157,15 +157,35 @@ class RemoteExperts:
         T, k = ids.shape
         y = np.zeros((T, k, x.shape[1]), np.float32)  # each (token, slot) expert output
         pending = sorted(set(int(e) for e in np.unique(ids)))
-        here: asyncio.Future[None] | None = None
+        here: asyncio.Future[list[int]] | None = None
+        reasons: list[str] = []
         if self.tiers is not None:  # the planner's local/fetched experts: computed here meanwhile
             mine = [e for e in pending if self._here(layer, e)]
             if mine:
                 pending = [e for e in pending if e not in mine]
-                here = asyncio.ensure_future(self._compute_here(layer, x, ids, mine, y))
-                self.local_pairs += int(np.isin(ids, mine).sum())
+                here = asyncio.ensure_future(self._compute_here(layer, x, ids, mine, y, reasons))
+        try:
+            pending = await self._call_holders(layer, x, ids, pending, y, reasons)
+        except BaseException:
+            if here is not None:
+                here.cancel()
+            raise
+        if here is not None:
+            refused = await here  # weights that could not be had: the holders compute those instead
+            if refused:
+                pending += await self._call_holders(layer, x, ids, refused, y, reasons)
+        if pending:
+            if self.local is None or any(e not in self.local.experts.get(layer, {}) for e in pending):
+                raise MissingExperts(layer, pending, reasons)
+            await asyncio.to_thread(self._compute_locally, layer, x, ids, pending, y)
+            self.fallbacks += 1
+        return (weights[:, :, None] * y).sum(axis=1, dtype=np.float32) if k > 1 else weights * y[:, 0]
+
+    async def _call_holders(self, layer: int, x: np.ndarray, ids: np.ndarray, pending: list[int], y: np.ndarray,
+                            reasons: list[str]) -> list[int]:
+        """Call holders for ``pending`` experts, retrying failures on other replicas; returns the
+        experts nobody computed."""
         tried: dict[int, set[bytes]] = {e: set() for e in pending}
-        reasons: list[str] = []
         for _ in range(self.config.attempts):
             if not pending:
                 break
@@ -185,14 +205,7 @@ class RemoteExperts:
             pending = sorted(failed)
             if unheld and len(unheld) == len(pending):
                 break  # nobody else to ask
-        if here is not None:
-            await here
-        if pending:
-            if self.local is None or any(e not in self.local.experts.get(layer, {}) for e in pending):
-                raise MissingExperts(layer, pending, reasons)
-            await asyncio.to_thread(self._compute_locally, layer, x, ids, pending, y)
-            self.fallbacks += 1
-        return (weights[:, :, None] * y).sum(axis=1, dtype=np.float32) if k > 1 else weights * y[:, 0]
+        return pending
 
     def _here(self, layer: int, expert: int) -> bool:
         assert self.tiers is not None
@@ -200,14 +213,28 @@ class RemoteExperts:
         return tier == "fetch" or (tier == "local" and self.tiers.weights(layer, expert) is not None)
 
     async def _compute_here(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int],
-                            y: np.ndarray) -> None:
-        """Experts the planner placed here; ones to fetch on a miss are fetched first."""
+                            y: np.ndarray, reasons: list[str]) -> list[int]:
+        """Experts the planner placed here (ones to fetch on a miss are fetched first); returns
+        those whose weights could not be had, for the holders to compute instead."""
         assert self.tiers is not None
         tiers = self.tiers
-        weights = dict(zip(experts, await asyncio.gather(*(
+        got = await asyncio.gather(*(
             _ready(tiers.weights(layer, e)) if tiers.tier_of(layer, e) != "fetch" else tiers.ensure(layer, e)
-            for e in experts))))
-        await asyncio.to_thread(self._compute_locally, layer, x, ids, experts, y, lambda L, e: weights[e])
+            for e in experts), return_exceptions=True)
+        weights, failed = {}, []
+        for e, w in zip(experts, got):
+            if isinstance(w, (SwarmError, OSError)) or w is None:
+                reasons.append(f"expert {e} here: {type(w).__name__}: {w}")
+                failed.append(e)
+            elif isinstance(w, BaseException):
+                raise w
+            else:
+                weights[e] = w
+        ok = [e for e in experts if e in weights]
+        if ok:
+            await asyncio.to_thread(self._compute_locally, layer, x, ids, ok, y, lambda L, e: weights[e])
+            self.local_pairs += int(np.isin(ids, ok).sum())
+        return failed
 
     async def _call(self, peer: bytes, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int],
                     y: np.ndarray) -> None:

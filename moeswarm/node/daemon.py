@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import json
 import logging
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, ConfigError, SwarmError, Unreachable
 from ..model import Model, ModelConfig, Tokenizer, Weights, load_weights
+from ..model.model_id import model_id_for
 from ..protocol import Identity
 from .announce import AnnounceConfig, Announcer
 from .backbone import DispatchConfig, RemoteExperts
@@ -60,34 +60,6 @@ def parse_range(text: str | None, upper: int, what: str) -> tuple[int, int]:
     if not 0 <= first <= last < upper:
         raise ConfigError(f"--{what} {text} is outside 0-{upper - 1}")
     return first, last
-
-
-def model_id_for(folder: str, cfg: ModelConfig) -> str:
-    """A stable id for a checkpoint, so every holder of the same checkpoint agrees without naming it
-    (override with --model-id).
-
-    * A safetensors folder: its architecture plus a hash of its config.json, ``mixtral-76b2c92d8168``.
-    * A GGUF checkpoint (a ``.gguf`` file, or a folder holding one and no safetensors, with or without
-      the converter's config.json beside it): the same hash of the config.json it embeds, plus how its
-      routed experts are encoded, ``mixtral-76b2c92d8168-q8_0``.
-
-    The id promises what an expert call computes.  A Q8_0 expert's outputs differ from the fp16/fp32
-    one's by the quantisation error, enough to flip near-tie tokens, so a backbone must not mix the two
-    without being told: nodes and a backbone holding the same GGUF (or GGUFs whose experts are encoded
-    alike) find each other by default; a backbone on the safetensors folder sees Q8_0 nodes only when
-    every side passes the same --model-id, which is how one accepts their numbers.  Every GGUF gets the
-    suffix, F32 too: one rule, and the id says what the file holds.  Like the safetensors id, it does not
-    hash the weights (that would read the whole checkpoint at start): two fine-tunes with one config.json
-    and one encoding share an id.
-    """
-    from ..model.gguf import GGUFFile, find_gguf  # the gguf package: imported only when an id is derived
-
-    gguf_file = find_gguf(folder)
-    if gguf_file is None:
-        return f"{cfg.arch}-{hashlib.sha256(Path(folder, 'config.json').read_bytes()).hexdigest()[:12]}"
-    f = GGUFFile(gguf_file)
-    digest = hashlib.sha256(f.config_text().encode("utf-8")).hexdigest()[:12]
-    return f"{cfg.arch}-{digest}-{f.expert_encoding(cfg)}"
 
 
 def load_identity(path: str | None) -> Identity:

@@ -17,7 +17,8 @@ from moeswarm.demo.swarm import Daemon, local_swarm
 from moeswarm.errors import ProtocolError, Unreachable
 from moeswarm.model import Model, ModelConfig, SamplingParams, expert_ffn, generate, load_model, load_weights
 from moeswarm.model.gguf import QuantizedTensor, convert_to_gguf
-from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig, model_id_for
+from moeswarm.model.model_id import model_id_for
+from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
 from moeswarm.node.dataplane import ExpertClient
 from moeswarm.protocol import ErrorCode, ExpertRequest, ExpertRows, Identity, peer_id_from_str
 

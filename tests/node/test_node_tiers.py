@@ -21,7 +21,7 @@ from moeswarm.errors import ProtocolError
 from moeswarm.model import SamplingParams, generate, load_model, load_weights
 from moeswarm.node.daemon import SwarmBackbone
 from moeswarm.node.dataplane import DataPlaneServer, ExpertClient, ServerConfig
-from moeswarm.node.fetch import fetch_expert, serve_weights
+from moeswarm.node.fetch import FetchedExperts, fetch_expert, serve_weights
 from moeswarm.node.status import fetch_reports
 from moeswarm.protocol import ErrorCode, Identity, WeightsRequest
 
@@ -125,7 +125,24 @@ def test_backbone_following_its_plan_fetches_experts_and_keeps_the_oracle_tokens
                 params = SamplingParams(max_new_tokens=len(ref.greedy_tokens))
                 fetched_tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
                 assert bb.executor is not None and bb.tiers is not None
-                return fetched_tokens, bb.tiers.fetched.fetched_bytes, bb.tiers.fetched.bytes, bb.executor.calls
+                result = fetched_tokens, bb.tiers.fetched.fetched_bytes, bb.tiers.fetched.bytes, bb.executor.calls
+
+                # a holder that refuses a fetch (as a v1.0 one, or a phone behind a relay, does): the
+                # expert is called instead, and the tokens do not change
+                real_ensure = bb.tiers.ensure
+
+                async def refuse_even(layer: int, expert: int):  # type: ignore[no-untyped-def]
+                    if expert % 2 == 0:
+                        raise ProtocolError("unknown message type 'weights_request'", code=ErrorCode.UNKNOWN_MESSAGE)
+                    return await real_ensure(layer, expert)
+
+                bb.tiers.ensure = refuse_even  # type: ignore[method-assign]
+                bb.tiers.fetched = FetchedExperts(0)  # nothing cached: every use of an even expert is refused
+                again = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
+                served = {e for s in bb.executor.served_by.values() for _, e in s}
+                assert again == ref.greedy_tokens, again
+                assert served and all(e % 2 == 0 for e in served), served  # only the refused ones were called
+                return result
 
         cold_tokens, fetched_bytes, held_bytes, calls = asyncio.run(cold_tier())
         urls = [d.info["status"] for d in daemons]

@@ -18,7 +18,7 @@ from moeswarm.errors import ConfigError, ProtocolError
 from moeswarm.mobile_bridge import Manifest, OnnxExpertServer, OnnxShards, RuntimeConfig, export_onnx, session_options
 from moeswarm.mobile_bridge.cli import export_onnx as export_cli
 from moeswarm.model import ModelConfig, expert_ffn, load_weights
-from moeswarm.node.daemon import model_id_for
+from moeswarm.model.model_id import model_id_for
 from moeswarm.node.expert_server import ExpertServer, ExpertServerConfig
 from moeswarm.protocol import ErrorCode, ExpertRequest, ExpertRows, Identity, check_response
 
