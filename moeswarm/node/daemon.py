@@ -237,7 +237,7 @@ async def _node_status(stack: contextlib.AsyncExitStack, config: NodeConfig, ide
     everything = load_block(config.swarm.model_dir, cfg, (0, cfg.num_layers - 1), (0, cfg.num_experts - 1))
     tiers = await start_planner(stack, identity, p2p, cfg, model_id, local=everything,
                                 probe=ProbeConfig(interval_s=config.probe_interval_s),
-                                config=TierConfig(act=False), backbone_bytes=backbone_bytes(everything))
+                                config=TierConfig(act=False), backbone=everything)
     started = time.time()
 
     def snapshot() -> dict[str, Any]:
@@ -259,11 +259,6 @@ async def _node_status(stack: contextlib.AsyncExitStack, config: NodeConfig, ide
     stack.push_async_callback(runner.cleanup)
     stack.enter_context(run_file("node", identity.peer_id_str, url))
     return url
-
-
-def backbone_bytes(weights: Weights) -> int:
-    """Bytes of the non-expert weights one token streams through (the LM head included)."""
-    return sum(int(getattr(a, "nbytes", 0)) for name, a in weights.tensors.items() if name != "embed")
 
 
 class SwarmBackbone:
@@ -341,7 +336,7 @@ class SwarmBackbone:
             demand=self.demand, probe=ProbeConfig(interval_s=c.probe_interval_s),
             config=TierConfig(act=act, force="fetch" if c.tiers == "fetch" else None, replan_s=c.replan_s,
                               fetch_cache_bytes=c.fetch_cache_bytes),
-            backbone_bytes=backbone_bytes(weights))
+            backbone=weights)
         if act:
             assert self.executor is not None
             self.executor.tiers = self.tiers

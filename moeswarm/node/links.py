@@ -98,6 +98,7 @@ class LinkMonitor:
         self.links: dict[bytes, LinkEstimate] = {}
         self.errors: dict[bytes, str] = {}
         self._clients: dict[bytes, ExpertClient] = {}
+        self._locks: dict[bytes, asyncio.Lock] = {}
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0  # probe rounds completed (a test can wait for one)
 
@@ -105,11 +106,15 @@ class LinkMonitor:
         return self.links.get(peer)
 
     async def client(self, holder: Holder) -> ExpertClient:
-        """This monitor's own connection to ``holder`` (probes and weight fetches, never calls)."""
-        client = self._clients.get(holder.peer_id)
-        if client is None or client.closed:
-            client = await self._connect(holder)
-        return client
+        """This monitor's own connection to ``holder`` (probes and weight fetches, never calls);
+        concurrent callers share one dial."""
+        async with self._locks.setdefault(holder.peer_id, asyncio.Lock()):
+            client = self._clients.get(holder.peer_id)
+            if client is None or client.closed:
+                if client is not None:
+                    await client.aclose()
+                client = await self._connect(holder)
+            return client
 
     async def probe(self, holder: Holder) -> LinkEstimate:
         client = await self.client(holder)

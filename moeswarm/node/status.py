@@ -222,7 +222,8 @@ def render_report(report: dict[str, Any], show_experts: bool = False) -> None:
     if not tiers:
         return
     lt = tiers.get("local_tier", {})
-    console.print(f"  local tier: disk {lt.get('disk_mb_s')} MB/s, expert math {lt.get('compute_gb_s')} GB/s")
+    console.print(f"  local tier: disk {lt.get('disk_mb_s')} MB/s, expert math {lt.get('compute_gb_s')} GB/s, "
+                  f"a decode step without its experts {lt.get('step_without_experts_ms')} ms")
     links = tiers.get("links", {})
     if links or tiers.get("link_errors"):
         table = Table("peer", "rtt ms", "up Mbit/s", "down Mbit/s", "age s", "probes", title="links", title_justify="left")

@@ -104,10 +104,40 @@ def measure_compute_bps(cfg: ModelConfig, expert: ExpertWeights | None = None, r
     return w.nbytes / max(best, 1e-7)
 
 
+class _NoExperts:
+    """An executor whose routed experts output zeros: times everything but them."""
+
+    def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> Any:
+        class Zeros:
+            def result(self) -> np.ndarray:
+                return np.zeros_like(x)
+
+        return Zeros()
+
+    def end_step(self) -> None:
+        pass
+
+
+def measure_backbone_seconds(weights: Weights, steps: int = 3) -> float:
+    """Seconds of one decode step without the routed experts (attention, routers, norms, shared
+    experts, LM head, and the interpreter's share of it), the best of a few steps."""
+    from ..model import Model
+
+    model = Model(weights, experts=_NoExperts())  # type: ignore[arg-type]
+    cache = model.new_cache()
+    model.forward(np.asarray([[1]]), cache)  # warm: pages in what a step reads
+    best = float("inf")
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        model.forward(np.asarray([[1]]), cache)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 class TierPlanner:
     def __init__(self, cfg: ModelConfig, table: SwarmTable, links: LinkMonitor, *, self_peer: bytes,
                  local: Weights | None = None, demand: "DemandCounter | None" = None,
-                 backbone_bytes: int = 0, config: TierConfig = TierConfig()) -> None:
+                 backbone: Weights | None = None, config: TierConfig = TierConfig()) -> None:
         self.cfg = cfg
         self.table = table
         self.links = links
@@ -119,7 +149,8 @@ class TierPlanner:
         self.fetched = FetchedExperts(config.fetch_cache_bytes)
         self.plan: planner.Plan | None = None
         self.planned_at = 0.0
-        self.backbone_bytes = backbone_bytes
+        self.backbone = backbone  # the non-expert weights, to time a step without its experts
+        self.backbone_s = 0.0
         self.local_tier = planner.LocalTier(disk_bps=500e6, compute_bps=10e9)
         self._fetching: set[tuple[int, int]] = set()
         self._inflight: dict[tuple[int, int], asyncio.Future[ExpertWeights]] = {}
@@ -134,6 +165,8 @@ class TierPlanner:
             if self.local is not None else None
         disk = measure_disk_bps(self.local) if self.local is not None else 500e6
         self.local_tier = planner.LocalTier(disk_bps=disk, compute_bps=measure_compute_bps(self.cfg, sample))
+        if self.backbone is not None:
+            self.backbone_s = measure_backbone_seconds(self.backbone)
 
     def expert_bytes(self, layer: int, expert: int) -> int:
         if self.local is not None and expert in self.local.experts.get(layer, {}):
@@ -195,9 +228,8 @@ class TierPlanner:
         links = self.link_table() if links is None else links
         specs = self.specs(live, fetched)
         hidden = self.cfg.hidden_size * self.config.wire_bytes_per_value
-        backbone_s = self.backbone_bytes / self.local_tier.compute_bps
         plan = planner.plan(specs, self.local_tier, links, tokens=1, hidden_bytes=hidden,
-                            top_k=self.cfg.top_k, backbone_seconds=backbone_s)
+                            top_k=self.cfg.top_k, backbone_seconds=self.backbone_s)
         self._cap_fetches(plan, specs, links)
         for key in fetched:  # fetched copies compute here, but say where they came from
             d = plan.decisions.get(key)
@@ -332,7 +364,8 @@ class TierPlanner:
         out: dict[str, Any] = {
             "acting": self.config.act,
             "local_tier": {"disk_mb_s": round(self.local_tier.disk_bps / 1e6, 1),
-                           "compute_gb_s": round(self.local_tier.compute_bps / 1e9, 2)},
+                           "compute_gb_s": round(self.local_tier.compute_bps / 1e9, 2),
+                           "step_without_experts_ms": round(self.backbone_s * 1e3, 3)},
             "links": {peer_id_to_str(p): est.as_dict() for p, est in self.links.links.items()},
             "link_errors": {peer_id_to_str(p): msg for p, msg in self.links.errors.items()},
             "fetched": {"experts": len(self.fetched), "bytes": self.fetched.bytes,
@@ -353,7 +386,7 @@ class TierPlanner:
 async def start_planner(stack: contextlib.AsyncExitStack, identity: Any, p2p: Any, cfg: ModelConfig, model_id: str,
                         *, local: Weights | None, table: SwarmTable | None = None, demand: "DemandCounter | None" = None,
                         probe: ProbeConfig | None = None, config: TierConfig = TierConfig(),
-                        backbone_bytes: int = 0) -> TierPlanner:
+                        backbone: Weights | None = None) -> TierPlanner:
     """Links measured, holders discovered (unless ``table`` is kept current by someone else) and the
     plan kept current, all closed with ``stack``."""
     from .discovery import Discovery
@@ -371,7 +404,7 @@ async def start_planner(stack: contextlib.AsyncExitStack, identity: Any, p2p: An
         await links.start()
     stack.push_async_callback(links.aclose)
     tiers = TierPlanner(cfg, table, links, self_peer=identity.peer_id, local=local, demand=demand,
-                        backbone_bytes=backbone_bytes, config=config)
+                        backbone=backbone, config=config)
     await tiers.start()
     stack.push_async_callback(tiers.aclose)
     return tiers
