@@ -24,7 +24,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import asyncio
-import json
 import sys
 import statistics
 import subprocess
@@ -35,14 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from safetensors.numpy import save_file
 
 from _links import delayed_swarm  # benchmarks/_links.py
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import Daemon, local_swarm
 from moeswarm.model import ModelConfig, SamplingParams, generate, load_model
 from moeswarm.model.experts import dense_ffn
-from moeswarm.model.synthetic import random_mixtral
+from moeswarm.model.synthetic import random_mixtral, random_qwen2_moe
 from moeswarm.model.routing import route
 from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
 from moeswarm.node.dataplane import ExpertClient
@@ -97,15 +95,21 @@ def decode_rate(model, ids: list[int], tokens: int) -> float:  # type: ignore[no
     return (n - 1) / (time.perf_counter() - first)
 
 
+def first_moe_layer_inputs(bb: SwarmBackbone) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """One token's hidden state at the first MoE layer and its router's choice there."""
+    assert bb.model is not None
+    cfg, w = bb.cfg, bb.model.weights
+    layer = next(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
+    x = np.random.default_rng(0).standard_normal((1, cfg.hidden_size)).astype(np.float32)
+    ids, weights = route(cfg, x, w[f"{layer}.router"], w.get(f"{layer}.router_bias"), w.get(f"{layer}.router_score_bias"))
+    return layer, x, ids, weights
+
+
 async def swarm_side(model_dir: str, bootstrap: str, ids: list[int], tokens: int, reps: int) -> tuple[float, float, float]:
     config = BackboneConfig(SwarmConfig(model_dir, bootstrap=(bootstrap,), client_mode=True))
     async with SwarmBackbone(config) as bb:
         assert bb.model is not None and bb.executor is not None
-        cfg, w = bb.cfg, bb.model.weights
-        layer = next(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
-        x = np.random.default_rng(0).standard_normal((1, cfg.hidden_size)).astype(np.float32)
-        ids1, weights = route(cfg, x, w[f"{layer}.router"], w.get(f"{layer}.router_bias"),
-                              w.get(f"{layer}.router_score_bias"))
+        layer, x, ids1, weights = first_moe_layer_inputs(bb)
         local = load_model(model_dir).experts
         remote, computed = [], []
         for _ in range(reps):
@@ -132,50 +136,6 @@ def measure(model_dir: str, tokens: int, reps: int) -> tuple[float, float, float
 # ---------------------------------------------------------------- 4. shared-expert overlap
 
 
-def random_qwen2_moe(folder: Path, *, hidden: int = 1024, moe_inter: int = 512, shared_inter: int = 2048,
-                     layers: int = 4, experts: int = 16, top_k: int = 4, vocab: int = 8192, heads: int = 16,
-                     kv_heads: int = 4, seed: int = 0) -> Path:
-    """A random fp32 Qwen2-MoE checkpoint (hub tensor names, one file); weights ~ N(0, 1/fan_in)."""
-    if (folder / "config.json").exists():
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    hd = hidden // heads
-
-    def w(out: int, inp: int) -> np.ndarray:
-        return rng.standard_normal((out, inp), dtype=np.float32) / np.float32(inp**0.5)
-
-    def ffn(prefix: str, inter: int) -> dict[str, np.ndarray]:
-        return {f"{prefix}.gate_proj.weight": w(inter, hidden), f"{prefix}.up_proj.weight": w(inter, hidden),
-                f"{prefix}.down_proj.weight": w(hidden, inter)}
-
-    t = {"model.embed_tokens.weight": rng.standard_normal((vocab, hidden), dtype=np.float32),
-         "model.norm.weight": np.ones(hidden, np.float32), "lm_head.weight": w(vocab, hidden)}
-    for L in range(layers):
-        p = f"model.layers.{L}."
-        t[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
-        t[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
-        for name, rows in (("q", heads * hd), ("k", kv_heads * hd), ("v", kv_heads * hd)):
-            t[p + f"self_attn.{name}_proj.weight"] = w(rows, hidden)
-            t[p + f"self_attn.{name}_proj.bias"] = np.zeros(rows, np.float32)
-        t[p + "self_attn.o_proj.weight"] = w(hidden, heads * hd)
-        t[p + "mlp.gate.weight"] = w(experts, hidden)
-        for e in range(experts):
-            t.update(ffn(p + f"mlp.experts.{e}", moe_inter))
-        t.update(ffn(p + "mlp.shared_expert", shared_inter))
-        t[p + "mlp.shared_expert_gate.weight"] = w(1, hidden)
-    save_file(t, str(folder / "model.safetensors"))
-    config = {"model_type": "qwen2_moe", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": shared_inter,
-              "moe_intermediate_size": moe_inter, "shared_expert_intermediate_size": shared_inter,
-              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-              "num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": False,
-              "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
-              "max_position_embeddings": 4096, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
-              "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
 @dataclass
 class Overlap:
     ping_s: float  # data-plane ping through the delay proxy
@@ -192,11 +152,8 @@ async def overlap_side(model_dir: str, daemons: list[Daemon], ids: list[int], to
     await probe.aclose()
     async with SwarmBackbone(config) as bb:
         assert bb.model is not None and bb.executor is not None
+        layer, x, ids1, weights = first_moe_layer_inputs(bb)
         cfg, w = bb.cfg, bb.model.weights
-        layer = next(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
-        x = np.random.default_rng(0).standard_normal((1, cfg.hidden_size)).astype(np.float32)
-        ids1, weights = route(cfg, x, w[f"{layer}.router"], w.get(f"{layer}.router_bias"),
-                              w.get(f"{layer}.router_score_bias"))
         dispatch, shared = [], []
         for _ in range(30):
             t0 = time.perf_counter()
