@@ -26,7 +26,8 @@ from _links import delayed_swarm  # benchmarks/_links.py
 PROMPTS = {
     "repetitive": "And the LORD said unto Moses, Speak unto the children of Israel. And the LORD said unto Moses, "
                   "Speak unto the children of Israel. And the LORD said unto Moses,",
-    "non-repetitive": "In the beginning",
+    "non-repetitive": "Now the serpent was more subtil than any beast",  # drafts from it never match (0/58)
+    "short, its continuation loops": "In the beginning",  # the demo model's greedy text repeats itself
 }
 
 

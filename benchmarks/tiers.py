@@ -237,6 +237,30 @@ def crossovers(cfg: ModelConfig, mm: dict[str, Any]) -> tuple[float, float]:
     return B / disk_s * 8e-6, k * (1 - mm["hit_rate"]) * disk_s * 1e3
 
 
+def measured_crossovers(cfg: ModelConfig, mm: dict[str, Any], rows: list[Any]) -> tuple[float | None, float | None]:
+    """Where the measured ways would cross the single node's decode, by lines through the
+    measured points: fetching's seconds per token against 1 / download bandwidth (links b and
+    c, no added delay), the swarm's against the observed expert-call latency (links a and b)."""
+    t_disk = 1 / mm["decode_tok_s"]
+    by = {name[0]: (net, m) for name, net, m, _ in rows}
+    down = rtt = None
+    (nb, mb), (nc, mc) = by["b"], by["c"]
+    x1, x2 = 1 / nb["down_bps"], 1 / nc["down_bps"]
+    y1, y2 = 1 / mb["fetch"]["decode_tok_s"], 1 / mc["fetch"]["decode_tok_s"]
+    if x1 != x2 and y1 != y2:
+        slope = (y1 - y2) / (x1 - x2)  # seconds per token per (second per byte)
+        x = (t_disk - (y2 - slope * x2)) / slope
+        down = 8e-6 / x if x > 0 else None
+    (_, ma), (_, mb) = by["a"], by["b"]
+    c1, c2 = ma["remote"]["call_s"], mb["remote"]["call_s"]
+    s1, s2 = 1 / ma["remote"]["decode_tok_s"], 1 / mb["remote"]["decode_tok_s"]
+    if c1 and c2 and c1 != c2:
+        slope = (s1 - s2) / (c1 - c2)
+        call = c2 + (t_disk - s2) / slope
+        rtt = call * 1e3 if call > 0 else None
+    return down, rtt
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -302,6 +326,10 @@ def main() -> None:
               f"fetching vs disk: {m['fetch']['decode_tok_s'] / mm['decode_tok_s']:.2f}x")
     print(f"planner's crossovers (same figures): fetching beats this disk above {down:,.0f} Mbit/s down "
           f"(with no added delay); the swarm's decode beats it below {rtt:.1f} ms per expert call")
+    m_down, m_rtt = measured_crossovers(cfg, mm, rows)
+    print("measured crossovers (lines through the measured points): fetching would beat this disk above "
+          + (f"{m_down:,.0f} Mbit/s down" if m_down else "no bandwidth") + "; the swarm's decode beats it below "
+          + (f"{m_rtt:.1f} ms per expert call" if m_rtt else "(no slope between the links)"))
     plot(rows, mm, args.png)
     print(f"\nplot: {args.png}")
 
