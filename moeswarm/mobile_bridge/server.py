@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ProtocolError
 from ..model import Weights
 from ..node.expert_server import ExpertServer, ExpertServerConfig
 from ..protocol import ExpertResponse, Identity
@@ -31,7 +32,7 @@ class OnnxExpertServer(ExpertServer):
     def _experts(self, layer: int) -> Any:  # validation only asks which experts are held
         return self._held.get(layer, {})
 
-    def _compute(self, jobs: Sequence[Any]) -> list[ExpertResponse]:
+    def _compute(self, jobs: Sequence[Any]) -> list[ExpertResponse | ProtocolError]:
         """Thread: per layer, one onnxruntime run over the rows of every job, then sign."""
         t0 = time.perf_counter()
         hidden_size = self.cfg.hidden_size

@@ -255,6 +255,8 @@ class RemoteExperts:
                 raise BadResponse(f"outputs have shape {list(response.outputs.shape)}, expected "
                                   f"[{request.pairs}, {x.shape[1]}]", code=ErrorCode.BAD_TENSOR)
         except (NetworkError, ProtocolError) as e:
+            if isinstance(e, ProtocolError) and e.code == ErrorCode.NON_FINITE and not isinstance(e, BadResponse):
+                raise  # our hidden states overflowed its experts: not the holder's fault, the connection is fine
             holder.fail(time.monotonic())
             if not (isinstance(e, ProtocolError) and e.code == ErrorCode.OVERLOADED):
                 await self.connections.drop(peer)

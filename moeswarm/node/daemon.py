@@ -416,7 +416,9 @@ class SwarmBackbone:
         return runner
 
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_folder(self.config.swarm.model_dir, self.cfg.bos_token_id)
+        # the folder the weights came from: --model may name a .gguf file, whose folder holds the tokenizer
+        folder = self.model.weights.folder if self.model is not None else self.config.swarm.model_dir
+        return Tokenizer.from_folder(folder, self.cfg.bos_token_id)
 
 
 async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any]], None] = ready,

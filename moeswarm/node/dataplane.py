@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, NetworkError, ProtocolError, Timeout, Unreachable
+from ..errors import BadResponse, ConfigError, NetworkError, ProtocolError, Timeout, Unreachable
 from ..protocol import (
     DEFAULT_MAX_FRAME,
     FATAL_CODES,
@@ -337,9 +337,19 @@ class ExpertClient:
     async def _read_loop(self) -> None:
         try:
             while True:
-                msg = await read_message(self.reader, max_size=self.max_frame)
-                if msg is None:
+                body = await read_frame(self.reader, max_size=self.max_frame)
+                if body is None:
                     raise Unreachable("server closed the connection")
+                try:
+                    msg = decode(body)
+                except ProtocolError as e:  # a bad answer fails its own call, not the connection
+                    rid = peek_request_id(body)
+                    fut = self._pending.get(rid or b"")
+                    if e.code in FATAL_CODES or fut is None:
+                        raise
+                    if not fut.done():
+                        fut.set_exception(BadResponse(f"the server's answer is invalid: {e}", code=e.code))
+                    continue
                 if isinstance(msg, (ExpertResponse, WeightsResponse)):
                     fut = self._pending.get(msg.request_id)
                     if fut is not None and not fut.done():

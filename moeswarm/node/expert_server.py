@@ -148,10 +148,14 @@ class ExpertServer:
             self.pairs_served += pairs
             self.requests_served += len(live)
             for job, response in zip(live, responses):
-                if not job.future.done():
+                if job.future.done():
+                    continue
+                if isinstance(response, ProtocolError):
+                    job.future.set_exception(response)
+                else:
                     job.future.set_result(response)
 
-    def _compute(self, jobs: list[_Job]) -> list[ExpertResponse]:
+    def _compute(self, jobs: list[_Job]) -> list[ExpertResponse | ProtocolError]:
         """Thread: one matmul chain per (layer, expert) over all jobs' rows, then sign."""
         t0 = time.perf_counter()
         inputs = [j.request.hidden.astype(np.float32, copy=False) for j in jobs]
@@ -165,21 +169,31 @@ class ExpertServer:
         for (layer, expert), parts in work.items():
             x = np.concatenate([inputs[i][rows] for i, rows, _ in parts])
             held = jobs[parts[0][0]].held  # validated to hold this expert, even if a move dropped it since
-            y = expert_ffn(self._f32.layer(layer, held, self.on_access)[expert], x, self.cfg)
+            with np.errstate(over="ignore", invalid="ignore"):  # overflow is answered as NON_FINITE below
+                y = expert_ffn(self._f32.layer(layer, held, self.on_access)[expert], x, self.cfg)
             start = 0
             for i, rows, offset in parts:
                 outputs[i][offset : offset + len(rows)] = y[start : start + len(rows)]
                 start += len(rows)
         return self._respond(jobs, outputs, t0)
 
-    def _respond(self, jobs: list[_Job], outputs: list[np.ndarray], t0: float) -> list[ExpertResponse]:
-        """Sign a receipt for each job's outputs (in its request's dtype) and build the responses."""
+    def _respond(self, jobs: list[_Job], outputs: list[np.ndarray],
+                 t0: float) -> list[ExpertResponse | ProtocolError]:
+        """Sign a receipt for each job's outputs (in its request's dtype) and build the responses.
+        Outputs that overflowed (finite but huge hidden states in, Inf or NaN out, also after a
+        cast to f16) become that request's NON_FINITE error: the protocol forbids sending them,
+        and the other requests of the batch are answered as usual."""
         compute_us = int((time.perf_counter() - t0) * 1e6)
         now_ms = int(time.time() * 1000)
-        responses = []
+        responses: list[ExpertResponse | ProtocolError] = []
         for job, out in zip(jobs, outputs):
             req = job.request
-            out = out.astype(req.hidden.dtype, copy=False)
+            with np.errstate(over="ignore"):
+                out = out.astype(req.hidden.dtype, copy=False)
+            if not np.isfinite(out).all():
+                responses.append(ProtocolError(f"the outputs overflow {req.hidden.dtype} (hidden states too large)",
+                                               code=ErrorCode.NON_FINITE))
+                continue
             flops = sum(expert_flops(self.cfg, len(e.rows)) for e in req.experts)
             receipt = make_receipt(self.identity, req, out, client=job.client, expert_flops=flops, time_ms=now_ms)
             responses.append(ExpertResponse(req.request_id, out, receipt, compute_us, self.load_permille))

@@ -136,7 +136,11 @@ def test_bad_requests_get_protocol_errors_and_server_keeps_serving(oracle_checkp
                               (req(layer=5), ErrorCode.UNKNOWN_EXPERT),
                               (req(experts=(ExpertRows(9, np.array([0, 1], np.uint32)),)), ErrorCode.UNKNOWN_EXPERT),
                               (req(experts=(ExpertRows(1, np.array([0], np.uint32)),)), ErrorCode.BAD_FIELD),
-                              (req(hidden=np.ones((2, 63), np.float32)), ErrorCode.BAD_TENSOR)]:
+                              (req(hidden=np.ones((2, 63), np.float32)), ErrorCode.BAD_TENSOR),
+                              # finite but huge: the outputs overflow float32, which may not be sent
+                              (req(hidden=np.full((2, 64), 1e30, np.float32)), ErrorCode.NON_FINITE),
+                              # fine in float32, overflows when cast back to the request's float16
+                              (req(hidden=np.full((2, 64), 6e4, np.float16)), ErrorCode.NON_FINITE)]:
                 with pytest.raises(ProtocolError) as info:
                     await client.call(bad, timeout=10)
                 assert info.value.code == code
@@ -147,6 +151,40 @@ def test_bad_requests_get_protocol_errors_and_server_keeps_serving(oracle_checkp
             with pytest.raises(ProtocolError):
                 await ExpertClient.connect(node.dataplane.endpoint, Identity.generate(),
                                            expected_peer=Identity.generate().peer_id)
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_invalid_answer_fails_its_own_call_and_the_connection_keeps_working() -> None:
+    """A server whose outputs hold NaN (forbidden on the wire): that call gets BadResponse with
+    NON_FINITE; calls on the same connection before and after are answered."""
+    from moeswarm.errors import BadResponse
+    from moeswarm.protocol import ExpertResponse, make_receipt
+
+    server_id = Identity.generate()
+
+    async def handler(client: bytes, request: ExpertRequest) -> ExpertResponse:
+        out = np.ones((request.pairs, request.hidden.shape[1]), np.float32)
+        if request.layer == 1:
+            out[0, 0] = np.nan
+        receipt = make_receipt(server_id, request, out, client=client, expert_flops=1, time_ms=int(time.time() * 1000))
+        return ExpertResponse(request.request_id, out, receipt, 1, 0)
+
+    async def main() -> None:
+        async with DataPlaneServer(server_id, handler) as server:
+            client = await ExpertClient.connect(server.endpoint, Identity.generate(), expected_peer=server_id.peer_id)
+
+            def req(layer: int, seq: int) -> ExpertRequest:
+                return ExpertRequest(np.random.bytes(16), "m", layer, seq, np.ones((1, 4), np.float32),
+                                     (ExpertRows(0, np.array([0], np.uint32)),))
+
+            assert (await client.call(req(0, 1), timeout=10)).outputs.shape == (1, 4)
+            with pytest.raises(BadResponse) as info:
+                await client.call(req(1, 2), timeout=10)
+            assert info.value.code == ErrorCode.NON_FINITE
+            assert not client.closed
+            assert (await client.call(req(0, 3), timeout=10)).outputs.shape == (1, 4)
             await client.aclose()
 
     asyncio.run(main())
