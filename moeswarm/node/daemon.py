@@ -235,9 +235,12 @@ async def _node_status(stack: contextlib.AsyncExitStack, config: NodeConfig, ide
     if config.status is None:
         return None
     everything = load_block(config.swarm.model_dir, cfg, (0, cfg.num_layers - 1), (0, cfg.num_experts - 1))
+    # timing a step without experts reads the attention, router and LM-head weights: only when that
+    # is cheap and no memory budget forbids it (a node does not otherwise touch them)
+    small = sum(int(getattr(a, "nbytes", 0)) for a in everything.tensors.values()) < 1 << 30
     tiers = await start_planner(stack, identity, p2p, cfg, model_id, local=everything,
-                                probe=ProbeConfig(interval_s=config.probe_interval_s),
-                                config=TierConfig(act=False), backbone=everything)
+                                probe=ProbeConfig(interval_s=config.probe_interval_s), config=TierConfig(act=False),
+                                backbone=everything if small and config.memory_budget is None else None)
     started = time.time()
 
     def snapshot() -> dict[str, Any]:
