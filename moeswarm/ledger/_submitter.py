@@ -32,6 +32,7 @@ import msgpack
 from moeswarm.errors import ConfigError
 from moeswarm.protocol import CountersignedReceipt, encode
 
+from .._tasks import cancel_and_wait
 from ._chain import ModelShape
 from ._ingest import IngestResult
 
@@ -148,9 +149,7 @@ class ReceiptSubmitter:
         self._closing = True
         with contextlib.suppress(Exception):
             await self.flush(self.config.close_timeout_s)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await cancel_and_wait(self._task)
         self._task = None
         self._closed = True
         self._spool_buffer()  # anything that arrived meanwhile

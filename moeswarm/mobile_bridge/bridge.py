@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._tasks import cancel_and_wait
 from ..errors import SwarmError, Timeout
 from ..node.daemon import load_identity, parse_range, ready, stop_event
 from ..node.dataplane import DataPlaneServer, ServerConfig
@@ -96,9 +97,7 @@ class RelayAnnouncer:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
         while True:
@@ -175,9 +174,7 @@ async def running_bridge(config: BridgeConfig, assignment_hook: AssignmentHook |
     try:
         waiter = asyncio.create_task(ready.wait())
         await asyncio.wait({task, waiter}, timeout=ready_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await waiter
+        await cancel_and_wait(waiter)
         if task.done():
             task.result()  # raises why the bridge could not start
         if not ready.is_set():

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from .._tasks import cancel_and_wait
 from ..errors import ConfigError, NetworkError, ProtocolError, Unreachable
 from ..protocol import DEFAULT_MAX_FRAME, ClientHandshake, Error, ErrorCode, HelloAck, Identity
 from ..relay import (
@@ -113,9 +114,7 @@ class RelayLink:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def first_session(self) -> Welcome:

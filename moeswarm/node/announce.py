@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from .._tasks import cancel_and_wait
 from ..errors import SwarmError
 from ..protocol import DHT, Announcement, Identity, announcement_key, encode, provider_key, sign_announcement
 
@@ -105,9 +106,7 @@ class Announcer:
     async def withdraw(self) -> None:
         """Stop refreshing and replace the record with one that expires at once."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         with contextlib.suppress(SwarmError):
             await asyncio.wait_for(self.publish(ttl_s=1.0, provide=False), timeout=10)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._tasks import cancel_and_wait
 from ..errors import CheckpointError, ConfigError, SwarmError, Unreachable
 from ..model import Model, ModelConfig, Tokenizer, Weights, load_weights
 from ..model.model_id import model_id_for
@@ -379,9 +380,7 @@ class SwarmBackbone:
         task = asyncio.create_task(publish())
 
         async def stop() -> None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
         self._stack.push_async_callback(stop)
 

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from .._tasks import cancel_and_wait
 from ..errors import BadResponse, ConfigError, NetworkError, ProtocolError, Timeout, Unreachable
 from ..protocol import (
     DEFAULT_MAX_FRAME,
@@ -381,9 +382,8 @@ class ExpertClient:
         self.writer.close()
 
     async def aclose(self) -> None:
-        self._reader_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._reader_task
+        with contextlib.suppress(Exception):  # the reader's own failure was already reported to its calls
+            await cancel_and_wait(self._reader_task)  # ... but a cancellation of whoever closes us is not swallowed
         self.writer.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.writer.wait_closed(), timeout=2)

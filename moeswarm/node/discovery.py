@@ -7,11 +7,11 @@ backbone's dispatch reads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
 
+from .._tasks import cancel_and_wait
 from ..errors import SwarmError
 from ..protocol import DHT, read_announcements
 from .routing_table import SwarmTable
@@ -59,6 +59,4 @@ class Discovery:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)

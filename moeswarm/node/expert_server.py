@@ -9,7 +9,6 @@ thread; the event loop only decodes, queues and answers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .._tasks import cancel_and_wait
 from ..errors import ProtocolError
 from ..model import ExpertWeights, Weights, expert_ffn, expert_flops
 from ..model.experts import F32Cache
@@ -70,9 +70,7 @@ class ExpertServer:
 
     async def aclose(self) -> None:
         if self._worker is not None:
-            self._worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
+            await cancel_and_wait(self._worker)
         while not self._queue.empty():
             job = self._queue.get_nowait()
             if not job.future.done():

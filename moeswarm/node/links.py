@@ -15,11 +15,11 @@ that carry expert calls, so a probe never queues ahead of a call) and re-measure
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
 
+from .._tasks import cancel_and_wait
 from ..errors import ConfigError, NetworkError, ProtocolError
 from ..protocol import MAX_PROBE_BYTES, Identity
 from .dataplane import ExpertClient
@@ -173,10 +173,7 @@ class LinkMonitor:
         self._task = asyncio.create_task(loop())
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         for client in list(self._clients.values()):
             await client.aclose()
         self._clients.clear()

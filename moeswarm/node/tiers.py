@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._tasks import cancel_and_wait
 from ..errors import NetworkError, ProtocolError, SwarmError
 from ..model import ExpertWeights, ModelConfig, Weights, expert_ffn
 from ..model.memory import resident_fraction
@@ -352,10 +353,7 @@ class TierPlanner:
         self._task = asyncio.create_task(loop())
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     # ------------------------------------------------------------ status
 

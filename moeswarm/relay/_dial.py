@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
+from .._tasks import cancel_and_wait
 from ..errors import ConfigError, NetworkError, Timeout, Unreachable
 from ..protocol import DEFAULT_MAX_FRAME, peer_id_from_str, peer_id_to_str
 from ._envelope import CLIENT_SUBPROTOCOL, RELAY_SCHEME
@@ -90,9 +91,7 @@ class WebSocketStream:
         current = asyncio.current_task()
         try:
             if self._pump is not current:
-                self._pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._pump
+                await cancel_and_wait(self._pump)
             await self.outbox.aclose(flush_s=1.0)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.ws.close(), 2)

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from .._tasks import cancel_and_wait
 from ..errors import NetworkError
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,7 @@ class Outbox:
         if flush_s > 0 and self._queue and self.error is None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._drained(), flush_s)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await cancel_and_wait(self._task)
         self._fail(self.error or OutboxClosed("closed"))
 
     async def _drained(self) -> None:

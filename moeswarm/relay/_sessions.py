@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import WSMsgType, web
 
+from .._tasks import cancel_and_wait
 from ..errors import ProtocolError
 from ..protocol import Error, ErrorCode, canonical, peer_id_to_str
 from ._envelope import CloseCode, Control, Kind, Publish, Published, WSClose, check_frame, close_payload
@@ -210,9 +211,7 @@ class DeviceSession:
             self.close_code = v.close
         finally:
             if self._publish_task is not None:
-                self._publish_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._publish_task
+                await cancel_and_wait(self._publish_task)
 
     async def _dispatch(self, data: bytes) -> None:
         try:
