@@ -16,26 +16,18 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
 from ..errors import BadResponse, ProtocolError
 from ..model import ExpertWeights, ModelConfig, Weights
+from ..model.weights import expert_shapes
 from ..protocol import WIRE_DTYPES, ErrorCode, WeightsRequest, WeightsResponse
 from .dataplane import ExpertClient
 
 CHUNK_BYTES = 4 << 20  # rows per weights_request: about this many bytes
 PARALLEL_CHUNKS = 4  # weights_requests in flight per fetch
-
-
-def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of one routed expert (``nn.Linear`` orientation)."""
-    H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"gate": (I, H), "up": (I, H), "down": (H, I)}
-    if cfg.expert_bias:
-        shapes.update(gate_bias=(I,), up_bias=(I,), down_bias=(H,))
-    return shapes
 
 
 def serve_weights(weights: Weights, model_id: str, request: WeightsRequest) -> WeightsResponse:
@@ -103,11 +95,10 @@ async def fetch_expert(client: ExpertClient, cfg: ModelConfig, model_id: str, la
 class FetchedExperts:
     """Experts fetched from holders, bounded in bytes; the least recently used leaves first."""
 
-    def __init__(self, max_bytes: int, on_evict: Callable[[tuple[int, int]], None] | None = None) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
         self.fetched_bytes = 0  # total ever fetched (a metric)
-        self.on_evict = on_evict
         self._items: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
 
     def __contains__(self, key: tuple[int, int]) -> bool:
@@ -135,10 +126,8 @@ class FetchedExperts:
         if old is not None:
             self.bytes -= old.nbytes
         while self.bytes + size > self.max_bytes and self._items:
-            gone, w_old = self._items.popitem(last=False)
+            _, w_old = self._items.popitem(last=False)
             self.bytes -= w_old.nbytes
-            if self.on_evict is not None:
-                self.on_evict(gone)
         self._items[key] = w
         self.bytes += size
         return True
@@ -149,4 +138,4 @@ class FetchedExperts:
             self.bytes -= old.nbytes
 
 
-__all__ = ["FetchedExperts", "expert_shapes", "fetch_expert", "serve_weights"]
+__all__ = ["FetchedExperts", "fetch_expert", "serve_weights"]

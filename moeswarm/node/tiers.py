@@ -34,9 +34,10 @@ from .._tasks import cancel_and_wait
 from ..errors import NetworkError, ProtocolError, SwarmError
 from ..model import ExpertWeights, ModelConfig, Weights, expert_ffn
 from ..model.memory import resident_fraction
+from ..model.weights import expert_shapes
 from ..protocol import peer_id_to_str
 from . import planner
-from .fetch import FetchedExperts, expert_shapes, fetch_expert
+from .fetch import FetchedExperts, fetch_expert
 from .links import LinkMonitor, ProbeConfig
 from .routing_table import Holder, SwarmTable
 
