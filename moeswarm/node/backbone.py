@@ -38,7 +38,7 @@ from ..protocol import (
     check_response,
     countersign,
 )
-from .dataplane import ExpertClient
+from .dataplane import Connections
 from .routing_table import Holder, SwarmTable, plan_dispatch
 
 if TYPE_CHECKING:
@@ -68,48 +68,6 @@ class DispatchConfig:
 ReceiptSink = Callable[[CountersignedReceipt], None]
 AuditHook = Callable[[ExpertRequest, np.ndarray, CountersignedReceipt], None]
 """Offered every countersigned call: the request, the outputs as received (P, H), the receipt."""
-
-
-class Connections:
-    """One ``ExpertClient`` per peer, opened on first use, replaced when it breaks."""
-
-    def __init__(self, identity: Identity) -> None:
-        self.identity = identity
-        self._clients: dict[bytes, ExpertClient] = {}
-        self._locks: dict[bytes, asyncio.Lock] = {}
-
-    async def get(self, holder: Holder, timeout: float) -> ExpertClient:
-        client = self._clients.get(holder.peer_id)
-        if client is not None and not client.closed:
-            return client
-        lock = self._locks.setdefault(holder.peer_id, asyncio.Lock())
-        async with lock:
-            client = self._clients.get(holder.peer_id)
-            if client is not None and not client.closed:
-                return client
-            error: Exception | None = None
-            for endpoint in holder.endpoints:
-                try:
-                    client = await ExpertClient.connect(endpoint, self.identity, expected_peer=holder.peer_id,
-                                                        timeout=timeout)
-                    self._clients[holder.peer_id] = client
-                    return client
-                except (NetworkError, ProtocolError, ConfigError) as e:
-                    error = e
-            raise error or NetworkError("holder announced no endpoint")
-
-    def is_open(self, peer: bytes) -> bool:
-        """Whether a connection to ``peer`` was opened earlier (it may have died since)."""
-        return peer in self._clients
-
-    async def drop(self, peer: bytes) -> None:
-        client = self._clients.pop(peer, None)
-        if client is not None:
-            await client.aclose()
-
-    async def aclose(self) -> None:
-        for peer in list(self._clients):
-            await self.drop(peer)
 
 
 class _Handle:

@@ -19,6 +19,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from .._tasks import cancel_and_wait
@@ -47,6 +48,9 @@ from ..protocol import (
     write_message,
 )
 from .tls import channel_binding, client_context, self_signed_server_context
+
+if TYPE_CHECKING:
+    from .routing_table import Holder
 
 log = logging.getLogger(__name__)
 
@@ -387,3 +391,46 @@ class ExpertClient:
         self.writer.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.writer.wait_closed(), timeout=2)
+
+
+class Connections:
+    """One ``ExpertClient`` per peer, opened on first use (one dial however many ask at once),
+    replaced when it breaks."""
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+        self._clients: dict[bytes, ExpertClient] = {}
+        self._locks: dict[bytes, asyncio.Lock] = {}
+
+    async def get(self, holder: "Holder", timeout: float) -> ExpertClient:
+        client = self._clients.get(holder.peer_id)
+        if client is not None and not client.closed:
+            return client
+        lock = self._locks.setdefault(holder.peer_id, asyncio.Lock())
+        async with lock:
+            client = self._clients.get(holder.peer_id)
+            if client is not None and not client.closed:
+                return client
+            error: Exception | None = None
+            for endpoint in holder.endpoints:
+                try:
+                    client = await ExpertClient.connect(endpoint, self.identity, expected_peer=holder.peer_id,
+                                                        timeout=timeout)
+                    self._clients[holder.peer_id] = client
+                    return client
+                except (NetworkError, ProtocolError, ConfigError) as e:
+                    error = e
+            raise error or NetworkError("holder announced no endpoint")
+
+    def is_open(self, peer: bytes) -> bool:
+        """Whether a connection to ``peer`` was opened earlier (it may have died since)."""
+        return peer in self._clients
+
+    async def drop(self, peer: bytes) -> None:
+        client = self._clients.pop(peer, None)
+        if client is not None:
+            await client.aclose()
+
+    async def aclose(self) -> None:
+        for peer in list(self._clients):
+            await self.drop(peer)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from .._tasks import cancel_and_wait
 from ..errors import ConfigError, NetworkError, ProtocolError
 from ..protocol import MAX_PROBE_BYTES, Identity
-from .dataplane import ExpertClient
+from .dataplane import Connections, ExpertClient
 from .planner import Link
 from .routing_table import Holder, SwarmTable
 
@@ -97,8 +97,7 @@ class LinkMonitor:
         self.config = config
         self.links: dict[bytes, LinkEstimate] = {}
         self.errors: dict[bytes, str] = {}
-        self._clients: dict[bytes, ExpertClient] = {}
-        self._locks: dict[bytes, asyncio.Lock] = {}
+        self.connections = Connections(identity)  # its own: a probe never queues ahead of a call
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0  # probe rounds completed (a test can wait for one)
 
@@ -106,23 +105,15 @@ class LinkMonitor:
         return self.links.get(peer)
 
     async def client(self, holder: Holder) -> ExpertClient:
-        """This monitor's own connection to ``holder`` (probes and weight fetches, never calls);
-        concurrent callers share one dial."""
-        async with self._locks.setdefault(holder.peer_id, asyncio.Lock()):
-            client = self._clients.get(holder.peer_id)
-            if client is None or client.closed:
-                if client is not None:
-                    await client.aclose()
-                client = await self._connect(holder)
-            return client
+        """This monitor's own connection to ``holder`` (probes and weight fetches, never calls)."""
+        return await self.connections.get(holder, self.config.timeout_s)
 
     async def probe(self, holder: Holder) -> LinkEstimate:
         client = await self.client(holder)
         try:
             rtt, up, down = await measure(client, self.config, self.links.get(holder.peer_id))
         except (NetworkError, ProtocolError):
-            self._clients.pop(holder.peer_id, None)
-            await client.aclose()
+            await self.connections.drop(holder.peer_id)
             raise
         old = self.links.get(holder.peer_id)
         now = time.monotonic()
@@ -135,18 +126,6 @@ class LinkMonitor:
         self.links[holder.peer_id] = new
         self.errors.pop(holder.peer_id, None)
         return new
-
-    async def _connect(self, holder: Holder) -> ExpertClient:
-        error: Exception | None = None
-        for endpoint in holder.endpoints:
-            try:
-                client = await ExpertClient.connect(endpoint, self.identity, expected_peer=holder.peer_id,
-                                                    timeout=self.config.timeout_s)
-                self._clients[holder.peer_id] = client
-                return client
-            except (NetworkError, ProtocolError, ConfigError) as e:
-                error = e
-        raise error or NetworkError("holder announced no endpoint")
 
     async def probe_all(self) -> None:
         """One round: every live holder whose estimate is missing or older than the interval."""
@@ -174,6 +153,4 @@ class LinkMonitor:
 
     async def aclose(self) -> None:
         await cancel_and_wait(self._task)
-        for client in list(self._clients.values()):
-            await client.aclose()
-        self._clients.clear()
+        await self.connections.aclose()
