@@ -142,6 +142,18 @@ def expert_ranges(w: ExpertWeights) -> list[tuple[str, int, int]]:
     return [(r.fd_path, r.start, r.length) for r in _regions(w)]
 
 
+def read_range(fd: int, start: int, length: int, buffer: bytearray) -> int:
+    """``pread`` the file range into the page cache, ``buffer`` at a time (its contents are
+    thrown away); returns the bytes read (fewer at end of file)."""
+    view, done = memoryview(buffer), 0
+    while done < length:
+        n = os.preadv(fd, [view[: min(len(view), length - done)]], start + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -214,14 +226,8 @@ class MemoryBudget:
 
     def _read(self, key: tuple[int, int]) -> None:
         """Prefetch thread: bring an expert's byte ranges into the page cache (not into RSS)."""
-        view = memoryview(self._buffer)
         for r in self.regions.get(key, ()):
-            fd, done = self._fd(r.fd_path), 0
-            while done < r.length:
-                n = os.preadv(fd, [view[: min(len(view), r.length - done)]], r.start + done)
-                if n <= 0:
-                    break
-                done += n
+            read_range(self._fd(r.fd_path), r.start, r.length, self._buffer)
 
     def _willneed(self, layer: int, experts: Iterable[int]) -> None:
         for e in experts:

@@ -58,36 +58,33 @@ class TierConfig:
     wire_bytes_per_value: int = 4  # hidden states travel as float32
 
 
+ASSUMED_DISK_BPS = 500e6  # until measured, or when the experts are not memory-mapped files
+
+
 def measure_disk_bps(weights: Weights, samples: int = 4) -> float:
     """Bytes/s at which cold experts come in from the checkpoint's disk, the way ``MemoryBudget``
     reads them: a few experts' byte ranges are dropped from the page cache, then read with
     ``pread`` (expert-sized reads: on this VM ~850 MB/s, where one 32 MB sequential read gives
-    ~1,600).  Falls back to 500 MB/s when the experts are not memory-mapped files."""
-    from ..model.memory import expert_ranges
+    ~1,600).  Falls back to ``ASSUMED_DISK_BPS`` when the experts are not memory-mapped files."""
+    from ..model.memory import expert_ranges, read_range
 
     experts = [w for layer in weights.experts.values() for w in layer.values()]
     picked = experts[:: max(1, len(experts) // samples)][:samples]
     ranges = [r for w in picked for r in expert_ranges(w)]
     if not ranges:
-        return 500e6
-    buffer = memoryview(bytearray(4 << 20))
+        return ASSUMED_DISK_BPS
+    buffer = bytearray(4 << 20)
     total, seconds = 0, 0.0
     for path, start, length in ranges:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
             t0 = time.perf_counter()
-            done = 0
-            while done < length:
-                n = os.preadv(fd, [buffer[: min(len(buffer), length - done)]], start + done)
-                if n <= 0:
-                    break
-                done += n
+            total += read_range(fd, start, length, buffer)
             seconds += time.perf_counter() - t0
-            total += done
         finally:
             os.close(fd)
-    return total / seconds if total and seconds > 0 else 500e6
+    return total / seconds if total and seconds > 0 else ASSUMED_DISK_BPS
 
 
 def measure_compute_bps(cfg: ModelConfig, expert: ExpertWeights | None = None, repeats: int = 5) -> float:
@@ -153,8 +150,7 @@ class TierPlanner:
         self.planned_at = 0.0
         self.backbone = backbone  # the non-expert weights, to time a step without its experts
         self.backbone_s = 0.0
-        self.local_tier = planner.LocalTier(disk_bps=500e6, compute_bps=10e9)
-        self._fetching: set[tuple[int, int]] = set()
+        self.local_tier = planner.LocalTier(disk_bps=ASSUMED_DISK_BPS, compute_bps=10e9)
         self._inflight: dict[tuple[int, int], asyncio.Future[ExpertWeights]] = {}
         self.fetch_errors = 0
         self._task: asyncio.Task[None] | None = None
@@ -165,14 +161,14 @@ class TierPlanner:
         """Measure the local tier (blocking: run it in a thread)."""
         sample = next((e for L in self.moe for e in (self.local.experts.get(L) or {}).values()), None) \
             if self.local is not None else None
-        disk = measure_disk_bps(self.local) if self.local is not None else 500e6
+        disk = measure_disk_bps(self.local) if self.local is not None else ASSUMED_DISK_BPS
         self.local_tier = planner.LocalTier(disk_bps=disk, compute_bps=measure_compute_bps(self.cfg, sample))
         if self.backbone is not None:
             self.backbone_s = measure_backbone_seconds(self.backbone)
 
     def expert_bytes(self, layer: int, expert: int) -> int:
-        if self.local is not None and expert in self.local.experts.get(layer, {}):
-            return self.local.experts[layer][expert].nbytes
+        if self._in_local_map(layer, expert):
+            return self.local.experts[layer][expert].nbytes  # type: ignore[union-attr]
         return 2 * sum(int(np.prod(s)) for s in expert_shapes(self.cfg).values())  # assume 16-bit weights
 
     def _uses_per_token(self) -> np.ndarray:
@@ -222,6 +218,11 @@ class TierPlanner:
     def _in_local_map(self, layer: int, expert: int) -> bool:
         return self.local is not None and expert in self.local.experts.get(layer, {})
 
+    @property
+    def _hidden_bytes(self) -> int:
+        """One token's hidden state on the wire."""
+        return self.cfg.hidden_size * self.config.wire_bytes_per_value
+
     def replan(self, live: list[Holder] | None = None, links: dict[str, planner.Link] | None = None,
                fetched: frozenset[tuple[int, int]] | None = None) -> planner.Plan:
         """Recompute the plan.  A caller off the event loop passes what it read on the loop: the
@@ -229,8 +230,7 @@ class TierPlanner:
         fetched = frozenset(self.fetched.keys()) if fetched is None else fetched
         links = self.link_table() if links is None else links
         specs = self.specs(live, fetched)
-        hidden = self.cfg.hidden_size * self.config.wire_bytes_per_value
-        plan = planner.plan(specs, self.local_tier, links, tokens=1, hidden_bytes=hidden,
+        plan = planner.plan(specs, self.local_tier, links, tokens=1, hidden_bytes=self._hidden_bytes,
                             top_k=self.cfg.top_k, backbone_seconds=self.backbone_s)
         self._cap_fetches(plan, specs, links)
         for key in fetched:  # fetched copies compute here, but say where they came from
@@ -254,7 +254,7 @@ class TierPlanner:
                 continue
             d = plan.decisions[key]
             link = links.get(d.peer or "")
-            seconds = planner.remote_seconds(by_key[key], link, 1, self.cfg.hidden_size * 4) if link else d.seconds
+            seconds = planner.remote_seconds(by_key[key], link, 1, self._hidden_bytes) if link else d.seconds
             plan.decisions[key] = planner.Decision(planner.REMOTE, seconds, d.peer)
 
     async def replan_soon(self) -> planner.Plan:
@@ -287,8 +287,9 @@ class TierPlanner:
             return self.local.experts.get(layer, {}).get(expert)
         return None
 
-    async def ensure(self, layer: int, expert: int) -> ExpertWeights:
-        """The expert's weights here, fetched now (from the best-measured holder) on a miss."""
+    async def ensure(self, layer: int, expert: int, peer: bytes | None = None) -> ExpertWeights:
+        """The expert's weights here, fetched now on a miss: from ``peer`` if given, else from the
+        best-measured holder.  Concurrent asks for one expert share one fetch."""
         key = (layer, expert)
         w = self.fetched.get(key)
         if w is not None:
@@ -297,6 +298,8 @@ class TierPlanner:
         if pending is not None:
             return await asyncio.shield(pending)
         holders = [h for h in self.table.live() if h.holds(layer, expert) and h.peer_id != self.self_peer]
+        if peer is not None:
+            holders = [h for h in holders if h.peer_id == peer] or holders
         if not holders:
             raise SwarmError(f"no holder of expert {expert} of layer {layer} to fetch it from")
         best = min(holders, key=lambda h: (self.links.link(h.peer_id) is None, h.score(), h.peer_id))
@@ -320,22 +323,17 @@ class TierPlanner:
             return 0
         done = 0
         for key, d in list(self.plan.decisions.items()):
-            if d.tier != planner.FETCH or key in self.fetched or key in self._fetching or d.peer is None:
+            if d.tier != planner.FETCH or key in self.fetched or key in self._inflight or d.peer is None:
                 continue
-            holder = self.table.holders.get(bytes.fromhex(d.peer))
-            if holder is None:
+            peer = bytes.fromhex(d.peer)
+            if peer not in self.table.holders:
                 continue
-            self._fetching.add(key)
             try:
-                client = await self.links.client(holder)
-                w = await fetch_expert(client, self.cfg, self.table.model_id, *key)
-                self.fetched.put(key, w)
+                await self.ensure(*key, peer=peer)
                 done += 1
             except (NetworkError, ProtocolError, SwarmError) as e:
                 self.fetch_errors += 1
                 log.info("fetching expert %s from %s failed: %s", key, d.peer[-12:], e)
-            finally:
-                self._fetching.discard(key)
         return done
 
     async def start(self) -> None:
@@ -398,8 +396,9 @@ async def start_planner(stack: contextlib.AsyncExitStack, identity: Any, p2p: An
             await discovery.refresh()
         await discovery.start()
         stack.push_async_callback(discovery.aclose)
-    links = LinkMonitor(identity, table, probe or ProbeConfig())
-    if (probe or ProbeConfig()).interval_s > 0:
+    probe = probe or ProbeConfig()
+    links = LinkMonitor(identity, table, probe)
+    if probe.interval_s > 0:
         await links.start()
     stack.push_async_callback(links.aclose)
     tiers = TierPlanner(cfg, table, links, self_peer=identity.peer_id, local=local, demand=demand,
