@@ -82,12 +82,8 @@ def resident_run(folder: Path, prompt: list[int], tokens: int) -> dict[str, floa
 
 def run_mmap(folder: Path, budget: int, prompt: list[int], tokens: int) -> dict[str, Any]:
     """One node, its checkpoint memory-mapped under a budget: misses read from disk."""
-    for f in folder.glob("*.safetensors"):  # start cold: the page cache forgets this copy
-        fd = os.open(f, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
     resident = resident_run(folder, prompt, tokens)
-    for f in folder.glob("*.safetensors"):  # and cold again (no map of them is left to pin pages)
+    for f in folder.glob("*.safetensors"):  # then cold: the page cache forgets this copy (no map pins it)
         fd = os.open(f, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
