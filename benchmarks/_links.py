@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from _delay import ProxyProcess, spawn_delay_proxy  # benchmarks/_delay.py
-from moeswarm.demo.swarm import Daemon, start_daemon, stop_daemon
+from moeswarm.demo.swarm import Daemon, expert_nodes
 
 PREFIX = "moeswarm-link"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]{{6}}-[ab]$")
@@ -222,19 +222,15 @@ def delayed_swarm(model_dir: str, expert_ranges: Sequence[str], rtt_ms: float) -
     data-plane call pays ``rtt_ms``; the DHT traffic is not delayed.  ``info["endpoint"]`` is the
     delayed endpoint.  No namespaces: loopback only, no root needed."""
     proxies: list[ProxyProcess] = []
-    daemons: list[Daemon] = []
+
+    def behind_a_proxy(i: int) -> list[str]:
+        port = _free_port()
+        proxies.append(spawn_delay_proxy("127.0.0.1:0", f"127.0.0.1:{port}", rtt_ms / 2e3))
+        return ["--port", str(port), "--announce-port", str(proxies[-1].port)]
+
     try:
-        for i, experts in enumerate(expert_ranges):
-            port = _free_port()
-            proxies.append(spawn_delay_proxy("127.0.0.1:0", f"127.0.0.1:{port}", rtt_ms / 2e3))
-            args = ["node", "--model", model_dir, "--experts", experts, "--port", str(port),
-                    "--announce-port", str(proxies[-1].port)]
-            if daemons:
-                args += ["--bootstrap", daemons[0].info["multiaddrs"][0]]
-            daemons.append(start_daemon(f"node{i}", args))
-        yield daemons
+        with expert_nodes(model_dir, expert_ranges, extra_args=behind_a_proxy) as daemons:
+            yield daemons
     finally:
-        for daemon in reversed(daemons):
-            stop_daemon(daemon)
         for proxy in proxies:
             proxy.close()

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
@@ -95,22 +95,33 @@ def stop_daemon(daemon: Daemon, timeout_s: float = 15.0) -> None:
 
 
 @contextmanager
-def local_swarm(model_dir: str, nodes: int, *, experts_per_layer: int) -> Iterator[list[Daemon]]:
-    """``nodes`` expert processes splitting the experts evenly; the first is the bootstrap peer."""
-    if not 1 <= nodes <= experts_per_layer:
-        raise ConfigError(f"nodes must be between 1 and {experts_per_layer}")
-    bounds = [round(i * experts_per_layer / nodes) for i in range(nodes + 1)]
+def expert_nodes(model_dir: str, ranges: Sequence[str], *, bootstrap: str | None = None,
+                 extra_args: Callable[[int], list[str]] = lambda i: []) -> Iterator[list[Daemon]]:
+    """One ``moeswarm node`` per range of experts ("0-3"), each started once the one before is
+    READY; they join through ``bootstrap``, else through the first node.  Stopped, last first, on
+    exit.  ``extra_args(i)`` adds options to node ``i``'s command line."""
     started: list[Daemon] = []
     try:
-        for i in range(nodes):
-            args = ["node", "--model", model_dir, "--experts", f"{bounds[i]}-{bounds[i + 1] - 1}"]
-            if started:
-                args += ["--bootstrap", started[0].info["multiaddrs"][0]]
+        for i, experts in enumerate(ranges):
+            args = ["node", "--model", model_dir, "--experts", experts, *extra_args(i)]
+            boot = bootstrap or (started[0].info["multiaddrs"][0] if started else None)
+            if boot:
+                args += ["--bootstrap", boot]
             started.append(start_daemon(f"node {i}", args))
         yield started
     finally:
         for daemon in reversed(started):
             stop_daemon(daemon)
+
+
+@contextmanager
+def local_swarm(model_dir: str, nodes: int, *, experts_per_layer: int) -> Iterator[list[Daemon]]:
+    """``nodes`` expert processes splitting the experts evenly; the first is the bootstrap peer."""
+    if not 1 <= nodes <= experts_per_layer:
+        raise ConfigError(f"nodes must be between 1 and {experts_per_layer}")
+    bounds = [round(i * experts_per_layer / nodes) for i in range(nodes + 1)]
+    with expert_nodes(model_dir, [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(nodes)]) as started:
+        yield started
 
 
 def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int) -> None:

@@ -7,14 +7,13 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from moeswarm.demo.swarm import Daemon, start_daemon, stop_daemon
+from moeswarm.demo.swarm import Daemon, expert_nodes
 from moeswarm.model import SamplingParams, generate, load_model
 from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
 from moeswarm.protocol import peer_id_from_str
@@ -22,20 +21,8 @@ from moeswarm.protocol import peer_id_from_str
 pytestmark = pytest.mark.slow
 
 
-@contextmanager
-def nodes(folder: Path, ranges: list[str], bootstrap: str | None = None) -> Iterator[list[Daemon]]:
-    started: list[Daemon] = []
-    try:
-        for i, experts in enumerate(ranges):
-            args = ["node", "--model", str(folder), "--experts", experts]
-            boot = bootstrap or (started[0].info["multiaddrs"][0] if started else None)
-            if boot:
-                args += ["--bootstrap", boot]
-            started.append(start_daemon(f"node{i}", args))
-        yield started
-    finally:
-        for d in started:
-            stop_daemon(d)
+def nodes(folder: Path, ranges: list[str], bootstrap: str | None = None) -> AbstractContextManager[list[Daemon]]:
+    return expert_nodes(str(folder), ranges, bootstrap=bootstrap)
 
 
 def backbone_config(folder: Path, bootstrap: str, **kw) -> BackboneConfig:  # type: ignore[no-untyped-def]
