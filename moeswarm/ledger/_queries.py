@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import or_, select
 
-from moeswarm.errors import ConfigError
+from moeswarm._keys import load_key_file
 from moeswarm.protocol import CountersignedReceipt, Identity, decode, peer_id_to_str
 
 from ._store import ENTRIES, Ledger
@@ -81,19 +81,4 @@ def default_key_path(db: str) -> Path:
 
 def load_key(path: str | os.PathLike[str], *, create: bool) -> Identity:
     """The ledger's Ed25519 key (a 32-byte seed file), created with mode 0600 if ``create``."""
-    p = Path(path)
-    if p.exists():
-        seed = p.read_bytes()
-        if len(seed) != 32:
-            raise ConfigError(f"key file {p} must hold a 32-byte Ed25519 seed, not {len(seed)} bytes")
-        return Identity.from_seed(seed)
-    if not create:
-        raise ConfigError(f"no ledger key at {p} (give --key)")
-    identity = Identity.generate()
-    try:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as e:
-        raise ConfigError(f"cannot create key file {p}: {e.strerror}") from None
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(identity.seed())
-    return identity
+    return load_key_file(path, create=create, what="ledger key", missing_hint=" (give --key)")

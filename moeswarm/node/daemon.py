@@ -8,7 +8,6 @@ import contextlib
 import itertools
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._keys import load_key_file
 from .._tasks import cancel_and_wait
 from ..errors import CheckpointError, ConfigError, SwarmError, Unreachable
 from ..model import Model, ModelConfig, Tokenizer, Weights, load_weights
@@ -65,19 +65,7 @@ def parse_range(text: str | None, upper: int, what: str) -> tuple[int, int]:
 
 def load_identity(path: str | None) -> Identity:
     """The node's Ed25519 key from ``path`` (created, mode 0600, if missing), or a fresh one."""
-    if path is None:
-        return Identity.generate()
-    p = Path(path)
-    if p.exists():
-        seed = p.read_bytes()
-        if len(seed) != 32:
-            raise ConfigError(f"identity file {path} must hold a 32-byte Ed25519 seed")
-        return Identity.from_seed(seed)
-    identity = Identity.generate()
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(identity.seed())
-    return identity
+    return Identity.generate() if path is None else load_key_file(path, create=True, what="identity file")
 
 
 def public_multiaddrs(multiaddrs: list[str], cfg: "SwarmConfig") -> list[str]:
