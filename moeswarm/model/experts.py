@@ -67,28 +67,58 @@ class F32Experts(Mapping[int, ExpertWeights]):
         return len(self.experts)
 
 
-class F32Cache:
-    """LRU of float32 copies of experts, bounded in bytes (0 disables it)."""
+class ExpertLRU:
+    """Experts by key, bounded in bytes; the least recently used leave first."""
 
-    def __init__(self, max_bytes: int = 512 << 20) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._items: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
 
-    def get(self, key: tuple[int, int], w: ExpertWeights) -> ExpertWeights:
-        hit = self._items.get(key)
-        if hit is not None:
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def keys(self) -> list[tuple[int, int]]:
+        return list(self._items)
+
+    def get(self, key: tuple[int, int]) -> ExpertWeights | None:
+        w = self._items.get(key)
+        if w is not None:
             self._items.move_to_end(key)
+        return w
+
+    def put(self, key: tuple[int, int], w: ExpertWeights) -> bool:
+        """Keep ``w`` unless it alone exceeds the budget; returns whether it was kept."""
+        size = w.nbytes
+        if size > self.max_bytes:
+            return False
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.bytes -= old.nbytes
+        while self.bytes + size > self.max_bytes and self._items:
+            _, gone = self._items.popitem(last=False)
+            self.bytes -= gone.nbytes
+        self._items[key] = w
+        self.bytes += size
+        return True
+
+
+class F32Cache:
+    """LRU of float32 copies of experts, bounded in bytes (0 disables it)."""
+
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
+        self._copies = ExpertLRU(max_bytes)
+
+    def get(self, key: tuple[int, int], w: ExpertWeights) -> ExpertWeights:
+        hit = self._copies.get(key)
+        if hit is not None:
             return hit
         converted = replace(w, **{k: f32(getattr(w, k)) for k in ("gate", "up", "down", "gate_bias", "up_bias",
                                                                      "down_bias") if getattr(w, k) is not None})
-        size = converted.nbytes
-        if size <= self.max_bytes:
-            while self.bytes + size > self.max_bytes and self._items:
-                _, old = self._items.popitem(last=False)
-                self.bytes -= old.nbytes
-            self._items[key] = converted
-            self.bytes += size
+        self._copies.put(key, converted)
         return converted
 
     def layer(self, layer: int, experts: Mapping[int, ExpertWeights],

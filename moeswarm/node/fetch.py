@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections import OrderedDict
 from collections.abc import Iterator
 
 import numpy as np
 
 from ..errors import BadResponse, ProtocolError
 from ..model import ExpertWeights, ModelConfig, Weights
+from ..model.experts import ExpertLRU
 from ..model.weights import expert_shapes
 from ..protocol import WIRE_DTYPES, ErrorCode, WeightsRequest, WeightsResponse
 from .dataplane import ExpertClient
@@ -92,50 +92,16 @@ async def fetch_expert(client: ExpertClient, cfg: ModelConfig, model_id: str, la
     return ExpertWeights(**arrays)
 
 
-class FetchedExperts:
+class FetchedExperts(ExpertLRU):
     """Experts fetched from holders, bounded in bytes; the least recently used leaves first."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
+        super().__init__(max_bytes)
         self.fetched_bytes = 0  # total ever fetched (a metric)
-        self._items: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
-
-    def __contains__(self, key: tuple[int, int]) -> bool:
-        return key in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def keys(self) -> list[tuple[int, int]]:
-        return list(self._items)
-
-    def get(self, key: tuple[int, int]) -> ExpertWeights | None:
-        w = self._items.get(key)
-        if w is not None:
-            self._items.move_to_end(key)
-        return w
 
     def put(self, key: tuple[int, int], w: ExpertWeights) -> bool:
-        """Keep ``w`` unless it alone exceeds the budget; returns whether it was kept."""
-        size = w.nbytes
-        self.fetched_bytes += size
-        if size > self.max_bytes:
-            return False
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.bytes -= old.nbytes
-        while self.bytes + size > self.max_bytes and self._items:
-            _, w_old = self._items.popitem(last=False)
-            self.bytes -= w_old.nbytes
-        self._items[key] = w
-        self.bytes += size
-        return True
-
-    def discard(self, key: tuple[int, int]) -> None:
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.bytes -= old.nbytes
+        self.fetched_bytes += w.nbytes
+        return super().put(key, w)
 
 
 __all__ = ["FetchedExperts", "fetch_expert", "serve_weights"]
