@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from moeswarm._tasks import cancel_and_wait
 from moeswarm.errors import BadResponse, ConfigError, ProtocolError
 from moeswarm.model import Weights, expert_ffn
 from moeswarm.protocol import (
@@ -233,9 +234,5 @@ class AuditRunner:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
             self._task = None

@@ -101,8 +101,9 @@ class RelayAnnouncer:
 
     async def _loop(self) -> None:
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.announce_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.announce_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             if self._endpoint is None:
                 continue
@@ -183,4 +184,5 @@ async def running_bridge(config: BridgeConfig, assignment_hook: AssignmentHook |
     finally:
         stop.set()
         if not task.done():
-            await asyncio.wait_for(task, 15)
+            async with asyncio.timeout(15):
+                await task

@@ -125,13 +125,15 @@ class RelayLink:
     async def publish(self, record: bytes, layers: tuple[int, ...], timeout: float = 60.0) -> Published:
         """Hand a signed announcement to the relay and wait for its answer (``ProtocolError`` if refused)."""
         async with self._publish_lock:
-            await asyncio.wait_for(self._connected.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._connected.wait()
             session = self.session
             assert session is not None
             session.publish_waiter = asyncio.get_running_loop().create_future()
             session.outbox.push(pack(Kind.CONTROL, 0, encode_control(Publish(record, layers))))
             try:
-                return await asyncio.wait_for(asyncio.shield(session.publish_waiter), timeout)
+                async with asyncio.timeout(timeout):
+                    return await asyncio.shield(session.publish_waiter)
             finally:
                 session.publish_waiter = None
 
@@ -169,7 +171,8 @@ class RelayLink:
             async with http.ws_connect(url, ssl=ssl_ctx, protocols=(DEVICE_SUBPROTOCOL,), compress=0,
                                        heartbeat=self.config.heartbeat_s, max_msg_size=self.config.max_frame + 9,
                                        timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=2.0)) as ws:
-                welcome = await asyncio.wait_for(self._authenticate(ws), self.config.handshake_timeout_s)
+                async with asyncio.timeout(self.config.handshake_timeout_s):
+                    welcome = await self._authenticate(ws)
                 session = _Session(ws, welcome, self.config)
                 session.outbox.start()
                 self.session, self.sessions = session, self.sessions + 1

@@ -108,5 +108,6 @@ class Announcer:
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
-        with contextlib.suppress(SwarmError):
-            await asyncio.wait_for(self.publish(ttl_s=1.0, provide=False), timeout=10)
+        with contextlib.suppress(SwarmError, TimeoutError):
+            async with asyncio.timeout(10):
+                await self.publish(ttl_s=1.0, provide=False)

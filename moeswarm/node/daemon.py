@@ -397,7 +397,8 @@ class SwarmBackbone:
 
         async def close() -> None:
             try:
-                await asyncio.wait_for(runner.drain(), self.config.audit_drain_s)
+                async with asyncio.timeout(self.config.audit_drain_s):
+                    await runner.drain()
             except TimeoutError:
                 log.warning("stopping with audits still queued")
             await runner.aclose()

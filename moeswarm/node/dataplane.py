@@ -110,8 +110,9 @@ class DataPlaneServer:
         if self._connections:
             await asyncio.wait(self._connections, timeout=5)
         if self._server is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), timeout=5)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await self._server.wait_closed()
 
     async def __aenter__(self) -> "DataPlaneServer":
         await self.start()
@@ -132,7 +133,8 @@ class DataPlaneServer:
             self._connections.discard(task)
             writer.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), timeout=2)
+                async with asyncio.timeout(2):
+                    await writer.wait_closed()
 
 
 class _ServerConnection:
@@ -148,8 +150,9 @@ class _ServerConnection:
 
     async def run(self) -> None:
         try:
-            client = await asyncio.wait_for(self._handshake(), HANDSHAKE_TIMEOUT_S)
-        except (ProtocolError, asyncio.TimeoutError, NetworkError) as e:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                client = await self._handshake()
+        except (ProtocolError, TimeoutError, NetworkError) as e:
             code = e.code if isinstance(e, ProtocolError) else ErrorCode.AUTH_FAILED
             with contextlib.suppress(NetworkError, ConfigError):
                 await self.send(Error(int(code), f"handshake failed: {e or 'timeout'}"))
@@ -255,20 +258,19 @@ class ExpertClient:
         else:  # --- end relay dispatch; below, unchanged: tcp+tls:// and tcp://
             host, port, tls = parse_endpoint(endpoint)
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, port, ssl=client_context() if tls else None, limit=2**20), timeout
-                )
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):
+                    reader, writer = await asyncio.open_connection(
+                        host, port, ssl=client_context() if tls else None, limit=2**20)
+            except TimeoutError:
                 raise Timeout(f"connecting to {endpoint} timed out") from None
             except OSError as e:
                 raise Unreachable(f"cannot connect to {endpoint}: {e}") from None
         try:
-            server_peer = await asyncio.wait_for(
-                cls._handshake(reader, writer, identity, expected_peer, max_frame), timeout
-            )
+            async with asyncio.timeout(timeout):
+                server_peer = await cls._handshake(reader, writer, identity, expected_peer, max_frame)
         except BaseException as e:
             writer.close()
-            if isinstance(e, asyncio.TimeoutError):
+            if isinstance(e, TimeoutError):
                 raise Timeout(f"handshake with {endpoint} timed out") from None
             raise
         return cls(reader, writer, server_peer, max_frame)
@@ -315,8 +317,9 @@ class ExpertClient:
         try:
             async with self._write_lock:
                 await write_message(self.writer, request, max_size=self.max_frame)
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # not wait_for: see moeswarm._tasks
+                return await future
+        except TimeoutError:
             raise Timeout(f"{what} timed out after {timeout:.1f}s") from None
         finally:
             self._pending.pop(request.request_id, None)
@@ -333,8 +336,9 @@ class ExpertClient:
         try:
             async with self._write_lock:
                 await write_message(self.writer, Ping(ts, bytes(pad), want), max_size=self.max_frame)
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                return await future
+        except TimeoutError:
             raise Timeout("ping timed out") from None
         finally:
             self._pings.pop(ts, None)
@@ -390,7 +394,8 @@ class ExpertClient:
             await cancel_and_wait(self._reader_task)  # ... but a cancellation of whoever closes us is not swallowed
         self.writer.close()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.writer.wait_closed(), timeout=2)
+            async with asyncio.timeout(2):
+                await self.writer.wait_closed()
 
 
 class Connections:

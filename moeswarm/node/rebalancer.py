@@ -8,7 +8,6 @@ every expert covered, announces the new block, and unloads the old one after a g
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import psutil
 
+from .._tasks import cancel_and_wait
 from ..errors import ConfigError, SwarmError
 from ..model import ModelConfig, Weights, load_weights
 from .announce import Announcer
@@ -171,12 +171,8 @@ class Rebalancer:
         try:
             await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stopping.cancel()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stopping
-            with contextlib.suppress(asyncio.CancelledError):
-                await task  # raises the loop's error, if it ended with one
+            await cancel_and_wait(stopping)
+            await cancel_and_wait(task)  # raises the loop's error, if it ended with one
 
     async def _loop(self) -> None:
         while True:  # jittered, so nodes that joined together do not all re-evaluate together

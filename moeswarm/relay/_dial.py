@@ -94,7 +94,8 @@ class WebSocketStream:
                 await cancel_and_wait(self._pump)
             await self.outbox.aclose(flush_s=1.0)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.ws.close(), 2)
+                async with asyncio.timeout(2):
+                    await self.ws.close()
             await self.session.close()
         finally:
             self.transport.connection_lost(error)
@@ -134,10 +135,11 @@ async def open_relay_stream(endpoint: str, *, timeout: float = 10.0, max_frame: 
         if remaining <= 0:
             raise Timeout(f"could not reach {endpoint} within {timeout:.1f}s: {last}")
         try:
-            session, ws = await asyncio.wait_for(_connect_once(url, ssl_ctx, max_frame, remaining), remaining)
+            async with asyncio.timeout(remaining):
+                session, ws = await _connect_once(url, ssl_ctx, max_frame, remaining)
             stream = WebSocketStream(session, ws)
             return stream.reader, stream.writer
-        except asyncio.TimeoutError:
+        except TimeoutError:
             last = "timed out"
         except aiohttp.WSServerHandshakeError as e:
             if e.status not in RETRY_STATUSES:

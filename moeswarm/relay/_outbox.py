@@ -56,8 +56,9 @@ class Outbox:
         if self._task is None:
             return
         if flush_s > 0 and self._queue and self.error is None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._drained(), flush_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(flush_s):
+                    await self._drained()
         await cancel_and_wait(self._task)
         self._fail(self.error or OutboxClosed("closed"))
 

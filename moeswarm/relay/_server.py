@@ -179,8 +179,9 @@ class RelayServer:
                                    max_msg_size=self.limits.max_frame + 9, compress=False)
         await ws.prepare(request)
         try:
-            peer = await asyncio.wait_for(self._authenticate(ws), self.limits.handshake_timeout_s)
-        except (ProtocolError, asyncio.TimeoutError) as e:
+            async with asyncio.timeout(self.limits.handshake_timeout_s):
+                peer = await self._authenticate(ws)
+        except (ProtocolError, TimeoutError) as e:
             code = e.code if isinstance(e, ProtocolError) else ErrorCode.AUTH_FAILED
             self.metrics.error("auth_failed" if code == ErrorCode.AUTH_FAILED else "malformed")
             with contextlib.suppress(Exception):

@@ -188,3 +188,47 @@ def test_an_invalid_answer_fails_its_own_call_and_the_connection_keeps_working()
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_cancelled_call_or_ping_stays_cancelled_when_its_answer_arrives_at_once() -> None:
+    """Python 3.11's ``asyncio.wait_for`` returns the result, and forgets the cancellation, when
+    both land in the same loop iteration: a probe loop cancelled as a pong came in ran on for
+    ever and hung the backbone's shutdown (a CI timeout).  Here the answer is delivered and the
+    call cancelled in one step; the call must end cancelled."""
+    from moeswarm.protocol import ExpertResponse
+
+    server_id = Identity.generate()
+    never = asyncio.Event()
+
+    async def handler(client: bytes, request: ExpertRequest) -> ExpertResponse:
+        await never.wait()  # the real answer never comes: the test delivers one itself
+        raise AssertionError("never set")
+
+    async def until(condition, what: str) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(1000):
+            if condition():
+                return
+            await asyncio.sleep(0)
+        raise AssertionError(f"{what} never happened")
+
+    async def main() -> tuple[bool, bool]:
+        async with DataPlaneServer(server_id, handler) as server:
+            client = await ExpertClient.connect(server.endpoint, Identity.generate(), expected_peer=server_id.peer_id)
+            request = ExpertRequest(np.random.bytes(16), "m", 0, 1, np.ones((1, 4), np.float32),
+                                    (ExpertRows(0, np.array([0], np.uint32)),))
+            call = asyncio.create_task(client.call(request, timeout=30))
+            await until(lambda: request.request_id in client._pending, "the call")
+            client._pending[request.request_id].set_result(
+                ExpertResponse(request.request_id, np.ones((1, 4), np.float32), None, 0, 0))  # type: ignore[arg-type]
+            call.cancel()
+            ping = asyncio.create_task(client.ping(30))
+            await until(lambda: bool(client._pings), "the ping")
+            pending = next(iter(client._pings.values()))
+            assert not pending.done(), "the pong came back within one loop step"
+            pending.set_result(0.001)
+            ping.cancel()
+            done, _ = await asyncio.wait({call, ping}, timeout=5)
+            await client.aclose()  # the handler still waits: closing the server cancels it
+            return call in done and call.cancelled(), ping in done and ping.cancelled()
+
+    assert asyncio.run(main()) == (True, True)
