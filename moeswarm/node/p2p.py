@@ -241,13 +241,20 @@ class P2PNode:
             token.run_sync_soon(self._spawn, fn, scope, loop, result)
         except trio.RunFinishedError:
             raise NetworkError(f"libp2p node {self.peer_id} has stopped") from None
+        # trio bounds the operation; this bound only matters if libp2p code ever shields itself
+        # from that cancellation, and keeps the asyncio caller from waiting for ever
+        bound = asyncio.timeout(self.config.op_timeout_s + self.config.stop_timeout_s)
         try:
-            return await result
-        except asyncio.CancelledError:
-            try:
-                token.run_sync_soon(scope.cancel)
-            except trio.RunFinishedError:
-                pass
+            async with bound:
+                return await result
+        except BaseException as e:
+            if isinstance(e, (asyncio.CancelledError, TimeoutError)):
+                try:
+                    token.run_sync_soon(scope.cancel)
+                except trio.RunFinishedError:
+                    pass
+            if isinstance(e, TimeoutError) and bound.expired():
+                raise Timeout(f"DHT operation ignored its {self.config.op_timeout_s} s bound") from None
             raise
 
     def _spawn(self, fn: Callable[[], Awaitable[T]], scope: trio.CancelScope,
