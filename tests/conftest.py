@@ -73,3 +73,43 @@ class OracleCheckpoints:
 @pytest.fixture(scope="session")
 def oracle_checkpoints(tmp_path_factory) -> OracleCheckpoints:
     return OracleCheckpoints(tmp_path_factory.mktemp("oracle"))
+
+
+# ---------------------------------------------------------------- diagnosing a hung test
+# pytest-timeout prints every thread's stack, which for an asyncio test only says "the event
+# loop is idle".  Shortly before it fires, this prints every pending asyncio task's stack too:
+# which await never returned (a CI hang was a probe loop that lost its cancellation).
+
+def _dump_asyncio_tasks(nodeid: str) -> None:
+    import asyncio
+    import gc
+    import sys
+
+    tasks = [o for o in gc.get_objects() if isinstance(o, asyncio.Task) and not o.done()]
+    print(f"\n+++ {len(tasks)} pending asyncio tasks, {nodeid} about to time out +++", file=sys.stderr)
+    for task in tasks:
+        print(f"--- {task.get_name()}: {task.get_coro()!r}", file=sys.stderr)
+        task.print_stack(limit=12, file=sys.stderr)
+    sys.stderr.flush()
+
+
+@pytest.hookimpl
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    import threading
+
+    if settings.timeout and settings.timeout > 2:
+        timer = threading.Timer(settings.timeout * 0.97 - 1, _dump_asyncio_tasks, (item.nodeid,))
+        timer.daemon = True
+        timer.start()
+        item.stash[_task_dump_timer] = timer
+    # returns None: pytest-timeout's own timer is set up as usual
+
+
+@pytest.hookimpl
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    timer = item.stash.get(_task_dump_timer, None)
+    if timer is not None:
+        timer.cancel()
+
+
+_task_dump_timer = pytest.StashKey[Any]()
