@@ -151,7 +151,7 @@ class TierPlanner:
         self.backbone = backbone  # the non-expert weights, to time a step without its experts
         self.backbone_s = 0.0
         self.local_tier = planner.LocalTier(disk_bps=ASSUMED_DISK_BPS, compute_bps=10e9)
-        self._inflight: dict[tuple[int, int], asyncio.Future[ExpertWeights]] = {}
+        self._inflight: dict[tuple[int, int], asyncio.Task[ExpertWeights]] = {}
         self.fetch_errors = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -294,28 +294,31 @@ class TierPlanner:
         w = self.fetched.get(key)
         if w is not None:
             return w
-        pending = self._inflight.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        holders = [h for h in self.table.live() if h.holds(layer, expert) and h.peer_id != self.self_peer]
-        if peer is not None:
-            holders = [h for h in holders if h.peer_id == peer] or holders
-        if not holders:
-            raise SwarmError(f"no holder of expert {expert} of layer {layer} to fetch it from")
-        best = min(holders, key=lambda h: (self.links.link(h.peer_id) is None, h.score(), h.peer_id))
-        future: asyncio.Future[ExpertWeights] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
-        try:
-            w = await fetch_expert(await self.links.client(best), self.cfg, self.table.model_id, layer, expert)
-            self.fetched.put(key, w)
-            future.set_result(w)
-            return w
-        except BaseException as e:
-            future.set_exception(e)
-            future.exception()  # retrieved: waiters re-raise it, nobody logs it as lost
-            raise
-        finally:
+        task = self._inflight.get(key)
+        if task is None:
+            holders = [h for h in self.table.live() if h.holds(layer, expert) and h.peer_id != self.self_peer]
+            if peer is not None:
+                holders = [h for h in holders if h.peer_id == peer] or holders
+            if not holders:
+                raise SwarmError(f"no holder of expert {expert} of layer {layer} to fetch it from")
+            best = min(holders, key=lambda h: (self.links.link(h.peer_id) is None, h.score(), h.peer_id))
+            # the fetch is the planner's task, not the first asker's: an asker that is cancelled
+            # (its request was) leaves the others waiting on a fetch that goes on
+            task = asyncio.create_task(self._fetch(key, best), name=f"fetch expert {expert} of layer {layer}")
+            self._inflight[key] = task
+            task.add_done_callback(lambda t: self._fetch_done(key, t))
+        return await asyncio.shield(task)
+
+    async def _fetch(self, key: tuple[int, int], holder: Holder) -> ExpertWeights:
+        w = await fetch_expert(await self.links.client(holder), self.cfg, self.table.model_id, *key)
+        self.fetched.put(key, w)
+        return w
+
+    def _fetch_done(self, key: tuple[int, int], task: asyncio.Task[ExpertWeights]) -> None:
+        if self._inflight.get(key) is task:
             del self._inflight[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: the askers re-raise it; with none left it is not logged as lost
 
     async def fetch_planned(self) -> int:
         """Pull the experts planned ``fetch`` that are not cached yet, one at a time; returns how many."""
@@ -353,6 +356,8 @@ class TierPlanner:
 
     async def aclose(self) -> None:
         await cancel_and_wait(self._task)
+        for task in list(self._inflight.values()):
+            await cancel_and_wait(task)
 
     # ------------------------------------------------------------ status
 

@@ -71,6 +71,59 @@ def test_fetched_expert_equals_the_holders_bytes_and_bad_fetches_get_codes(oracl
     asyncio.run(main())
 
 
+
+def test_a_cancelled_asker_does_not_fail_the_others_waiting_on_the_same_fetch(oracle_checkpoints) -> None:
+    """Concurrent asks for one expert share one fetch; the first asker's request is cancelled
+    mid-fetch (its client went away), and the second still gets the holder's bytes."""
+    from moeswarm.node.links import LinkMonitor, ProbeConfig
+    from moeswarm.node.routing_table import SwarmTable
+    from moeswarm.node.tiers import TierPlanner
+    from moeswarm.protocol import sign_announcement
+
+    folder, _ = oracle_checkpoints.get("mixtral", "per_expert")
+    weights = load_weights(folder)
+    cfg = weights.config
+
+    async def main() -> None:
+        server_id, client_id = Identity.generate(), Identity.generate()
+        asked, release = asyncio.Event(), asyncio.Event()
+
+        async def no_calls(client, request):  # type: ignore[no-untyped-def]
+            raise ProtocolError("no expert calls here", code=ErrorCode.UNKNOWN_EXPERT)
+
+        async def weights_handler(client, request):  # type: ignore[no-untyped-def]
+            asked.set()
+            await release.wait()
+            return serve_weights(weights, "m", request)
+
+        async with DataPlaneServer(server_id, no_calls, ServerConfig(), weights_handler=weights_handler) as srv:
+            table = SwarmTable("m")
+            table.update(sign_announcement(
+                server_id, model_id="m", layers=(0, cfg.num_layers - 1), experts=(0, cfg.num_experts - 1),
+                endpoints=[srv.endpoint], capacity_bytes=1 << 30, throughput=0, load_permille=0,
+                software="moeswarm/test", seq=1, expires_at_ms=int(time.time() * 1000) + 600_000))
+            links = LinkMonitor(client_id, table, ProbeConfig(interval_s=0))
+            tiers = TierPlanner(cfg, table, links, self_peer=client_id.peer_id, local=None)
+            try:
+                first = asyncio.create_task(tiers.ensure(1, 5))
+                second = asyncio.create_task(tiers.ensure(1, 5))
+                async with asyncio.timeout(10):
+                    await asked.wait()  # the shared fetch is at the holder
+                first.cancel()
+                await asyncio.sleep(0.01)
+                release.set()
+                async with asyncio.timeout(10):
+                    got = await second
+                assert first.cancelled()
+                assert np.array_equal(got.down, np.asarray(weights.experts[1][5].down))
+                assert tiers.fetched.get((1, 5)) is got
+            finally:
+                await tiers.aclose()
+                await links.aclose()
+
+    asyncio.run(main())
+
+
 def backbone_only_copy(folder: Path, dest: Path) -> Path:
     """The checkpoint without any routed expert: what a backbone of a real swarm holds."""
     dest.mkdir()
