@@ -21,6 +21,7 @@ class LazyGroup(click.Group):
         "export-onnx": "moeswarm.mobile_bridge.cli:export_onnx",
         "market": "moeswarm.market.cli:market",
         "convert-gguf": "moeswarm.model.gguf_cli:convert_gguf",
+        "expert-digests": "moeswarm.node.cli:expert_digests",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:

@@ -188,3 +188,36 @@ def node_status(urls: tuple[str, ...], as_json: bool, show_experts: bool) -> Non
         return
     for report in reports:
         render_report(report, show_experts)
+
+
+@click.command("expert-digests")
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True),
+              help="The full checkpoint: a Hugging Face model folder, or a GGUF file.")
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="File to write (default: expert_digests.json in the checkpoint's folder).")
+@click.option("--model-id", default=None, help="Model id to record (default: derived from the checkpoint).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@friendly_errors
+def expert_digests(model_dir: str, out: str | None, model_id: str | None, quiet: bool) -> None:
+    """Write a SHA-256 of every routed expert, for backbones that fetch weights to check them.
+
+    Run it once on the published checkpoint and ship the file with it (a backbone-only copy of
+    the model keeps it).  A backbone with --tiers auto or fetch whose model folder holds the file
+    refuses fetched experts that differ from it, and calls their holders instead.  Digests cover
+    the bytes a holder sends: a GGUF's quantised experts get their own file.
+
+    \b
+    Example:
+      moeswarm expert-digests --model models/mixtral
+    """
+    from pathlib import Path
+
+    from ..model import load_weights
+    from ..model.model_id import model_id_for
+    from .fetch import DIGESTS_FILE, write_expert_digests
+
+    weights = load_weights(model_dir)
+    path = Path(out) if out else Path(weights.folder) / DIGESTS_FILE
+    n = write_expert_digests(weights, path, model_id=model_id or model_id_for(model_dir, weights.config),
+                             progress=not quiet)
+    click.echo(f"wrote {path}: {n} experts")

@@ -319,16 +319,22 @@ class SwarmBackbone:
 
     async def _start_planner(self, local: Weights | None, weights: Weights) -> None:
         """Measure the links to holders and keep a tier plan; with --tiers auto the executor follows it."""
+        from .fetch import DIGESTS_FILE, load_expert_digests
         from .tiers import TierConfig, start_planner
 
         c = self.config
         act = c.tiers != "remote"
+        digests_file = Path(weights.folder) / DIGESTS_FILE
+        digests = load_expert_digests(digests_file, self.cfg) if act else None
+        if act and digests is None:
+            log.warning("fetched expert weights will not be checked: %s does not exist "
+                        "(the model's publisher writes it with `moeswarm expert-digests`)", digests_file)
         self.tiers = await start_planner(
             self._stack, self.identity, self.p2p, self.cfg, self.model_id, local=local, table=self.table,
             demand=self.demand, probe=ProbeConfig(interval_s=c.probe_interval_s),
             config=TierConfig(act=act, force="fetch" if c.tiers == "fetch" else None, replan_s=c.replan_s,
                               fetch_cache_bytes=c.fetch_cache_bytes),
-            backbone=weights)
+            backbone=weights, digests=digests)
         if act:
             assert self.executor is not None
             self.executor.tiers = self.tiers

@@ -7,19 +7,26 @@ chunks that stay far below the frame limit, several in flight at once, and assem
 (``fetch_expert``).  ``FetchedExperts`` keeps what was fetched, bounded in bytes, least recently
 used out first.
 
-Fetched weights are the holder's word, like its expert outputs: the audits that check outputs
-(``moeswarm.ledger``) do not check weights.  Fetch from holders you would call.
+A holder could send any numbers, and the audits (``moeswarm.ledger``) check outputs, not
+weights.  So the model's publisher writes ``expert_digests.json`` beside the checkpoint
+(``moeswarm expert-digests``): one SHA-256 per expert over exactly what a holder sends.  A
+backbone whose model folder has that file checks every fetched expert against it and refuses
+one that differs (the holder is counted as failed, and the expert is called instead); without
+it, fetched weights are the holder's word, and the backbone says so once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
-from ..errors import BadResponse, ProtocolError
+from ..errors import BadResponse, ConfigError, ProtocolError
 from ..model import ExpertWeights, ModelConfig, Weights
 from ..model.experts import ExpertLRU
 from ..model.weights import expert_shapes
@@ -47,11 +54,15 @@ def serve_weights(weights: Weights, model_id: str, request: WeightsRequest) -> W
     if request.stop > tensor.shape[0]:
         raise ProtocolError(f"{request.tensor} has {tensor.shape[0]} rows, asked for [{request.start}, "
                             f"{request.stop})", code=ErrorCode.BAD_FIELD)
+    return WeightsResponse(request.request_id, wire_rows(tensor, request.start, request.stop))
+
+
+def wire_rows(tensor: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Rows ``[start, stop)`` of a held expert tensor as they travel: float32/float16/bfloat16 as
+    stored (bytes from the map); quantised ones (GGUF) decoded, only these rows, to float32."""
     if isinstance(tensor, np.ndarray) and tensor.dtype in WIRE_DTYPES.values():
-        rows = np.ascontiguousarray(tensor[request.start:request.stop])
-    else:  # quantised: decode just these rows
-        rows = np.asarray(tensor[np.arange(request.start, request.stop)], dtype=np.float32)
-    return WeightsResponse(request.request_id, rows)
+        return np.ascontiguousarray(tensor[start:stop])
+    return np.asarray(tensor[np.arange(start, stop)], dtype=np.float32)
 
 
 def _chunks(shape: tuple[int, ...], itemsize: int) -> Iterator[tuple[int, int]]:
@@ -92,6 +103,66 @@ async def fetch_expert(client: ExpertClient, cfg: ModelConfig, model_id: str, la
     return ExpertWeights(**arrays)
 
 
+DIGESTS_FILE = "expert_digests.json"
+DIGESTS_FORMAT = "moeswarm-expert-digests/1"
+
+
+def expert_digest(w: ExpertWeights, cfg: ModelConfig) -> str:
+    """SHA-256 over an expert's tensors as ``fetch_expert`` returns them: each tensor's name,
+    dtype and shape, then its bytes, in ``expert_shapes`` order."""
+    h = hashlib.sha256(DIGESTS_FORMAT.encode())
+    for name in expert_shapes(cfg):
+        a = np.ascontiguousarray(getattr(w, name))
+        h.update(f"|{name}|{a.dtype}|{','.join(map(str, a.shape))}|".encode())
+        h.update(a.view(np.uint8).data)
+    return h.hexdigest()
+
+
+def held_digest(w: ExpertWeights, cfg: ModelConfig) -> str:
+    """The digest of an expert held here, over what ``serve_weights`` would send of it."""
+    sent = {name: wire_rows(getattr(w, name), 0, shape[0]) for name, shape in expert_shapes(cfg).items()}
+    return expert_digest(ExpertWeights(**sent), cfg)
+
+
+def write_expert_digests(weights: Weights, path: str | os.PathLike[str], *, model_id: str,
+                         progress: bool = False) -> int:
+    """Write ``expert_digests.json`` for every expert ``weights`` holds; returns how many."""
+    from tqdm import tqdm
+
+    cfg = weights.config
+    pairs = [(L, e) for L in sorted(weights.experts) for e in sorted(weights.experts[L])]
+    if not pairs:
+        raise ConfigError(f"{weights.folder} holds no routed experts to digest")
+    layers: dict[str, dict[str, str]] = {}
+    for L, e in tqdm(pairs, desc="digesting experts", unit="expert", disable=not progress):
+        layers.setdefault(str(L), {})[str(e)] = held_digest(weights.experts[L][e], cfg)
+    doc = {"format": DIGESTS_FORMAT, "model_id": model_id, "layers": layers}
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return len(pairs)
+
+
+def load_expert_digests(path: str | os.PathLike[str], cfg: ModelConfig) -> dict[tuple[int, int], str] | None:
+    """The digests in ``path``, or None if there is no such file; ``ConfigError`` if it is not one
+    of ours or names experts this model does not have."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        doc = json.loads(p.read_text())
+        if doc.get("format") != DIGESTS_FORMAT:
+            raise ValueError(f"format is {doc.get('format')!r}, expected {DIGESTS_FORMAT!r}")
+        out = {(int(L), int(e)): str(d) for L, experts in doc["layers"].items() for e, d in experts.items()}
+    except (ValueError, KeyError, AttributeError, TypeError) as e:
+        raise ConfigError(f"{p} is not an expert digest file: {e}") from None
+    bad = [k for k, d in out.items() if not (0 <= k[0] < cfg.num_layers and 0 <= k[1] < cfg.num_experts)
+           or len(d) != 64]
+    if bad:
+        raise ConfigError(f"{p} names experts this model does not have, or malformed digests, e.g. {bad[:4]}")
+    return out
+
+
 class FetchedExperts(ExpertLRU):
     """Experts fetched from holders, bounded in bytes; the least recently used leaves first."""
 
@@ -104,4 +175,5 @@ class FetchedExperts(ExpertLRU):
         return super().put(key, w)
 
 
-__all__ = ["FetchedExperts", "fetch_expert", "serve_weights"]
+__all__ = ["DIGESTS_FILE", "FetchedExperts", "expert_digest", "fetch_expert", "held_digest", "load_expert_digests",
+           "serve_weights", "wire_rows", "write_expert_digests"]

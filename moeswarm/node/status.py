@@ -75,6 +75,7 @@ def _gauges(snap: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
         gauge("expert_cache_bytes_fetched", "Expert bytes paged in on misses", cache.get("bytes_fetched")),
         gauge("predicted_tokens_per_second", "The tier planner's prediction", plan.get("predicted_tokens_per_s")),
         gauge("fetched_expert_bytes", "Expert weights fetched from holders, in total", fetched.get("bytes_fetched")),
+        gauge("fetched_experts_rejected", "Fetched experts that differed from expert_digests.json", fetched.get("rejected")),
     ]
     yield from (g for g in found if g is not None)
     for tier, n in plan.get("counts", {}).items():
@@ -241,8 +242,10 @@ def render_report(report: dict[str, Any], show_experts: bool = False) -> None:
     f = tiers.get("fetched", {})
     console.print(f"  tier plan ({'followed' if tiers.get('acting') else 'shown only'}, {plan.get('age_s')} s old): "
                   f"{counts.get('local', 0)} experts local, {counts.get('remote', 0)} remote, "
-                  f"{counts.get('fetch', 0)} fetch; predicted {plan.get('predicted_tokens_per_s')} tokens/s; "
-                  f"{f.get('experts', 0)} experts fetched ({_mb(f.get('bytes'))})")
+                  f"{counts.get('fetch', 0)} fetch; predicted {plan.get('predicted_tokens_per_s')} tokens/s")
+    console.print(f"  {f.get('experts', 0)} experts fetched ({_mb(f.get('bytes'))}); "
+                  + (f"{f.get('verified', 0)} checked against their digests, {f.get('rejected', 0)} refused"
+                     if f.get("checked") else "not checked: no expert_digests.json"))
     if show_experts:
         table = Table("layer", "local", "remote", "fetch", title="plan per expert", title_justify="left")
         for layer, tiers_of in sorted(plan.get("layers", {}).items(), key=lambda kv: int(kv[0])):

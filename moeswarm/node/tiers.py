@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._tasks import cancel_and_wait
-from ..errors import NetworkError, ProtocolError, SwarmError
+from ..errors import BadResponse, NetworkError, ProtocolError, SwarmError
 from ..model import ExpertWeights, ModelConfig, Weights, expert_ffn
 from ..model.memory import resident_fraction
 from ..model.weights import expert_shapes
-from ..protocol import peer_id_to_str
+from ..protocol import ErrorCode, peer_id_to_str
 from . import planner
-from .fetch import FetchedExperts, fetch_expert
+from .fetch import FetchedExperts, expert_digest, fetch_expert
 from .links import LinkMonitor, ProbeConfig
 from .routing_table import Holder, SwarmTable
 
@@ -136,7 +136,8 @@ def measure_backbone_seconds(weights: Weights, steps: int = 3) -> float:
 class TierPlanner:
     def __init__(self, cfg: ModelConfig, table: SwarmTable, links: LinkMonitor, *, self_peer: bytes,
                  local: Weights | None = None, demand: "DemandCounter | None" = None,
-                 backbone: Weights | None = None, config: TierConfig = TierConfig()) -> None:
+                 backbone: Weights | None = None, config: TierConfig = TierConfig(),
+                 digests: dict[tuple[int, int], str] | None = None) -> None:
         self.cfg = cfg
         self.table = table
         self.links = links
@@ -153,6 +154,9 @@ class TierPlanner:
         self.local_tier = planner.LocalTier(disk_bps=ASSUMED_DISK_BPS, compute_bps=10e9)
         self._inflight: dict[tuple[int, int], asyncio.Task[ExpertWeights]] = {}
         self.fetch_errors = 0
+        self.digests = digests  # expert_digests.json: fetched experts are checked against it, if given
+        self.fetch_verified = 0
+        self.fetch_rejected = 0  # fetched experts that differed from their digest
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ figures
@@ -311,6 +315,16 @@ class TierPlanner:
 
     async def _fetch(self, key: tuple[int, int], holder: Holder) -> ExpertWeights:
         w = await fetch_expert(await self.links.client(holder), self.cfg, self.table.model_id, *key)
+        if self.digests is not None:  # the publisher's word on what each expert is (see moeswarm.node.fetch)
+            want = self.digests.get(key)
+            got = await asyncio.to_thread(expert_digest, w, self.cfg)  # hashing megabytes: off the loop
+            if got != want:
+                self.fetch_rejected += 1
+                holder.fail(time.monotonic())
+                raise BadResponse(f"expert {key[1]} of layer {key[0]} from {peer_id_to_str(holder.peer_id)} "
+                                  + ("is not in the digest file" if want is None else "does not match its digest"),
+                                  code=ErrorCode.BAD_TENSOR)
+            self.fetch_verified += 1
         self.fetched.put(key, w)
         return w
 
@@ -371,7 +385,9 @@ class TierPlanner:
             "links": {peer_id_to_str(p): est.as_dict() for p, est in self.links.links.items()},
             "link_errors": {peer_id_to_str(p): msg for p, msg in self.links.errors.items()},
             "fetched": {"experts": len(self.fetched), "bytes": self.fetched.bytes,
-                        "bytes_fetched": self.fetched.fetched_bytes, "errors": self.fetch_errors},
+                        "bytes_fetched": self.fetched.fetched_bytes, "errors": self.fetch_errors,
+                        "checked": self.digests is not None, "verified": self.fetch_verified,
+                        "rejected": self.fetch_rejected},
         }
         if plan is None:
             return out
@@ -388,7 +404,8 @@ class TierPlanner:
 async def start_planner(stack: contextlib.AsyncExitStack, identity: Any, p2p: Any, cfg: ModelConfig, model_id: str,
                         *, local: Weights | None, table: SwarmTable | None = None, demand: "DemandCounter | None" = None,
                         probe: ProbeConfig | None = None, config: TierConfig = TierConfig(),
-                        backbone: Weights | None = None) -> TierPlanner:
+                        backbone: Weights | None = None,
+                        digests: dict[tuple[int, int], str] | None = None) -> TierPlanner:
     """Links measured, holders discovered (unless ``table`` is kept current by someone else) and the
     plan kept current, all closed with ``stack``."""
     from .discovery import Discovery
@@ -407,7 +424,7 @@ async def start_planner(stack: contextlib.AsyncExitStack, identity: Any, p2p: An
         await links.start()
     stack.push_async_callback(links.aclose)
     tiers = TierPlanner(cfg, table, links, self_peer=identity.peer_id, local=local, demand=demand,
-                        backbone=backbone, config=config)
+                        backbone=backbone, config=config, digests=digests)
     await tiers.start()
     stack.push_async_callback(tiers.aclose)
     return tiers

@@ -20,7 +20,8 @@ NODE = {
         "links": {"12D3KooWpeerAAAAAAAAAAAA": {"rtt_ms": 3.8, "up_mbit": 84.9, "down_mbit": 46.8, "age_s": 2.0,
                                                "probes": 3}},
         "link_errors": {"12D3KooWgoneBBBBBBBBBBBB": "Unreachable: cannot connect"},
-        "fetched": {"experts": 0, "bytes": 0, "bytes_fetched": 0, "errors": 0},
+        "fetched": {"experts": 2, "bytes": 0, "bytes_fetched": 0, "errors": 0, "checked": True, "verified": 3,
+                    "rejected": 1},
         "plan": {"age_s": 1.0, "counts": {"local": 30, "remote": 1, "fetch": 1}, "predicted_tokens_per_s": 41.8,
                  "layers": {"0": {"local": [0, 1, 2, 3, 5], "remote": [4]}, "1": {"fetch": [7]}}},
     },
@@ -48,6 +49,7 @@ def test_a_node_report_shows_links_each_way_errors_and_the_plan() -> None:
     assert "0-3,5" in out  # layer 0's local experts as ranges
     assert "hit rate 50.0%" in out and "prefetch accuracy 70.7%" in out
     assert "VmRSS 512 MiB" in out and "budget 8,192 MiB" in out
+    assert "2 experts fetched" in out and "3 checked against their digests, 1 refused" in out
 
 
 def test_other_shapes_render_without_failing() -> None:

@@ -21,7 +21,7 @@ from moeswarm.errors import ProtocolError
 from moeswarm.model import SamplingParams, generate, load_model, load_weights
 from moeswarm.node.daemon import SwarmBackbone
 from moeswarm.node.dataplane import DataPlaneServer, ExpertClient, ServerConfig
-from moeswarm.node.fetch import FetchedExperts, fetch_expert, serve_weights
+from moeswarm.node.fetch import DIGESTS_FILE, FetchedExperts, fetch_expert, serve_weights, write_expert_digests
 from moeswarm.node.status import fetch_reports
 from moeswarm.protocol import ErrorCode, Identity, WeightsRequest
 
@@ -124,6 +124,110 @@ def test_a_cancelled_asker_does_not_fail_the_others_waiting_on_the_same_fetch(or
     asyncio.run(main())
 
 
+
+def _digest_from_safetensors(folder: Path, layer: int, expert: int) -> str:
+    """The digest format of ``expert_digests.json``, computed from the checkpoint as the
+    safetensors package reads it (not through moeswarm's loader): SHA-256 over the format tag,
+    then for gate (w1), up (w3), down (w2): "|name|dtype|dims|" and the tensor's bytes."""
+    import glob
+    import hashlib
+
+    tensors: dict[str, np.ndarray] = {}
+    for f in glob.glob(str(folder / "*.safetensors")):
+        tensors.update(load_file(f))
+    prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    h = hashlib.sha256(b"moeswarm-expert-digests/1")
+    for name, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+        a = tensors[prefix + hf + ".weight"]
+        h.update(f"|{name}|{a.dtype}|{','.join(map(str, a.shape))}|".encode() + a.tobytes())
+    return h.hexdigest()
+
+
+def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkpoints, tmp_path) -> None:
+    """``moeswarm expert-digests`` writes one digest per expert; a planner holding that file
+    takes an honest holder's expert, and refuses a holder that changed one number of another
+    (counted, the holder marked failed, nothing cached)."""
+    from moeswarm.errors import BadResponse
+    from moeswarm.node.fetch import load_expert_digests
+    from moeswarm.node.links import LinkMonitor, ProbeConfig
+    from moeswarm.node.routing_table import SwarmTable
+    from moeswarm.node.tiers import TierPlanner
+    from moeswarm.protocol import WeightsResponse, sign_announcement
+
+    folder, _ = oracle_checkpoints.get("mixtral", "per_expert")
+    out = tmp_path / "digests.json"
+    done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "expert-digests", "--model", str(folder),
+                           "--out", str(out), "-q"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    weights = load_weights(folder)
+    cfg = weights.config
+    digests = load_expert_digests(out, cfg)
+    assert digests is not None and len(digests) == sum(cfg.moe_layers) * cfg.num_experts
+    assert digests[(1, 5)] == _digest_from_safetensors(folder, 1, 5)
+
+    async def main() -> None:
+        client_id = Identity.generate()
+
+        async def no_calls(client, request):  # type: ignore[no-untyped-def]
+            raise ProtocolError("no expert calls here", code=ErrorCode.UNKNOWN_EXPERT)
+
+        def weights_handler(tamper: bool):  # type: ignore[no-untyped-def]
+            async def handler(client, request):  # type: ignore[no-untyped-def]
+                response = serve_weights(weights, "m", request)
+                if tamper and request.tensor == "down" and request.start == 0:
+                    data = np.array(response.data)
+                    data[0, 0] += np.float32(1e-3)  # one number of a whole expert
+                    return WeightsResponse(response.request_id, data)
+                return response
+            return handler
+
+        honest_id, bad_id = Identity.generate(), Identity.generate()
+        async with DataPlaneServer(honest_id, no_calls, ServerConfig(), weights_handler=weights_handler(False)) as a, \
+                DataPlaneServer(bad_id, no_calls, ServerConfig(), weights_handler=weights_handler(True)) as b:
+            table = SwarmTable("m")
+            for ident, srv in ((honest_id, a), (bad_id, b)):
+                table.update(sign_announcement(
+                    ident, model_id="m", layers=(0, cfg.num_layers - 1), experts=(0, cfg.num_experts - 1),
+                    endpoints=[srv.endpoint], capacity_bytes=1 << 30, throughput=0, load_permille=0,
+                    software="moeswarm/test", seq=1, expires_at_ms=int(time.time() * 1000) + 600_000))
+            links = LinkMonitor(client_id, table, ProbeConfig(interval_s=0))
+            tiers = TierPlanner(cfg, table, links, self_peer=client_id.peer_id, local=None, digests=digests)
+            try:
+                got = await tiers.ensure(1, 5, peer=honest_id.peer_id)
+                assert np.array_equal(got.down, np.asarray(weights.experts[1][5].down))
+                with pytest.raises(BadResponse, match="does not match its digest") as info:
+                    await tiers.ensure(0, 3, peer=bad_id.peer_id)
+                assert info.value.code == ErrorCode.BAD_TENSOR
+                assert tiers.fetched.get((0, 3)) is None
+                assert table.holders[bad_id.peer_id].failures == 1
+                assert (tiers.fetch_verified, tiers.fetch_rejected) == (1, 1)
+                fetched = tiers.status()["fetched"]
+                assert (fetched["checked"], fetched["verified"], fetched["rejected"]) == (True, 1, 1)
+            finally:
+                await tiers.aclose()
+                await links.aclose()
+
+    asyncio.run(main())
+
+
+
+def test_a_broken_digest_file_is_refused_at_start(oracle_checkpoints, tmp_path) -> None:
+    from moeswarm.errors import ConfigError
+    from moeswarm.model import ModelConfig
+    from moeswarm.node.fetch import DIGESTS_FORMAT, load_expert_digests
+
+    cfg = ModelConfig.from_folder(oracle_checkpoints.get("mixtral", "per_expert")[0])
+    path = tmp_path / "d.json"
+    assert load_expert_digests(path, cfg) is None  # no file: fetched weights go unchecked (and a warning says so)
+    for text, why in [("{not json", "not an expert digest file"),
+                      (json.dumps({"format": "other/9", "layers": {}}), "format is 'other/9'"),
+                      (json.dumps({"format": DIGESTS_FORMAT, "layers": {"0": {"99": "0" * 64}}}), "does not have"),
+                      (json.dumps({"format": DIGESTS_FORMAT, "layers": {"0": {"1": "abc"}}}), "malformed")]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=why):
+            load_expert_digests(path, cfg)
+
+
 def backbone_only_copy(folder: Path, dest: Path) -> Path:
     """The checkpoint without any routed expert: what a backbone of a real swarm holds."""
     dest.mkdir()
@@ -144,6 +248,7 @@ def test_backbone_following_its_plan_fetches_experts_and_keeps_the_oracle_tokens
     folder, ref = oracle_checkpoints.get("mixtral", "per_expert")
     expected = run_logits(load_model(folder), ref.prompt_ids, ref.decode_tokens)
     own = backbone_only_copy(Path(folder), tmp_path / "backbone")
+    write_expert_digests(load_weights(folder), own / DIGESTS_FILE, model_id="published with the model")
     cfg = load_model(folder).config
     total = sum(cfg.moe_layers) * cfg.num_experts
     monkeypatch.setenv("MOESWARM_HOME", str(tmp_path / "home"))  # the nodes' run files, for `node status`
@@ -215,6 +320,8 @@ def test_backbone_following_its_plan_fetches_experts_and_keeps_the_oracle_tokens
     plan = status["tiers"]["plan"]
     assert plan["counts"]["fetch"] == total and status["tiers"]["fetched"]["experts"] == total, status["tiers"]
     assert status["local_pairs_after"] > 0  # the fetched copies did the work
+    checks = status["tiers"]["fetched"]
+    assert checks["checked"] and checks["verified"] >= total and checks["rejected"] == 0, checks
     links = status["tiers"]["links"]
     assert {d.info["peer_id"] for d in daemons} <= set(links)
     for link in links.values():
