@@ -17,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Container
 from dataclasses import dataclass
+
+import numpy as np
 
 from .._tasks import cancel_and_wait
 from ..errors import ConfigError, NetworkError, ProtocolError
@@ -39,7 +42,7 @@ class ProbeConfig:
     rounds: int = 4  # at most this many growing transfers per direction and probe
     timeout_s: float = 10.0
     smoothing: float = 0.5  # weight of the newest measurement
-    max_peers: int = 32  # peers kept measured (the first ones met stay; a swarm of 1,000 is not probed n^2)
+    max_peers: int = 32  # peers kept measured (a swarm of 1,000 is not probed n^2): see choose_probed
 
     def __post_init__(self) -> None:
         if not 0 < self.min_bytes <= self.max_bytes <= MAX_PROBE_BYTES:
@@ -88,6 +91,34 @@ async def measure(client: ExpertClient, config: ProbeConfig = ProbeConfig(),
     return rtt, up, down
 
 
+def choose_probed(live: list[Holder], max_peers: int, measured: Container[bytes] = ()) -> list[Holder]:
+    """The holders to keep measured, at most ``max_peers``: first a cover, so that every expert
+    has a measured holder (greedily, the holder adding the most experts not yet covered; ties go
+    to holders measured already, then to better scores), then the rest, measured ones and better
+    scores first.  Without a cover the planner would have nothing to say about experts whose
+    holders all went unprobed."""
+    order = sorted(live, key=lambda h: (h.peer_id not in measured, h.score(), h.peer_id))
+    if len(order) <= max_peers:
+        return order
+    lo = np.array([[h.layers[0], h.experts[0]] for h in order])
+    hi = np.array([[h.layers[1], h.experts[1]] for h in order]) + 1
+    uncovered = np.ones((int(hi[:, 0].max()), int(hi[:, 1].max())), np.int64)
+    chosen: list[int] = []
+    while len(chosen) < max_peers:
+        s = np.zeros((uncovered.shape[0] + 1, uncovered.shape[1] + 1), np.int64)  # 2-D prefix sums
+        s[1:, 1:] = uncovered.cumsum(0).cumsum(1)
+        gain = s[hi[:, 0], hi[:, 1]] - s[lo[:, 0], hi[:, 1]] - s[hi[:, 0], lo[:, 1]] + s[lo[:, 0], lo[:, 1]]
+        gain[chosen] = 0
+        best = int(np.argmax(gain))  # the first of the best: the sort order breaks ties
+        if gain[best] <= 0:
+            break
+        chosen.append(best)
+        uncovered[lo[best, 0]:hi[best, 0], lo[best, 1]:hi[best, 1]] = 0
+    taken = set(chosen)
+    rest = [i for i in range(len(order)) if i not in taken]
+    return [order[i] for i in chosen + rest[: max_peers - len(chosen)]]
+
+
 class LinkMonitor:
     """Current link estimates to every live holder of a ``SwarmTable`` (see the module docstring)."""
 
@@ -128,11 +159,10 @@ class LinkMonitor:
         return new
 
     async def probe_all(self) -> None:
-        """One round: every live holder whose estimate is missing or older than the interval."""
+        """One round: every chosen holder whose estimate is missing or older than the interval."""
         now = time.monotonic()
         live = [h for h in self.table.live() if h.peer_id != self.identity.peer_id]
-        live.sort(key=lambda h: (h.peer_id not in self.links, h.peer_id))  # measured ones first
-        for holder in live[: self.config.max_peers]:
+        for holder in choose_probed(live, self.config.max_peers, self.links):
             old = self.links.get(holder.peer_id)
             if old is not None and now - old.measured_at < self.config.interval_s:
                 continue

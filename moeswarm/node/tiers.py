@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -206,14 +207,25 @@ class TierPlanner:
         return out
 
     def link_table(self) -> dict[str, planner.Link]:
+        """A link per live holder: as measured; for holders the monitor does not probe (a big
+        swarm), the median measured link, with the round trip of their calls if we made any."""
         out = {}
-        for h in self.table.live():
-            est = self.links.link(h.peer_id)
-            if est is None:
-                continue
+        live = self.table.live()
+        estimates = {h.peer_id: self.links.link(h.peer_id) for h in live}
+        measured = [e for e in estimates.values() if e is not None]
+        typical = planner.Link(float(np.median([e.rtt_s for e in measured])),
+                               float(np.median([e.up_bps for e in measured])),
+                               float(np.median([e.down_bps for e in measured]))) if measured else None
+        for h in live:
+            est = estimates[h.peer_id]
             expert = self.expert_bytes(*(h.layers[0], h.experts[0]))
             compute = expert * h.throughput if h.throughput else planner.Link.compute_bps
-            link = est.link(compute)
+            if est is not None:
+                link = est.link(compute)
+            elif typical is not None:
+                link = dataclasses.replace(typical, rtt_s=h.rtt_s or typical.rtt_s, compute_bps=compute)
+            else:
+                continue
             if h.rtt_s is not None and h.rtt_s > link.rtt_s:  # calls observed slower than pings: dispatch costs too
                 link = planner.Link(h.rtt_s, link.up_bps, link.down_bps, link.compute_bps)
             out[h.peer_id.hex()] = link

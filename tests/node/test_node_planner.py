@@ -53,3 +53,64 @@ def test_choice_is_cheapest_and_slower_links_never_attract(rtt: float, more: flo
     assert b.seconds >= a.seconds - 1e-12
     if a.tier == LOCAL:
         assert b.tier == LOCAL
+
+
+def _holder(i: int, layers: tuple[int, int], experts: tuple[int, int], rtt: float | None = None):  # type: ignore[no-untyped-def]
+    from moeswarm.node.routing_table import Holder
+
+    h = Holder(bytes([i]) * 34, (f"tcp://10.0.0.{i}:1",), "m", layers, experts, 2**62, 1)
+    h.rtt_s = rtt
+    return h
+
+
+def test_a_big_swarm_probes_a_cover_of_every_expert_first() -> None:
+    """600 holders of 2 experts each, plus 8 that each hold a whole layer: 8 probes cover the
+    model; measured holders win ties; a small swarm is probed whole."""
+    from moeswarm.node.links import choose_probed
+
+    small = [_holder(i, (L, L), (2 * (i % 32), 2 * (i % 32) + 1)) for i, L in enumerate([0] * 32)]
+    assert len(choose_probed(small, 32)) == 32
+    pairs = [_holder(i % 250, (L, L), (2 * e, 2 * e + 1)) for i, (L, e) in
+             enumerate((L, e) for L in range(8) for e in range(64))][:600]
+    layers = [_holder(300 + L - 256, (L, L), (0, 127)) for L in range(8)]
+    live = pairs + layers
+    chosen = choose_probed(live, 10, measured={layers[3].peer_id})
+    assert chosen[0] is layers[3]  # the measured one first among equally good covers
+    assert set(map(id, chosen[:8])) == set(map(id, layers))  # 8 probes cover 8 x 128 experts
+    assert len(chosen) == 10
+    covered = {(L, e) for h in chosen for L in range(h.layers[0], h.layers[1] + 1)
+               for e in range(h.experts[0], h.experts[1] + 1)}
+    assert covered >= {(L, e) for L in range(8) for e in range(128)}
+    # no holder holds everything: the cover still takes the biggest gain each time
+    halves = [_holder(i, (0, 7), (64 * (i % 2), 64 * (i % 2) + 63)) for i in range(40)]
+    assert {h.experts for h in choose_probed(halves, 2)} == {(0, 63), (64, 127)}
+
+
+def test_unprobed_holders_are_planned_with_the_typical_link() -> None:
+    """The planner predicts a finite speed for experts whose holders went unprobed: their link is
+    the median measured one, with the round trip their calls showed."""
+    import time
+
+    from moeswarm.model.config import ModelConfig
+    from moeswarm.node.links import LinkEstimate, LinkMonitor
+    from moeswarm.node.routing_table import SwarmTable
+    from moeswarm.node.tiers import TierPlanner
+    from moeswarm.protocol import Identity
+
+    cfg = ModelConfig.from_hf({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+                                 "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "vocab_size": 100, "rms_norm_eps": 1e-5, "max_position_embeddings": 64})
+    table = SwarmTable("m")
+    a, b, c = _holder(1, (0, 1), (0, 1)), _holder(2, (0, 1), (2, 3)), _holder(3, (0, 1), (2, 3), rtt=0.02)
+    for h in (a, b, c):
+        table.holders[h.peer_id] = h
+    links = LinkMonitor(Identity.generate(), table)
+    links.links[a.peer_id] = LinkEstimate(0.004, 10e6, 5e6, time.monotonic())
+    tiers = TierPlanner(cfg, table, links, self_peer=b"me")
+    table_ = tiers.link_table()
+    assert table_[b.peer_id.hex()].rtt_s == 0.004 and table_[b.peer_id.hex()].down_bps == 5e6
+    assert table_[c.peer_id.hex()].rtt_s == 0.02  # its calls said so
+    plan_ = tiers.replan()
+    assert 0 < plan_.tokens_per_s < float("inf")
+    assert all(d.peer is not None and d.seconds < float("inf") for d in plan_.decisions.values()), plan_.decisions
