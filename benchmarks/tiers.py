@@ -127,6 +127,7 @@ def backbone_main(spec: dict[str, Any]) -> None:
             result = await asyncio.to_thread(timed_run, bb.model, spec["prompt"], spec["tokens"],
                                              lambda: marks.update(bytes=fetched.fetched_bytes))
             result["fetch_hit_rate"] = None
+            assert bb.tiers.fetch_rejected == 0 and (spec["tiers"] != "fetch" or bb.tiers.fetch_verified > 0)
             if len(fetched):  # --tiers fetch: the share of decode's expert uses its cache already held
                 one = fetched.bytes / len(fetched)  # every expert has the same size here
                 uses = spec["tokens"] * sum(bb.cfg.moe_layers) * bb.cfg.top_k
@@ -282,6 +283,9 @@ def main() -> None:
         shutil.copytree(folder, own)
     cfg = ModelConfig.from_folder(str(folder))
     weights = load_weights(str(folder))
+    from moeswarm.node.fetch import DIGESTS_FILE, write_expert_digests
+
+    write_expert_digests(weights, folder / DIGESTS_FILE, model_id="tiers benchmark")  # fetches are checked, as a user's are
     total = sum(w.nbytes for layer in weights.experts.values() for w in layer.values())
     budget = total // 4  # memory for experts: a quarter of them
     prompt = prompt_ids(args.prompt, cfg.vocab_size)
