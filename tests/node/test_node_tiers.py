@@ -5,6 +5,7 @@ giving the transformers oracle's tokens; ``moeswarm node status`` reporting live
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,35 @@ from test_node_swarm import backbone_config, nodes, run_logits
 pytestmark = pytest.mark.slow
 
 
+async def _no_calls(client, request):  # type: ignore[no-untyped-def]
+    raise ProtocolError("no expert calls here", code=ErrorCode.UNKNOWN_EXPERT)
+
+
+@contextlib.asynccontextmanager
+async def planner_over(cfg, servers, **kw):  # type: ignore[no-untyped-def]
+    """A TierPlanner (links not probed) whose swarm table names ``servers`` ((identity,
+    DataPlaneServer) pairs), each announcing every expert of the model "m"."""
+    from moeswarm.node.links import LinkMonitor, ProbeConfig
+    from moeswarm.node.routing_table import SwarmTable
+    from moeswarm.node.tiers import TierPlanner
+    from moeswarm.protocol import sign_announcement
+
+    table = SwarmTable("m")
+    for ident, srv in servers:
+        table.update(sign_announcement(
+            ident, model_id="m", layers=(0, cfg.num_layers - 1), experts=(0, cfg.num_experts - 1),
+            endpoints=[srv.endpoint], capacity_bytes=1 << 30, throughput=0, load_permille=0,
+            software="moeswarm/test", seq=1, expires_at_ms=int(time.time() * 1000) + 600_000))
+    client_id = Identity.generate()
+    links = LinkMonitor(client_id, table, ProbeConfig(interval_s=0))
+    tiers = TierPlanner(cfg, table, links, self_peer=client_id.peer_id, local=None, **kw)
+    try:
+        yield tiers
+    finally:
+        await tiers.aclose()
+        await links.aclose()
+
+
 def test_fetched_expert_equals_the_holders_bytes_and_bad_fetches_get_codes(oracle_checkpoints) -> None:
     folder, _ = oracle_checkpoints.get("mixtral", "per_expert")
     weights = load_weights(folder)
@@ -38,13 +68,10 @@ def test_fetched_expert_equals_the_holders_bytes_and_bad_fetches_get_codes(oracl
     async def main() -> None:
         server_id, client_id = Identity.generate(), Identity.generate()
 
-        async def no_calls(client, request):  # type: ignore[no-untyped-def]
-            raise ProtocolError("no expert calls here", code=ErrorCode.UNKNOWN_EXPERT)
-
         async def weights_handler(client, request):  # type: ignore[no-untyped-def]
             return serve_weights(weights, "m", request)
 
-        async with DataPlaneServer(server_id, no_calls, ServerConfig(), weights_handler=weights_handler) as srv:
+        async with DataPlaneServer(server_id, _no_calls, ServerConfig(), weights_handler=weights_handler) as srv:
             client = await ExpertClient.connect(srv.endpoint, client_id)
             try:
                 got = await fetch_expert(client, cfg, "m", 1, 5)
@@ -75,54 +102,35 @@ def test_fetched_expert_equals_the_holders_bytes_and_bad_fetches_get_codes(oracl
 def test_a_cancelled_asker_does_not_fail_the_others_waiting_on_the_same_fetch(oracle_checkpoints) -> None:
     """Concurrent asks for one expert share one fetch; the first asker's request is cancelled
     mid-fetch (its client went away), and the second still gets the holder's bytes."""
-    from moeswarm.node.links import LinkMonitor, ProbeConfig
-    from moeswarm.node.routing_table import SwarmTable
-    from moeswarm.node.tiers import TierPlanner
-    from moeswarm.protocol import sign_announcement
-
     folder, _ = oracle_checkpoints.get("mixtral", "per_expert")
     weights = load_weights(folder)
     cfg = weights.config
 
     async def main() -> None:
-        server_id, client_id = Identity.generate(), Identity.generate()
+        server_id = Identity.generate()
         asked, release = asyncio.Event(), asyncio.Event()
-
-        async def no_calls(client, request):  # type: ignore[no-untyped-def]
-            raise ProtocolError("no expert calls here", code=ErrorCode.UNKNOWN_EXPERT)
 
         async def weights_handler(client, request):  # type: ignore[no-untyped-def]
             asked.set()
             await release.wait()
             return serve_weights(weights, "m", request)
 
-        async with DataPlaneServer(server_id, no_calls, ServerConfig(), weights_handler=weights_handler) as srv:
-            table = SwarmTable("m")
-            table.update(sign_announcement(
-                server_id, model_id="m", layers=(0, cfg.num_layers - 1), experts=(0, cfg.num_experts - 1),
-                endpoints=[srv.endpoint], capacity_bytes=1 << 30, throughput=0, load_permille=0,
-                software="moeswarm/test", seq=1, expires_at_ms=int(time.time() * 1000) + 600_000))
-            links = LinkMonitor(client_id, table, ProbeConfig(interval_s=0))
-            tiers = TierPlanner(cfg, table, links, self_peer=client_id.peer_id, local=None)
-            try:
-                first = asyncio.create_task(tiers.ensure(1, 5))
-                second = asyncio.create_task(tiers.ensure(1, 5))
-                async with asyncio.timeout(10):
-                    await asked.wait()  # the shared fetch is at the holder
-                first.cancel()
-                await asyncio.sleep(0.01)
-                release.set()
-                async with asyncio.timeout(10):
-                    got = await second
-                assert first.cancelled()
-                assert np.array_equal(got.down, np.asarray(weights.experts[1][5].down))
-                assert tiers.fetched.get((1, 5)) is got
-            finally:
-                await tiers.aclose()
-                await links.aclose()
+        async with DataPlaneServer(server_id, _no_calls, ServerConfig(), weights_handler=weights_handler) as srv, \
+                planner_over(cfg, [(server_id, srv)]) as tiers:
+            first = asyncio.create_task(tiers.ensure(1, 5))
+            second = asyncio.create_task(tiers.ensure(1, 5))
+            async with asyncio.timeout(10):
+                await asked.wait()  # the shared fetch is at the holder
+            first.cancel()
+            await asyncio.sleep(0.01)
+            release.set()
+            async with asyncio.timeout(10):
+                got = await second
+            assert first.cancelled()
+            assert np.array_equal(got.down, np.asarray(weights.experts[1][5].down))
+            assert tiers.fetched.get((1, 5)) is got
 
     asyncio.run(main())
-
 
 
 def _digest_from_safetensors(folder: Path, layer: int, expert: int) -> str:
@@ -149,10 +157,7 @@ def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkp
     (counted, the holder marked failed, nothing cached)."""
     from moeswarm.errors import BadResponse
     from moeswarm.node.fetch import load_expert_digests
-    from moeswarm.node.links import LinkMonitor, ProbeConfig
-    from moeswarm.node.routing_table import SwarmTable
-    from moeswarm.node.tiers import TierPlanner
-    from moeswarm.protocol import WeightsResponse, sign_announcement
+    from moeswarm.protocol import WeightsResponse
 
     folder, _ = oracle_checkpoints.get("mixtral", "per_expert")
     out = tmp_path / "digests.json"
@@ -166,11 +171,6 @@ def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkp
     assert digests[(1, 5)] == _digest_from_safetensors(folder, 1, 5)
 
     async def main() -> None:
-        client_id = Identity.generate()
-
-        async def no_calls(client, request):  # type: ignore[no-untyped-def]
-            raise ProtocolError("no expert calls here", code=ErrorCode.UNKNOWN_EXPERT)
-
         def weights_handler(tamper: bool):  # type: ignore[no-untyped-def]
             async def handler(client, request):  # type: ignore[no-untyped-def]
                 response = serve_weights(weights, "m", request)
@@ -182,30 +182,19 @@ def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkp
             return handler
 
         honest_id, bad_id = Identity.generate(), Identity.generate()
-        async with DataPlaneServer(honest_id, no_calls, ServerConfig(), weights_handler=weights_handler(False)) as a, \
-                DataPlaneServer(bad_id, no_calls, ServerConfig(), weights_handler=weights_handler(True)) as b:
-            table = SwarmTable("m")
-            for ident, srv in ((honest_id, a), (bad_id, b)):
-                table.update(sign_announcement(
-                    ident, model_id="m", layers=(0, cfg.num_layers - 1), experts=(0, cfg.num_experts - 1),
-                    endpoints=[srv.endpoint], capacity_bytes=1 << 30, throughput=0, load_permille=0,
-                    software="moeswarm/test", seq=1, expires_at_ms=int(time.time() * 1000) + 600_000))
-            links = LinkMonitor(client_id, table, ProbeConfig(interval_s=0))
-            tiers = TierPlanner(cfg, table, links, self_peer=client_id.peer_id, local=None, digests=digests)
-            try:
-                got = await tiers.ensure(1, 5, peer=honest_id.peer_id)
-                assert np.array_equal(got.down, np.asarray(weights.experts[1][5].down))
-                with pytest.raises(BadResponse, match="does not match its digest") as info:
-                    await tiers.ensure(0, 3, peer=bad_id.peer_id)
-                assert info.value.code == ErrorCode.BAD_TENSOR
-                assert tiers.fetched.get((0, 3)) is None
-                assert table.holders[bad_id.peer_id].failures == 1
-                assert (tiers.fetch_verified, tiers.fetch_rejected) == (1, 1)
-                fetched = tiers.status()["fetched"]
-                assert (fetched["checked"], fetched["verified"], fetched["rejected"]) == (True, 1, 1)
-            finally:
-                await tiers.aclose()
-                await links.aclose()
+        async with DataPlaneServer(honest_id, _no_calls, ServerConfig(), weights_handler=weights_handler(False)) as a, \
+                DataPlaneServer(bad_id, _no_calls, ServerConfig(), weights_handler=weights_handler(True)) as b, \
+                planner_over(cfg, [(honest_id, a), (bad_id, b)], digests=digests) as tiers:
+            got = await tiers.ensure(1, 5, peer=honest_id.peer_id)
+            assert np.array_equal(got.down, np.asarray(weights.experts[1][5].down))
+            with pytest.raises(BadResponse, match="does not match its digest") as info:
+                await tiers.ensure(0, 3, peer=bad_id.peer_id)
+            assert info.value.code == ErrorCode.BAD_TENSOR
+            assert tiers.fetched.get((0, 3)) is None
+            assert tiers.table.holders[bad_id.peer_id].failures == 1
+            assert (tiers.fetch_verified, tiers.fetch_rejected) == (1, 1)
+            fetched = tiers.status()["fetched"]
+            assert (fetched["checked"], fetched["verified"], fetched["rejected"]) == (True, 1, 1)
 
     asyncio.run(main())
 
