@@ -30,6 +30,7 @@ class Link:
     up_bps: float  # us -> peer
     down_bps: float  # peer -> us
     compute_bps: float = 10e9  # the peer's weight-streaming rate (memory bandwidth), bytes/s
+    fetch_bps: float | None = None  # weights per second its past fetches delivered, if any (else down_bps)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ def remote_seconds(spec: ExpertSpec, link: Link, tokens: int, hidden_bytes: int)
 
 
 def fetch_seconds(spec: ExpertSpec, link: Link, local: LocalTier) -> float:
-    return (link.rtt_s + spec.bytes / link.down_bps) / max(spec.reuse, 1.0) + spec.bytes / local.compute_bps
+    rate = link.fetch_bps or link.down_bps  # what fetching did deliver beats what a probe suggests
+    return (link.rtt_s + spec.bytes / rate) / max(spec.reuse, 1.0) + spec.bytes / local.compute_bps
 
 
 def decide(spec: ExpertSpec, local: LocalTier, links: Mapping[str, Link], tokens: int, hidden_bytes: int) -> Decision:

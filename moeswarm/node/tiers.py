@@ -158,6 +158,7 @@ class TierPlanner:
         self.digests = digests  # expert_digests.json: fetched experts are checked against it, if given
         self.fetch_verified = 0
         self.fetch_rejected = 0  # fetched experts that differed from their digest
+        self.fetch_bps: dict[bytes, float] = {}  # per holder: weight bytes/s its fetches delivered (smoothed)
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ figures
@@ -227,7 +228,9 @@ class TierPlanner:
             else:
                 continue
             if h.rtt_s is not None and h.rtt_s > link.rtt_s:  # calls observed slower than pings: dispatch costs too
-                link = planner.Link(h.rtt_s, link.up_bps, link.down_bps, link.compute_bps)
+                link = dataclasses.replace(link, rtt_s=h.rtt_s)
+            if h.peer_id in self.fetch_bps:  # fetches observed: four chunks in flight, not one probe
+                link = dataclasses.replace(link, fetch_bps=self.fetch_bps[h.peer_id])
             out[h.peer_id.hex()] = link
         return out
 
@@ -326,7 +329,12 @@ class TierPlanner:
         return await asyncio.shield(task)
 
     async def _fetch(self, key: tuple[int, int], holder: Holder) -> ExpertWeights:
-        w = await fetch_expert(await self.links.client(holder), self.cfg, self.table.model_id, *key)
+        client = await self.links.client(holder)
+        t0 = time.perf_counter()
+        w = await fetch_expert(client, self.cfg, self.table.model_id, *key)
+        rate = w.nbytes / max(time.perf_counter() - t0, 1e-6)
+        old = self.fetch_bps.get(holder.peer_id)
+        self.fetch_bps[holder.peer_id] = rate if old is None else 0.5 * old + 0.5 * rate
         if self.digests is not None:  # the publisher's word on what each expert is (see moeswarm.node.fetch)
             want = self.digests.get(key)
             got = await asyncio.to_thread(expert_digest, w, self.cfg)  # hashing megabytes: off the loop
@@ -399,7 +407,8 @@ class TierPlanner:
             "fetched": {"experts": len(self.fetched), "bytes": self.fetched.bytes,
                         "bytes_fetched": self.fetched.fetched_bytes, "errors": self.fetch_errors,
                         "checked": self.digests is not None, "verified": self.fetch_verified,
-                        "rejected": self.fetch_rejected},
+                        "rejected": self.fetch_rejected,
+                        "rate_mbit": {peer_id_to_str(p): round(r * 8e-6, 1) for p, r in self.fetch_bps.items()}},
         }
         if plan is None:
             return out

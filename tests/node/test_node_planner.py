@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -114,3 +115,16 @@ def test_unprobed_holders_are_planned_with_the_typical_link() -> None:
     plan_ = tiers.replan()
     assert 0 < plan_.tokens_per_s < float("inf")
     assert all(d.peer is not None and d.seconds < float("inf") for d in plan_.decisions.values()), plan_.decisions
+
+
+def test_a_fetch_rate_seen_beats_the_probes_estimate() -> None:
+    """Fetches pull four chunks at once; once some have run, their rate is what fetching costs."""
+    from moeswarm.node.planner import fetch_seconds
+
+    probed = Link(rtt_s=0.001, up_bps=10 * MB, down_bps=10 * MB)
+    seen = Link(rtt_s=0.001, up_bps=10 * MB, down_bps=10 * MB, fetch_bps=40 * MB)
+    spec = ExpertSpec(0, 0, bytes=int(20 * MB), holders=("peer",), local=False, reuse=200.0)
+    assert fetch_seconds(spec, probed, NVME) == pytest.approx((0.001 + 2.0) / 200 + spec.bytes / NVME.compute_bps)
+    assert fetch_seconds(spec, seen, NVME) == pytest.approx((0.001 + 0.5) / 200 + spec.bytes / NVME.compute_bps)
+    assert decide(spec, NVME, {"peer": probed}, 1, HIDDEN).tier == REMOTE
+    assert decide(spec, NVME, {"peer": seen}, 1, HIDDEN).tier == FETCH

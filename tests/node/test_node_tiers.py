@@ -187,6 +187,12 @@ def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkp
                 planner_over(cfg, [(honest_id, a), (bad_id, b)], digests=digests) as tiers:
             got = await tiers.ensure(1, 5, peer=honest_id.peer_id)
             assert np.array_equal(got.down, np.asarray(weights.experts[1][5].down))
+            # the rate this fetch delivered now stands beside the probe's figure in the planner's link
+            from moeswarm.node.links import LinkEstimate
+
+            tiers.links.links[honest_id.peer_id] = LinkEstimate(0.001, 1e6, 1e6, time.monotonic())
+            link = tiers.link_table()[honest_id.peer_id.hex()]
+            assert link.down_bps == 1e6 and link.fetch_bps == tiers.fetch_bps[honest_id.peer_id] > 0
             with pytest.raises(BadResponse, match="does not match its digest") as info:
                 await tiers.ensure(0, 3, peer=bad_id.peer_id)
             assert info.value.code == ErrorCode.BAD_TENSOR
