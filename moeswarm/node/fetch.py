@@ -11,8 +11,8 @@ A holder could send any numbers, and the audits (``moeswarm.ledger``) check outp
 weights.  So the model's publisher writes ``expert_digests.json`` beside the checkpoint
 (``moeswarm expert-digests``): one SHA-256 per expert over exactly what a holder sends.  A
 backbone whose model folder has that file checks every fetched expert against it and refuses
-one that differs (the holder is counted as failed, and the expert is called instead); without
-it, fetched weights are the holder's word, and the backbone says so once.
+one that differs (nothing is fetched from that holder again, and the expert is called instead);
+without it, fetched weights are the holder's word, and the backbone says so once.
 """
 
 from __future__ import annotations

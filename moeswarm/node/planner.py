@@ -31,6 +31,7 @@ class Link:
     down_bps: float  # peer -> us
     compute_bps: float = 10e9  # the peer's weight-streaming rate (memory bandwidth), bytes/s
     fetch_bps: float | None = None  # weights per second its past fetches delivered, if any (else down_bps)
+    fetchable: bool = True  # False once it sent weights that differed from the published digests
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,8 @@ def decide(spec: ExpertSpec, local: LocalTier, links: Mapping[str, Link], tokens
         if link is None:
             continue
         options.append(Decision(REMOTE, remote_seconds(spec, link, tokens, hidden_bytes), peer))
-        options.append(Decision(FETCH, fetch_seconds(spec, link, local), peer))
+        if link.fetchable:
+            options.append(Decision(FETCH, fetch_seconds(spec, link, local), peer))
     if not options:
         return Decision(REMOTE, float("inf"))
     return min(options, key=lambda d: (d.seconds, d.tier))

@@ -158,6 +158,7 @@ class TierPlanner:
         self.digests = digests  # expert_digests.json: fetched experts are checked against it, if given
         self.fetch_verified = 0
         self.fetch_rejected = 0  # fetched experts that differed from their digest
+        self.no_fetch_from: set[bytes] = set()  # holders that sent such weights: never fetched from again
         self.fetch_bps: dict[bytes, float] = {}  # per holder: weight bytes/s its fetches delivered (smoothed)
         self._task: asyncio.Task[None] | None = None
 
@@ -231,6 +232,8 @@ class TierPlanner:
                 link = dataclasses.replace(link, rtt_s=h.rtt_s)
             if h.peer_id in self.fetch_bps:  # fetches observed: four chunks in flight, not one probe
                 link = dataclasses.replace(link, fetch_bps=self.fetch_bps[h.peer_id])
+            if h.peer_id in self.no_fetch_from:
+                link = dataclasses.replace(link, fetchable=False)
             out[h.peer_id.hex()] = link
         return out
 
@@ -315,7 +318,8 @@ class TierPlanner:
             return w
         task = self._inflight.get(key)
         if task is None:
-            holders = [h for h in self.table.live() if h.holds(layer, expert) and h.peer_id != self.self_peer]
+            holders = [h for h in self.table.live() if h.holds(layer, expert) and h.peer_id != self.self_peer
+                       and h.peer_id not in self.no_fetch_from]
             if peer is not None:
                 holders = [h for h in holders if h.peer_id == peer] or holders
             if not holders:
@@ -339,8 +343,10 @@ class TierPlanner:
             want = self.digests.get(key)
             got = await asyncio.to_thread(expert_digest, w, self.cfg)  # hashing megabytes: off the loop
             if got != want:
+                # not banned from calls: a stale digest file must not take every holder away;
+                # its outputs are what the audits check
                 self.fetch_rejected += 1
-                holder.fail(time.monotonic())
+                self.no_fetch_from.add(holder.peer_id)
                 raise BadResponse(f"expert {key[1]} of layer {key[0]} from {peer_id_to_str(holder.peer_id)} "
                                   + ("is not in the digest file" if want is None else "does not match its digest"),
                                   code=ErrorCode.BAD_TENSOR)
@@ -408,6 +414,7 @@ class TierPlanner:
                         "bytes_fetched": self.fetched.fetched_bytes, "errors": self.fetch_errors,
                         "checked": self.digests is not None, "verified": self.fetch_verified,
                         "rejected": self.fetch_rejected,
+                        "not_fetched_from": sorted(peer_id_to_str(p) for p in self.no_fetch_from),
                         "rate_mbit": {peer_id_to_str(p): round(r * 8e-6, 1) for p, r in self.fetch_bps.items()}},
         }
         if plan is None:

@@ -128,3 +128,5 @@ def test_a_fetch_rate_seen_beats_the_probes_estimate() -> None:
     assert fetch_seconds(spec, seen, NVME) == pytest.approx((0.001 + 0.5) / 200 + spec.bytes / NVME.compute_bps)
     assert decide(spec, NVME, {"peer": probed}, 1, HIDDEN).tier == REMOTE
     assert decide(spec, NVME, {"peer": seen}, 1, HIDDEN).tier == FETCH
+    untrusted = Link(rtt_s=0.001, up_bps=10 * MB, down_bps=10 * MB, fetch_bps=40 * MB, fetchable=False)
+    assert decide(spec, NVME, {"peer": untrusted}, 1, HIDDEN).tier == REMOTE

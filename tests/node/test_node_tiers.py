@@ -154,10 +154,11 @@ def _digest_from_safetensors(folder: Path, layer: int, expert: int) -> str:
 def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkpoints, tmp_path) -> None:
     """``moeswarm expert-digests`` writes one digest per expert; a planner holding that file
     takes an honest holder's expert, and refuses a holder that changed one number of another
-    (counted, the holder marked failed, nothing cached)."""
+    (counted, nothing cached, nothing fetched from that holder again)."""
     from moeswarm.errors import BadResponse
     from moeswarm.node.fetch import load_expert_digests
-    from moeswarm.protocol import WeightsResponse
+    from moeswarm.node.links import LinkEstimate
+    from moeswarm.protocol import WeightsResponse, peer_id_to_str
 
     folder, _ = oracle_checkpoints.get("mixtral", "per_expert")
     out = tmp_path / "digests.json"
@@ -188,8 +189,6 @@ def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkp
             got = await tiers.ensure(1, 5, peer=honest_id.peer_id)
             assert np.array_equal(got.down, np.asarray(weights.experts[1][5].down))
             # the rate this fetch delivered now stands beside the probe's figure in the planner's link
-            from moeswarm.node.links import LinkEstimate
-
             tiers.links.links[honest_id.peer_id] = LinkEstimate(0.001, 1e6, 1e6, time.monotonic())
             link = tiers.link_table()[honest_id.peer_id.hex()]
             assert link.down_bps == 1e6 and link.fetch_bps == tiers.fetch_bps[honest_id.peer_id] > 0
@@ -197,10 +196,18 @@ def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkp
                 await tiers.ensure(0, 3, peer=bad_id.peer_id)
             assert info.value.code == ErrorCode.BAD_TENSOR
             assert tiers.fetched.get((0, 3)) is None
-            assert tiers.table.holders[bad_id.peer_id].failures == 1
             assert (tiers.fetch_verified, tiers.fetch_rejected) == (1, 1)
             fetched = tiers.status()["fetched"]
             assert (fetched["checked"], fetched["verified"], fetched["rejected"]) == (True, 1, 1)
+            # nothing is fetched from it again, and the plan never fetches from it; its calls still
+            # count (a stale digest file must not take the holders away)
+            assert tiers.table.holders[bad_id.peer_id].failures == 0
+            assert fetched["not_fetched_from"] == [peer_id_to_str(bad_id.peer_id)]
+            again = await tiers.ensure(0, 3, peer=bad_id.peer_id)  # asked of it: taken from the honest one
+            assert np.array_equal(again.down, np.asarray(weights.experts[0][3].down))
+            tiers.links.links[bad_id.peer_id] = LinkEstimate(0.001, 1e6, 1e6, time.monotonic())
+            assert not tiers.link_table()[bad_id.peer_id.hex()].fetchable
+            assert tiers.link_table()[honest_id.peer_id.hex()].fetchable
 
     asyncio.run(main())
 
