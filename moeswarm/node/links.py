@@ -131,6 +131,8 @@ class LinkMonitor:
         self.connections = Connections(identity)  # its own: a probe never queues ahead of a call
         self._task: asyncio.Task[None] | None = None
         self.rounds = 0  # probe rounds completed (a test can wait for one)
+        self.changed = asyncio.Event()  # set when a peer is first measured, and after a round that measured
+        # any (the tier planner replans then, not only on its period)
 
     def link(self, peer: bytes) -> LinkEstimate | None:
         return self.links.get(peer)
@@ -156,22 +158,28 @@ class LinkMonitor:
                                (1 - a) * old.down_bps + a * down, now, old.probes + 1)
         self.links[holder.peer_id] = new
         self.errors.pop(holder.peer_id, None)
+        if old is None:  # the plan had no figure for this peer at all
+            self.changed.set()
         return new
 
     async def probe_all(self) -> None:
         """One round: every chosen holder whose estimate is missing or older than the interval."""
         now = time.monotonic()
         live = [h for h in self.table.live() if h.peer_id != self.identity.peer_id]
+        measured = 0
         for holder in choose_probed(live, self.config.max_peers, self.links):
             old = self.links.get(holder.peer_id)
             if old is not None and now - old.measured_at < self.config.interval_s:
                 continue
             try:
                 await self.probe(holder)
+                measured += 1
             except (NetworkError, ProtocolError, ConfigError) as e:
                 self.errors[holder.peer_id] = f"{type(e).__name__}: {e}"
                 log.info("probing %s failed: %s", holder.peer_id.hex()[-12:], e)
         self.rounds += 1
+        if measured:
+            self.changed.set()
 
     async def start(self) -> None:
         async def loop() -> None:

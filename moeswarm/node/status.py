@@ -242,7 +242,9 @@ def render_report(report: dict[str, Any], show_experts: bool = False) -> None:
     f = tiers.get("fetched", {})
     console.print(f"  tier plan ({'followed' if tiers.get('acting') else 'shown only'}, {plan.get('age_s')} s old): "
                   f"{counts.get('local', 0)} experts local, {counts.get('remote', 0)} remote, "
-                  f"{counts.get('fetch', 0)} fetch; predicted {plan.get('predicted_tokens_per_s')} tokens/s")
+                  f"{counts.get('fetch', 0)} fetch; "
+                  + (f"predicted {predicted} tokens/s" if (predicted := plan.get("predicted_tokens_per_s")) is not None
+                     else "no prediction until every holder is measured"))
     console.print(f"  {f.get('experts', 0)} experts fetched ({_mb(f.get('bytes'))}); "
                   + (f"{f.get('verified', 0)} checked against their digests, {f.get('rejected', 0)} refused"
                      if f.get("checked") else "not checked: no expert_digests.json"))

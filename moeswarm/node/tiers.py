@@ -383,14 +383,20 @@ class TierPlanner:
         await asyncio.to_thread(self.calibrate)
 
         async def loop() -> None:
+            min_gap = min(1.0, self.config.replan_s)  # a big swarm's first probes do not replan 32 times over
             while True:
+                self.links.changed.clear()  # links measured from here on wake the next round early
+                started = time.monotonic()
                 try:
                     await self.replan_soon()
                     if self.config.act:
                         await self.fetch_planned()
                 except Exception:  # noqa: BLE001 - a planning bug must not stop serving; it is logged
                     log.exception("tier planning failed")
-                await asyncio.sleep(self.config.replan_s)
+                with contextlib.suppress(TimeoutError):  # every replan_s, or as soon as links are (re)measured
+                    async with asyncio.timeout(self.config.replan_s):
+                        await self.links.changed.wait()
+                await asyncio.sleep(max(0.0, started + min_gap - time.monotonic()))
 
         self._task = asyncio.create_task(loop())
 
@@ -419,8 +425,9 @@ class TierPlanner:
         }
         if plan is None:
             return out
+        predicted = round(plan.tokens_per_s, 2) if plan.tokens_per_s > 0 else None  # None: a holder not measured yet
         out["plan"] = {"age_s": round(time.monotonic() - self.planned_at, 1), "counts": plan.counts(),
-                       "predicted_tokens_per_s": round(plan.tokens_per_s, 2)}
+                       "predicted_tokens_per_s": predicted}
         if per_layer:
             layers: dict[str, dict[str, list[int]]] = {}
             for (L, e), d in sorted(plan.decisions.items()):

@@ -90,7 +90,9 @@ def test_a_big_swarm_probes_a_cover_of_every_expert_first() -> None:
 def test_unprobed_holders_are_planned_with_the_typical_link() -> None:
     """The planner predicts a finite speed for experts whose holders went unprobed: their link is
     the median measured one, with the round trip their calls showed."""
+    import asyncio
     import time
+    from dataclasses import replace
 
     from moeswarm.model.config import ModelConfig
     from moeswarm.node.links import LinkEstimate, LinkMonitor
@@ -114,6 +116,29 @@ def test_unprobed_holders_are_planned_with_the_typical_link() -> None:
     assert table_[c.peer_id.hex()].rtt_s == 0.02  # its calls said so
     plan_ = tiers.replan()
     assert 0 < plan_.tokens_per_s < float("inf")
+    assert tiers.status()["plan"]["predicted_tokens_per_s"] > 0
+    del links.links[a.peer_id]  # nothing measured: no prediction rather than "0 tokens/s"
+    tiers.replan()
+    assert tiers.status()["plan"]["predicted_tokens_per_s"] is None
+
+    async def replans_on_new_links() -> float:
+        """The plan is remade as soon as a probe brings a link, not only every replan_s."""
+        tiers.config = replace(tiers.config, replan_s=3600)
+        await tiers.start()
+        try:
+            first = tiers.planned_at
+            links.links[a.peer_id] = LinkEstimate(0.004, 10e6, 5e6, time.monotonic())
+            links.changed.set()
+            for _ in range(200):
+                if tiers.planned_at > first:
+                    break
+                await asyncio.sleep(0.01)
+            return tiers.planned_at - first
+        finally:
+            await tiers.aclose()
+
+    assert asyncio.run(replans_on_new_links()) > 0
+    assert tiers.status()["plan"]["predicted_tokens_per_s"] > 0
     assert all(d.peer is not None and d.seconds < float("inf") for d in plan_.decisions.values()), plan_.decisions
 
 
