@@ -180,6 +180,9 @@ def fetch_reports(urls: list[str], timeout: float = 5.0) -> list[dict[str, Any]]
             with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout) as response:
                 report = json.loads(response.read())
             report["url"] = url
+        except urllib.error.HTTPError as e:
+            e.close()  # it holds the response's socket
+            report = {"url": url, "error": f"HTTP {e.code}: {e.reason}"}
         except (urllib.error.URLError, OSError, ValueError) as e:
             report = {"url": url, "error": str(getattr(e, "reason", e))}
         out.append(report)

@@ -67,3 +67,28 @@ def test_other_shapes_render_without_failing() -> None:
 def test_ranges() -> None:
     assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert _ranges([]) == "-" and _ranges([3]) == "3"
+
+
+def test_a_daemon_answering_an_http_error_is_reported_with_its_status() -> None:
+    """``node status`` against a daemon whose /status fails: an error entry naming the HTTP
+    status, not an exception."""
+    import http.server
+    import threading
+
+    from moeswarm.node.status import fetch_reports
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_error(500, "snapshot failed")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reports = fetch_reports([f"http://127.0.0.1:{server.server_port}"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert reports[0]["error"] == "HTTP 500: snapshot failed"
