@@ -131,10 +131,7 @@ class DataPlaneServer:
             pass
         finally:
             self._connections.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(2):
-                    await writer.wait_closed()
+            await close_writer(writer)
 
 
 class _ServerConnection:
@@ -269,7 +266,7 @@ class ExpertClient:
             async with asyncio.timeout(timeout):
                 server_peer = await cls._handshake(reader, writer, identity, expected_peer, max_frame)
         except BaseException as e:
-            writer.close()
+            writer.transport.abort()  # no TLS goodbye for a connection that never worked
             if isinstance(e, TimeoutError):
                 raise Timeout(f"handshake with {endpoint} timed out") from None
             raise
@@ -392,10 +389,26 @@ class ExpertClient:
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):  # the reader's own failure was already reported to its calls
             await cancel_and_wait(self._reader_task)  # ... but a cancellation of whoever closes us is not swallowed
-        self.writer.close()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(2):
-                await self.writer.wait_closed()
+        await close_writer(self.writer)
+
+    def abort(self) -> None:
+        """Drop the connection at once, without the TLS goodbye (for a client that already failed)."""
+        self._reader_task.cancel()
+        self.writer.transport.abort()
+
+
+async def close_writer(writer: asyncio.StreamWriter, timeout: float = 2.0) -> None:
+    """Close a stream, giving TLS ``timeout`` seconds for its goodbye, then drop the socket: a
+    close left waiting on a slow peer's close_notify would outlive the event loop, and its
+    socket would never be closed."""
+    writer.close()
+    try:
+        async with asyncio.timeout(timeout):
+            await writer.wait_closed()
+    except BaseException as e:
+        writer.transport.abort()
+        if not isinstance(e, Exception):  # our caller's cancellation
+            raise
 
 
 class Connections:
@@ -416,6 +429,9 @@ class Connections:
             client = self._clients.get(holder.peer_id)
             if client is not None and not client.closed:
                 return client
+            if client is not None:  # it failed: its socket goes now, not whenever it is collected
+                del self._clients[holder.peer_id]
+                client.abort()
             error: Exception | None = None
             for endpoint in holder.endpoints:
                 try:

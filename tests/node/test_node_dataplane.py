@@ -232,3 +232,47 @@ def test_a_cancelled_call_or_ping_stays_cancelled_when_its_answer_arrives_at_onc
             return call in done and call.cancelled(), ping in done and ping.cancelled()
 
     assert asyncio.run(main()) == (True, True)
+
+
+def test_closing_a_stream_whose_peer_never_says_goodbye_drops_the_socket_in_bounded_time() -> None:
+    """A TLS close waits for the peer's close_notify (asyncio allows it 30 s); a peer that never
+    sends one must not leave the socket open past the close, or the event loop ends with it
+    open and it is only found at garbage collection (a ResourceWarning that failed a test run)."""
+    import socket
+    import ssl
+    import threading
+
+    from moeswarm.node.dataplane import close_writer
+    from moeswarm.node.tls import client_context, self_signed_server_context
+
+    server_ctx, _ = self_signed_server_context("silent")
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def silent_peer() -> None:  # completes the TLS handshake, then never reads or writes again
+        conn, _ = listener.accept()
+        with server_ctx.wrap_socket(conn, server_side=True):
+            stop.wait(30)
+
+    thread = threading.Thread(target=silent_peer, daemon=True)
+    thread.start()
+
+    async def main() -> tuple[float, int]:
+        _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1], ssl=client_context())
+        sock = writer.get_extra_info("socket")
+        t0 = time.monotonic()
+        await close_writer(writer, timeout=0.3)
+        seconds = time.monotonic() - t0
+        for _ in range(100):  # the socket is closed in a callback of the loop
+            if sock.fileno() == -1:
+                break
+            await asyncio.sleep(0.01)
+        return seconds, sock.fileno()
+
+    try:
+        seconds, fileno = asyncio.run(main())
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+    assert seconds < 2 and fileno == -1
