@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_openai_client_streams_from_a_local_swarm() -> None:
     daemons = []
+    client = None
     try:
         daemons.append(start_daemon("node0", ["node", "--model", str(CHECKPOINT), "--experts", "0-3"]))
         boot = daemons[0].info["multiaddrs"][0]
@@ -43,6 +44,8 @@ def test_openai_client_streams_from_a_local_swarm() -> None:
         local = list(generate(model, ids, SamplingParams(max_new_tokens=16, stop_token_ids=model.config.eos_token_ids)))
         assert completion.choices[0].text == tok.decode(ids + local)[len(tok.decode(ids)):]
     finally:
+        if client is not None:
+            client.close()  # its pooled connection, else closed only when collected (a ResourceWarning later on)
         for d in reversed(daemons):
             stop_daemon(d)
 
