@@ -318,6 +318,9 @@ class TierPlanner:
             return w
         task = self._inflight.get(key)
         if task is None:
+            if self.digests is not None and key not in self.digests:
+                raise SwarmError(f"expert {expert} of layer {layer} is not in the digest file: "
+                                 "it is called, not fetched")
             holders = [h for h in self.table.live() if h.holds(layer, expert) and h.peer_id != self.self_peer
                        and h.peer_id not in self.no_fetch_from]
             if peer is not None:
@@ -340,16 +343,14 @@ class TierPlanner:
         old = self.fetch_bps.get(holder.peer_id)
         self.fetch_bps[holder.peer_id] = rate if old is None else 0.5 * old + 0.5 * rate
         if self.digests is not None:  # the publisher's word on what each expert is (see moeswarm.node.fetch)
-            want = self.digests.get(key)
             got = await asyncio.to_thread(expert_digest, w, self.cfg)  # hashing megabytes: off the loop
-            if got != want:
+            if got != self.digests.get(key):
                 # not banned from calls: a stale digest file must not take every holder away;
                 # its outputs are what the audits check
                 self.fetch_rejected += 1
                 self.no_fetch_from.add(holder.peer_id)
                 raise BadResponse(f"expert {key[1]} of layer {key[0]} from {peer_id_to_str(holder.peer_id)} "
-                                  + ("is not in the digest file" if want is None else "does not match its digest"),
-                                  code=ErrorCode.BAD_TENSOR)
+                                  "does not match its digest", code=ErrorCode.BAD_TENSOR)
             self.fetch_verified += 1
         self.fetched.put(key, w)
         return w

@@ -155,7 +155,7 @@ def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkp
     """``moeswarm expert-digests`` writes one digest per expert; a planner holding that file
     takes an honest holder's expert, and refuses a holder that changed one number of another
     (counted, nothing cached, nothing fetched from that holder again)."""
-    from moeswarm.errors import BadResponse
+    from moeswarm.errors import BadResponse, SwarmError
     from moeswarm.node.fetch import load_expert_digests
     from moeswarm.node.links import LinkEstimate
     from moeswarm.protocol import WeightsResponse, peer_id_to_str
@@ -206,6 +206,9 @@ def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkp
             again = await tiers.ensure(0, 3, peer=bad_id.peer_id)  # asked of it: taken from the honest one
             assert np.array_equal(again.down, np.asarray(weights.experts[0][3].down))
             tiers.links.links[bad_id.peer_id] = LinkEstimate(0.001, 1e6, 1e6, time.monotonic())
+            del tiers.digests[(0, 4)]  # an expert the file does not name is not fetched at all, from anyone
+            with pytest.raises(SwarmError, match="not in the digest file"):
+                await tiers.ensure(0, 4)
             assert not tiers.link_table()[bad_id.peer_id.hex()].fetchable
             assert tiers.link_table()[honest_id.peer_id.hex()].fetchable
 
