@@ -137,7 +137,9 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
               help="remote: call every routed expert in the swarm. auto: the tier planner decides per expert, "
                    "from measured links and disk, whether to compute it here from the checkpoint, call a "
                    "holder, or fetch its weights into a local cache. fetch: fetch every expert's weights "
-                   "from a holder on a cache miss and compute it here (remote RAM as the cold tier).")
+                   "from a holder on a cache miss and compute it here (remote RAM as the cold tier). "
+                   "Fetched weights are checked against expert_digests.json in the model folder, if there "
+                   "(see `moeswarm expert-digests`).")
 @click.option("--fetch-cache", default="1GB", show_default=True, metavar="SIZE",
               help="With --tiers auto or fetch: memory for expert weights fetched from holders.")
 @click.option("--probe-interval", default=30.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
