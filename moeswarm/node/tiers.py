@@ -80,7 +80,8 @@ def measure_disk_bps(weights: Weights, samples: int = 4, *, consecutive: bool = 
     fds = {path: os.open(path, os.O_RDONLY) for path in {r[0] for r in ranges}}  # one per file, as MemoryBudget
     try:
         for fd in fds.values():
-            os.fsync(fd)  # pages still dirty (a checkpoint just written) cannot be dropped
+            with contextlib.suppress(OSError):  # e.g. EINVAL where the file system has nothing to sync
+                os.fsync(fd)  # pages still dirty (a checkpoint just written) cannot be dropped
         for path, start, length in ranges:
             os.posix_fadvise(fds[path], start, length, os.POSIX_FADV_DONTNEED)
         total = 0
