@@ -181,7 +181,7 @@ def fetch_reports(urls: list[str], timeout: float = 5.0) -> list[dict[str, Any]]
                 report = json.loads(response.read())
             report["url"] = url
         except urllib.error.HTTPError as e:
-            e.close()  # it holds the response's socket
+            e.close()  # it holds the open response
             report = {"url": url, "error": f"HTTP {e.code}: {e.reason}"}
         except (urllib.error.URLError, OSError, ValueError) as e:
             report = {"url": url, "error": str(getattr(e, "reason", e))}
@@ -247,7 +247,7 @@ def render_report(report: dict[str, Any], show_experts: bool = False) -> None:
                   f"{counts.get('local', 0)} experts local, {counts.get('remote', 0)} remote, "
                   f"{counts.get('fetch', 0)} fetch; "
                   + (f"predicted {predicted} tokens/s" if (predicted := plan.get("predicted_tokens_per_s")) is not None
-                     else "no prediction until every holder is measured"))
+                     else "no prediction until holders are measured"))
     console.print(f"  {f.get('experts', 0)} experts fetched ({_mb(f.get('bytes'))}); "
                   + (f"{f.get('verified', 0)} checked against their digests, {f.get('rejected', 0)} refused"
                      if f.get("checked") else "not checked: no expert_digests.json"))

@@ -433,7 +433,7 @@ class TierPlanner:
         }
         if plan is None:
             return out
-        predicted = round(plan.tokens_per_s, 2) if plan.tokens_per_s > 0 else None  # None: a holder not measured yet
+        predicted = round(plan.tokens_per_s, 2) if plan.tokens_per_s > 0 else None  # None: no holder measured yet
         out["plan"] = {"age_s": round(time.monotonic() - self.planned_at, 1), "counts": plan.counts(),
                        "predicted_tokens_per_s": predicted}
         if per_layer:

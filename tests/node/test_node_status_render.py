@@ -58,7 +58,7 @@ def test_other_shapes_render_without_failing() -> None:
     no_plan["tiers"].pop("plan")
     assert "no tier plan yet" in rendered(no_plan)
     unmeasured = {**NODE, "tiers": {**NODE["tiers"], "plan": {**NODE["tiers"]["plan"], "predicted_tokens_per_s": None}}}
-    assert "no prediction until every holder is measured" in rendered(unmeasured)
+    assert "no prediction until holders are measured" in rendered(unmeasured)
     backbone = {"role": "backbone", "peer_id": "12D3KooWbb", "model_id": "m", "url": "http://127.0.0.1:3",
                 "memory": {}, "dispatch": {"calls": 10, "fallbacks": 0, "local_pairs": 4, "served_by": {"ab": 2}}}
     assert "dispatched 10 calls to 1 holders, 4 pairs computed here" in rendered(backbone)
