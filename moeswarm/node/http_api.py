@@ -385,11 +385,7 @@ async def serve_http(
     Handlers are cancelled when their client disconnects, which stops the generation.  Call
     ``await runner.cleanup()`` to stop.
     """
+    from .status import start_runner
+
     runner = web.AppRunner(make_app(service, config, status), handler_cancellation=True)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except OSError as e:
-        await runner.cleanup()
-        raise ConfigError(f"cannot listen on {host}:{port}: {e}") from None
-    return runner, int(runner.addresses[0][1])
+    return runner, await start_runner(runner, host, port, "listen")

@@ -118,13 +118,20 @@ async def serve_status(snapshot: Snapshot, host: str = "127.0.0.1", port: int = 
     app = web.Application()
     add_status_routes(app, snapshot)
     runner = web.AppRunner(app)
+    port = await start_runner(runner, host, port, "serve status")
+    return runner, f"http://{host}:{port}"
+
+
+async def start_runner(runner: web.AppRunner, host: str, port: int, what: str) -> int:
+    """Set ``runner`` up and listen on ``host:port`` (0 picks a free port) -> the bound port;
+    ``ConfigError`` ("cannot <what> on host:port") if the address cannot be had."""
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
     except OSError as e:
         await runner.cleanup()
-        raise ConfigError(f"cannot serve status on {host}:{port}: {e}") from None
-    return runner, f"http://{host}:{int(runner.addresses[0][1])}"
+        raise ConfigError(f"cannot {what} on {host}:{port}: {e}") from None
+    return int(runner.addresses[0][1])
 
 
 @contextlib.contextmanager
