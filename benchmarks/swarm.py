@@ -38,7 +38,7 @@ import numpy as np
 from _links import delayed_swarm  # benchmarks/_links.py
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import Daemon, local_swarm
-from moeswarm.model import ModelConfig, SamplingParams, generate, load_model
+from moeswarm.model import SamplingParams, generate, load_config, load_model
 from moeswarm.model.experts import dense_ffn
 from moeswarm.model.synthetic import random_mixtral, random_qwen2_moe
 from moeswarm.model.routing import route
@@ -174,7 +174,7 @@ async def overlap_side(model_dir: str, daemons: list[Daemon], ids: list[int], to
 
 def overlap_section(folder: Path, tokens: int, rounds: int, rtt_ms: float) -> None:
     model_dir = str(random_qwen2_moe(folder / "qwen2-moe-0.6GB"))
-    E = ModelConfig.from_folder(model_dir).num_experts
+    E = load_config(model_dir).num_experts
     with delayed_swarm(model_dir, [f"0-{E // 2 - 1}", f"{E // 2}-{E - 1}"], rtt_ms) as daemons:
         r = asyncio.run(overlap_side(model_dir, daemons, list(range(3, 19)), tokens, rounds))
     on, off = (statistics.median(r.rates[k]) for k in (True, False))

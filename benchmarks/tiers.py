@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from moeswarm.model import Model, ModelConfig, load_weights
+from moeswarm.model import Model, ModelConfig, load_config, load_weights
 from moeswarm.model.memory import MemoryBudget, MemoryStats
 from moeswarm.model.synthetic import random_mixtral
 
@@ -282,7 +282,7 @@ def main() -> None:
     own = root / "single-node-copy"
     if not own.exists():
         shutil.copytree(folder, own)
-    cfg = ModelConfig.from_folder(str(folder))
+    cfg = load_config(str(folder))
     weights = load_weights(str(folder))
     from moeswarm.node.fetch import DIGESTS_FILE, write_expert_digests
 

@@ -129,11 +129,11 @@ def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int) -> No
 
     import click
 
-    from ..model import ModelConfig, SamplingParams, generate
+    from ..model import SamplingParams, generate, load_config
     from ..node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
     from ..protocol import peer_id_to_str
 
-    cfg = ModelConfig.from_folder(model_dir)
+    cfg = load_config(model_dir)
     t0 = time.monotonic()
     with local_swarm(model_dir, nodes, experts_per_layer=cfg.num_experts) as daemons:
         click.echo(f"started {len(daemons)} expert nodes in {time.monotonic() - t0:.1f}s:", err=True)

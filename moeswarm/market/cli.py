@@ -100,14 +100,14 @@ def live_state(model_dir: str, bootstrap: tuple[str, ...], model_id: str | None 
     """The market read live from the swarm's DHT (joins as a DHT client for the duration)."""
     import asyncio
 
-    from ..model import ModelConfig
+    from ..model import load_config
     from ..model.model_id import model_id_for
     from ..node.daemon import SwarmConfig, p2p_node  # the shell may use the node's DHT
     from ..node.rebalancer import model_shape
     from ..protocol import Identity
     from ._dht import fetch_state
 
-    cfg = ModelConfig.from_folder(model_dir)
+    cfg = load_config(model_dir)
     shape = model_shape(model_dir, cfg, model_id or model_id_for(model_dir, cfg))
 
     async def read() -> MarketState:

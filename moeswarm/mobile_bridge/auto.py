@@ -21,7 +21,7 @@ import psutil
 
 from ..errors import ConfigError
 from ..market import Block, Volunteer
-from ..model import ModelConfig
+from ..model import ModelConfig, load_config
 from ..model.model_id import model_id_for
 from ..node.daemon import SwarmConfig, load_identity, p2p_node
 from ..node.rebalancer import market_assignment, model_shape
@@ -87,7 +87,7 @@ async def market_block(config: AutoConfig, cfg: ModelConfig, model_id: str) -> B
 
 async def market_shards(config: AutoConfig) -> tuple[Path, Block]:
     """Ask the market for a block and return a shard folder holding exactly it (exported if needed)."""
-    cfg = ModelConfig.from_folder(config.model_dir)
+    cfg = load_config(config.model_dir)
     model_id = config.model_id or model_id_for(config.model_dir, cfg)
     block = await market_block(config, cfg, model_id)
     cache = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()

@@ -32,11 +32,11 @@ def export_onnx(model_dir: str, layers: str | None, experts: str | None, out_dir
     \b
         moeswarm export-onnx --model ./mixtral --layers 0-31 --experts 6-7 --out ./shards
     """
-    from ..model import ModelConfig
+    from ..model import load_config
     from ..node.daemon import parse_range
     from .export import export_onnx as run
 
-    cfg = ModelConfig.from_folder(model_dir)
+    cfg = load_config(model_dir)
     manifest = run(model_dir, out_dir, layers=parse_range(layers, cfg.num_layers, "layers"),
                    experts=parse_range(experts, cfg.num_experts, "experts"), dtype=dtype, model_id=model_id)
     click.echo(json.dumps({"out": out_dir, "model_id": manifest.model_id, "layers": list(manifest.layers),

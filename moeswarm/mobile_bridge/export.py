@@ -16,7 +16,7 @@ import onnx
 from onnx import TensorProto, external_data_helper
 
 from ..errors import ConfigError
-from ..model import ModelConfig, load_weights
+from ..model import load_config, load_weights
 from ..model.model_id import model_id_for
 from ._graph import DTYPES, OPSET, Activation, layer_graph
 from ._manifest import Manifest, ShardEntry, sha256_file
@@ -56,7 +56,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, layers: tuple[int
     """
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    cfg = ModelConfig.from_folder(model_dir)
+    cfg = load_config(model_dir)
     Activation.of(cfg)  # fail early on an activation the graph cannot express
     layers = layers or (0, cfg.num_layers - 1)
     experts = experts or (0, cfg.num_experts - 1)

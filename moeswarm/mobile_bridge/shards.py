@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ConfigError
-from ..model import ModelConfig
+from ..model import load_config
 from ._graph import DTYPES, input_name, output_name
 from ._manifest import Manifest
 
@@ -52,7 +52,7 @@ class OnnxShards:
         self.manifest = Manifest.read(self.folder)
         if config.verify_hashes:
             self.manifest.verify(self.folder)
-        self.model_config = ModelConfig.from_folder(self.folder)
+        self.model_config = load_config(self.folder)
         m = self.manifest
         if m.dtype not in DTYPES:
             raise ConfigError(f"shards have unsupported dtype {m.dtype!r}")

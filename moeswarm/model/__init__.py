@@ -19,7 +19,8 @@ from .experts import BACKENDS, expert_ffn, expert_flops, get_backend
 from .generate import SamplingParams, generate, sample
 from .tokenizer import StreamDecoder, Tokenizer
 from .transformer import ExpertExecutor, ExpertHandle, LocalExperts, Model
-from .weights import ExpertWeights, Weights, load_weights
+from .checkpoint import load_config, load_weights
+from .weights import ExpertWeights, Weights
 
 
 def load_gguf_weights(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -59,6 +60,7 @@ __all__ = [
     "expert_flops",
     "generate",
     "get_backend",
+    "load_config",
     "load_model",
     "load_gguf_weights",
     "load_weights",

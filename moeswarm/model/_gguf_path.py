@@ -1,6 +1,6 @@
 """Which checkpoints are GGUF: a ``.gguf`` file, or a folder holding exactly one and no safetensors.
 
-Kept free of the ``gguf`` library so ``load_weights`` can ask cheaply on every call.
+Kept free of the ``gguf`` library so ``checkpoint.load_weights`` can ask cheaply on every call.
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ from ..errors import ConfigError
 from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, write_metadata
 from ._gguf_names import GGUF_ARCH, gguf_name, rope_permutation, template
 from ._gguf_path import find_gguf
-from .weights import Weights, load_weights
+from ._gguf_read import GGUFFile
+from .checkpoint import load_weights
+from .weights import Weights
 
 Q = GGMLQuantizationType
 # Types gguf.quants can *encode* in numpy (K-quants and IQ types it can only decode).
@@ -178,8 +180,6 @@ def _source_files(model: str | os.PathLike[str], w: Weights) -> dict[str, str]:
     """config.json and the tokenizer files, verbatim: from the GGUF being re-encoded, else the folder."""
     source = find_gguf(model)
     if source is not None:
-        from ._gguf_read import GGUFFile
-
         meta = GGUFFile(source).meta
         keys = {"config.json": HF_CONFIG, **EMBEDDED_FILES}
         return {name: str(meta[key]) for name, key in keys.items() if key in meta}

@@ -137,15 +137,7 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike[str]) -> "ModelConfig":
-        """From ``folder/config.json``; a ``.gguf`` file (or a folder holding only one) reads its metadata."""
-        if Path(folder).suffix == ".gguf" or (Path(folder).is_dir() and not (Path(folder) / "config.json").exists()):
-            from ._gguf_path import find_gguf
-
-            gguf_file = find_gguf(folder)
-            if gguf_file is not None:
-                from .gguf import read_config
-
-                return read_config(gguf_file)
+        """From ``folder/config.json`` (``moeswarm.model.load_config`` also reads GGUF files)."""
         path = Path(folder) / "config.json"
         try:
             raw = json.loads(path.read_text())

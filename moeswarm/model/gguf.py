@@ -7,7 +7,7 @@ and the few names llama.cpp lacks).  Routed experts are stacked per layer into
 routers stay F32.  For exactness the original ``config.json`` is embedded as the string
 ``moeswarm.hf_config`` and the tokenizer files as ``moeswarm.tokenizer_json`` etc.
 
-Reading (``load_gguf_weights``; ``load_weights`` dispatches to it for a ``.gguf`` file or a folder
+Reading (``load_gguf_weights``; ``moeswarm.model.checkpoint.load_weights`` dispatches to it for a ``.gguf`` file or a folder
 holding exactly one and no safetensors) returns the engine's ``Weights``: F32/F16/BF16 tensors are
 zero-copy views of ``GGUFReader``'s memory map, quantised ones (incl. the K-quants ``gguf`` can
 decode) are ``QuantizedTensor`` views of their bytes, dequantised one expert at a time when

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
-from ._gguf_path import find_gguf  # GGUF hook: cheap path check, no gguf import
 from ._safetensors import TensorRef, open_folder
 from .config import ModelConfig
 from .convert import convert
@@ -115,18 +114,13 @@ def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return s
 
 
-def load_weights(
+def load_safetensors(
     folder: str | os.PathLike[str],
     *,
     config: ModelConfig | None = None,
     keep_expert: Callable[[int, int], bool] | None = None,
 ) -> Weights:
-    """Map a model folder.  ``keep_expert(layer, expert)`` selects the experts to hold (default: all)."""
-    gguf_file = find_gguf(folder)  # GGUF hook: a .gguf file, or a folder with one and no safetensors
-    if gguf_file is not None:
-        from .gguf import load_gguf_weights  # deferred: it imports this module and the gguf library
-
-        return load_gguf_weights(gguf_file, config=config, keep_expert=keep_expert)
+    """Map a safetensors model folder.  ``keep_expert(layer, expert)`` selects the experts to hold."""
     folder = str(folder)
     if not Path(folder).is_dir():
         raise CheckpointError("model folder not found", path=folder)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .._keys import load_key_file
 from .._tasks import cancel_and_wait
 from ..errors import CheckpointError, ConfigError, SwarmError, Unreachable
-from ..model import Model, ModelConfig, Tokenizer, Weights, load_weights
+from ..model import Model, ModelConfig, Tokenizer, Weights, load_config, load_weights
 from ..model.model_id import model_id_for
 from ..protocol import Identity
 from .announce import AnnounceConfig, Announcer
@@ -168,7 +168,7 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
                    stop: asyncio.Event | None = None,
                    on_decision: Callable[[Decision], None] = report_decision) -> None:
     sc = config.swarm
-    cfg = ModelConfig.from_folder(sc.model_dir)
+    cfg = load_config(sc.model_dir)
     model_id = sc.model_id or model_id_for(sc.model_dir, cfg)
     identity = load_identity(sc.identity_file)
     stop = stop or stop_event()
@@ -259,7 +259,7 @@ class SwarmBackbone:
     def __init__(self, config: BackboneConfig) -> None:
         self.config = config
         sc = config.swarm
-        self.cfg = ModelConfig.from_folder(sc.model_dir)
+        self.cfg = load_config(sc.model_dir)
         self.model_id = sc.model_id or model_id_for(sc.model_dir, self.cfg)
         self.identity = load_identity(sc.identity_file)
         self.table = SwarmTable(self.model_id)

@@ -18,7 +18,7 @@ from moeswarm.model import load_model
 from moeswarm.model._gguf_write import TensorPlan, plan, write_gguf
 from moeswarm.model.gguf import GGUFFile, load_gguf_weights
 from moeswarm.model.gguf_cli import convert_gguf
-from moeswarm.model.weights import load_weights
+from moeswarm.model import load_weights
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from moeswarm.model import ARCHITECTURES, SamplingParams, Tokenizer, generate, l
 from moeswarm.model._safetensors import open_folder
 from moeswarm.model.experts import F32Cache, f32
 from moeswarm.model.gguf import GGUF_ARCH, NAME_MAP, GGUFFile, QuantizedTensor, embedded_file, hf_to_gguf
-from moeswarm.model.weights import ExpertWeights, load_weights
+from moeswarm.model import ExpertWeights, load_weights
 
 
 def hf_tensor(folder: Path, key: str) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 
 from moeswarm.model import ARCHITECTURES, SamplingParams, generate, load_model
 from moeswarm.model.gguf import QuantizedTensor
-from moeswarm.model.weights import load_weights
+from moeswarm.model import load_weights
 from moeswarm.model.transformer import Model
 
 FP16_EPS = 2.0**-11  # largest relative rounding error of one weight stored as fp16

@@ -15,7 +15,7 @@ import pytest
 
 from moeswarm.demo.swarm import Daemon, local_swarm
 from moeswarm.errors import ProtocolError, Unreachable
-from moeswarm.model import Model, ModelConfig, SamplingParams, expert_ffn, generate, load_model, load_weights
+from moeswarm.model import Model, SamplingParams, expert_ffn, generate, load_config, load_model, load_weights
 from moeswarm.model.gguf import QuantizedTensor, convert_to_gguf
 from moeswarm.model.model_id import model_id_for
 from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
@@ -31,7 +31,7 @@ def test_the_model_id_names_how_the_experts_are_encoded(oracle_checkpoints, gguf
     from test_gguf_mmap import write_sparse_gguf
 
     folder, _ = oracle_checkpoints.get(ARCH, "per_expert")
-    cfg = ModelConfig.from_folder(folder)
+    cfg = load_config(folder)
     base = model_id_for(str(folder), cfg)  # safetensors: arch + hash of config.json, as before
     q8 = model_id_for(str(gguf_checkpoints.get(ARCH, "F16", "Q8_0")), cfg)
     assert q8 == f"{base}-q8_0"
@@ -41,17 +41,17 @@ def test_the_model_id_names_how_the_experts_are_encoded(oracle_checkpoints, gguf
     # the converter's sidecar config.json does not make the GGUF folder pass for the safetensors one
     convert_to_gguf(folder, tmp_path / "sidecar" / "m.gguf", weight_type="F16", experts_type="Q8_0")
     assert (tmp_path / "sidecar" / "config.json").read_bytes() == (folder / "config.json").read_bytes()
-    assert model_id_for(str(tmp_path / "sidecar"), ModelConfig.from_folder(tmp_path / "sidecar")) == q8
+    assert model_id_for(str(tmp_path / "sidecar"), load_config(tmp_path / "sidecar")) == q8
     # a type per layer (llama.cpp's K-quant mixes): named by a hash of which tensor has which type
     write_sparse_gguf(tmp_path / "mixed.gguf", hidden=64, inter=128, layers=2, experts=4)
-    mixed = ModelConfig.from_folder(tmp_path / "mixed.gguf")
+    mixed = load_config(tmp_path / "mixed.gguf")
     assert re.fullmatch(r"mixtral-[0-9a-f]{12}-mixed-[0-9a-f]{8}", model_id_for(str(tmp_path / "mixed.gguf"), mixed))
 
 
 @pytest.fixture(scope="module")
 def q8_swarm(gguf_checkpoints) -> Iterator[tuple[Path, list[Daemon]]]:  # type: ignore[no-untyped-def]
     path = gguf_checkpoints.get(ARCH, "F16", "Q8_0")  # F16 backbone tensors, Q8_0 experts
-    experts = ModelConfig.from_folder(path).num_experts
+    experts = load_config(path).num_experts
     with local_swarm(str(path), 2, experts_per_layer=experts) as daemons:  # READY-gated, stopped on exit
         yield path, daemons
 
@@ -91,7 +91,7 @@ def test_q8_0_nodes_compute_what_the_engine_computes_on_the_gguf(oracle_checkpoi
     local = load_model(path)  # the engine on the same GGUF, in one process
     assert isinstance(local.weights.experts[0][0].gate, QuantizedTensor)
     model_id = model_id_for(str(path), local.config)
-    assert model_id.endswith("-q8_0") and model_id != model_id_for(str(folder), ModelConfig.from_folder(folder))
+    assert model_id.endswith("-q8_0") and model_id != model_id_for(str(folder), load_config(folder))
     assert {d.info["model_id"] for d in daemons} == {model_id}  # derived by the nodes, not forced
     prompts = prompt_set(ref.prompt_ids)
     fp32 = load_model(folder)  # the safetensors checkpoint: only reported against

@@ -15,7 +15,7 @@ from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import start_daemon, stop_daemon
 from moeswarm.ledger import Ledger, ModelShape as LedgerShape, PerExpertPrice, StoreConfig, settle_epoch
 from moeswarm.market import Demand, DemandCounter, ModelShape, compute_prices, supply_from_holders
-from moeswarm.model import ModelConfig, SamplingParams, Tokenizer, generate
+from moeswarm.model import SamplingParams, Tokenizer, generate, load_config
 from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
 from moeswarm.protocol import Identity, peer_id_from_str
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_auto_assignment_covers_the_model_and_settles_at_market_prices(tmp_path: Path) -> None:
-    cfg = ModelConfig.from_folder(CHECKPOINT)
+    cfg = load_config(CHECKPOINT)
     moe = tuple(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
     daemons = []
     try:

@@ -31,7 +31,7 @@ import pytest
 from moeswarm.demo import CHECKPOINT
 from moeswarm.errors import ProtocolError
 from moeswarm.market import Block, ModelShape, RebalanceConfig, Volunteer
-from moeswarm.model import ModelConfig, expert_ffn
+from moeswarm.model import expert_ffn, load_config
 from moeswarm.node.announce import AnnounceConfig, Announcer
 from moeswarm.node.daemon import (
     Decision,
@@ -61,7 +61,7 @@ from moeswarm.protocol import (
 
 pytestmark = pytest.mark.timeout(120)
 
-CFG = ModelConfig.from_folder(CHECKPOINT)
+CFG = load_config(CHECKPOINT)
 MOE = [L for L in range(CFG.num_layers) if CFG.moe_layers[L]]
 ALL = {(L, e) for L in MOE for e in range(CFG.num_experts)}
 MODEL = "demo-m"

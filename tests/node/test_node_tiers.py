@@ -218,10 +218,10 @@ def test_fetched_experts_are_checked_against_the_published_digests(oracle_checkp
 
 def test_a_broken_digest_file_is_refused_at_start(oracle_checkpoints, tmp_path) -> None:
     from moeswarm.errors import ConfigError
-    from moeswarm.model import ModelConfig
+    from moeswarm.model import load_config
     from moeswarm.node.fetch import DIGESTS_FORMAT, load_expert_digests
 
-    cfg = ModelConfig.from_folder(oracle_checkpoints.get("mixtral", "per_expert")[0])
+    cfg = load_config(oracle_checkpoints.get("mixtral", "per_expert")[0])
     path = tmp_path / "d.json"
     assert load_expert_digests(path, cfg) is None  # no file: fetched weights go unchecked (and a warning says so)
     for text, why in [("{not json", "not an expert digest file"),

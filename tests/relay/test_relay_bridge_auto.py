@@ -13,7 +13,7 @@ import pytest
 
 from moeswarm.demo import CHECKPOINT, DEFAULT_PROMPT
 from moeswarm.mobile_bridge import Manifest
-from moeswarm.model import ModelConfig, SamplingParams, Tokenizer, generate, load_model
+from moeswarm.model import SamplingParams, Tokenizer, generate, load_config, load_model
 from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
 from moeswarm.protocol import peer_id_from_str
 from moeswarm.relay import set_relay_ca
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def test_bridge_with_experts_auto_takes_the_uncovered_experts_and_generates_the_engine_tokens(
         certs: Any, spawn: Any, tmp_path: Path) -> None:
-    cfg = ModelConfig.from_folder(CHECKPOINT)
+    cfg = load_config(CHECKPOINT)
     assert (cfg.num_layers, cfg.num_experts) == (4, 8) and all(cfg.moe_layers)
     expert_fp32 = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     capacity = 16 * expert_fp32 + expert_fp32 // 2  # 4 layers x 4 experts exported as fp32, not 17

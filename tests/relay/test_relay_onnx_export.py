@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from moeswarm.errors import ConfigError, ProtocolError
 from moeswarm.mobile_bridge import Manifest, OnnxExpertServer, OnnxShards, RuntimeConfig, export_onnx, session_options
 from moeswarm.mobile_bridge.cli import export_onnx as export_cli
-from moeswarm.model import ModelConfig, expert_ffn, load_weights
+from moeswarm.model import expert_ffn, load_config, load_weights
 from moeswarm.model.model_id import model_id_for
 from moeswarm.node.expert_server import ExpertServer, ExpertServerConfig
 from moeswarm.protocol import ErrorCode, ExpertRequest, ExpertRows, Identity, check_response
@@ -43,7 +43,7 @@ def max_error(folder: Path, shard_dir: Path, experts: range) -> float:
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])  # SwiGLU; gpt-oss clamped SwiGLU with biases
 def test_fp32_shards_equal_the_engine_and_fp16_are_close(oracle_checkpoints: Any, tmp_path: Path, arch: str) -> None:
     folder, _ = oracle_checkpoints.get(arch, "packed")
-    cfg = ModelConfig.from_folder(folder)
+    cfg = load_config(folder)
     assert cfg.expert_activation == ("clamped_swiglu" if arch == "gpt_oss" else "swiglu")
     export_onnx(folder, tmp_path / "fp32", experts=(2, 5))
     export_onnx(folder, tmp_path / "fp16", experts=(2, 5), dtype="fp16")
@@ -54,7 +54,7 @@ def test_fp32_shards_equal_the_engine_and_fp16_are_close(oracle_checkpoints: Any
 
 def test_manifest_external_data_and_hashes(oracle_checkpoints: Any, tmp_path: Path) -> None:
     folder, _ = oracle_checkpoints.get("qwen2_moe", "packed")  # layer 1 is dense: it gets no shard
-    cfg = ModelConfig.from_folder(folder)
+    cfg = load_config(folder)
     result = CliRunner().invoke(export_cli, ["--model", str(folder), "--layers", "0-2", "--experts", "4-9",
                                              "--out", str(tmp_path / "s"), "--dtype", "fp16"])
     assert result.exit_code == 0, result.output

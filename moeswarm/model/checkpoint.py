@@ -1,0 +1,43 @@
+"""Open a checkpoint in either stored form: a Hugging Face folder (config.json + safetensors) or GGUF.
+
+This is the one place that knows both formats, so neither reader imports the other:
+``config.py`` parses config.json, ``weights.py`` maps safetensors, ``_gguf_read.py`` maps GGUF
+(imported on use: the ``gguf`` library is heavy).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from ._gguf_path import find_gguf
+from .config import ModelConfig
+from .weights import Weights, load_safetensors
+
+
+def load_config(folder: str | os.PathLike[str]) -> ModelConfig:
+    """From ``folder/config.json``; a ``.gguf`` file (or a folder holding only one) reads its metadata."""
+    gguf_file = find_gguf(folder)
+    if gguf_file is not None and not (os.path.isdir(folder) and os.path.exists(os.path.join(folder, "config.json"))):
+        from ._gguf_read import read_config
+
+        return read_config(gguf_file)
+    return ModelConfig.from_folder(folder)
+
+
+def load_weights(
+    folder: str | os.PathLike[str],
+    *,
+    config: ModelConfig | None = None,
+    keep_expert: Callable[[int, int], bool] | None = None,
+) -> Weights:
+    """Map a model folder.  ``keep_expert(layer, expert)`` selects the experts to hold (default: all)."""
+    gguf_file = find_gguf(folder)  # a .gguf file, or a folder with one and no safetensors
+    if gguf_file is not None:
+        from ._gguf_read import load_gguf_weights
+
+        return load_gguf_weights(gguf_file, config=config, keep_expert=keep_expert)
+    return load_safetensors(folder, config=config, keep_expert=keep_expert)
+
+
+__all__ = ["load_config", "load_weights"]
