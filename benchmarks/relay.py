@@ -34,12 +34,35 @@ import aiohttp
 import numpy as np
 
 from moeswarm.demo import CHECKPOINT
-from moeswarm.mobile_bridge import LinkConfig, OnnxExpertServer, OnnxShards, RelayLink, export_onnx
-from moeswarm.node.dataplane import DataPlaneServer, ExpertClient, ServerConfig
+from moeswarm.mobile_bridge import (
+    LinkConfig,
+    OnnxExpertServer,
+    OnnxShards,
+    RelayLink,
+    export_onnx,
+)
+from moeswarm.net.client import ExpertClient
+from moeswarm.net.dataplane import DataPlaneServer, ServerConfig
 from moeswarm.node.expert_server import ExpertServerConfig
-from moeswarm.protocol import ClientHandshake, ExpertRequest, ExpertRows, HelloAck, Identity
-from moeswarm.relay import (DEVICE_PATH, DEVICE_SUBPROTOCOL, Kind, Welcome, binding_of, decode_control,
-                            encode_control, pack, set_relay_ca, unpack)
+from moeswarm.protocol import (
+    ClientHandshake,
+    ExpertRequest,
+    ExpertRows,
+    HelloAck,
+    Identity,
+)
+from moeswarm.relay import (
+    DEVICE_PATH,
+    DEVICE_SUBPROTOCOL,
+    Kind,
+    Welcome,
+    binding_of,
+    decode_control,
+    encode_control,
+    pack,
+    set_relay_ca,
+    unpack,
+)
 from moeswarm.relay.devcerts import make_dev_certs
 
 

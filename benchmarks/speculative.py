@@ -32,11 +32,13 @@ PROMPTS = {
 
 
 def main(tokens: int, rtt_ms: float) -> None:
+    from moeswarm.daemon import SwarmConfig
     from moeswarm.demo import CHECKPOINT
     from moeswarm.model import SamplingParams, generate
     from moeswarm.model.speculative import SpeculativeStats, generate_speculative
-    from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
-    from moeswarm.node.dataplane import ExpertClient
+    from moeswarm.net.client import ExpertClient
+    from moeswarm.node.backbone import SwarmBackbone
+    from moeswarm.node.config import BackboneConfig
     from moeswarm.protocol import Identity
 
     rows = []

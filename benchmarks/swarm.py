@@ -24,28 +24,28 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import asyncio
-import sys
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-
 from _links import delayed_swarm  # benchmarks/_links.py
+
+from moeswarm.daemon import SwarmConfig
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import Daemon, local_swarm
 from moeswarm.model import SamplingParams, generate, load_config, load_model
 from moeswarm.model.experts import dense_ffn
-from moeswarm.model.synthetic import random_mixtral, random_qwen2_moe
 from moeswarm.model.routing import route
-from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
-from moeswarm.node.dataplane import ExpertClient
+from moeswarm.model.synthetic import random_mixtral, random_qwen2_moe
+from moeswarm.net.client import ExpertClient
+from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.node.config import BackboneConfig
 from moeswarm.protocol import Identity
-
 
 ECHO = """
 import asyncio, sys

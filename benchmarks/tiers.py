@@ -99,7 +99,7 @@ def run_mmap(folder: Path, budget: int, prompt: list[int], tokens: int) -> dict[
     marks: dict[str, int] = {}
     result = timed_run(model, prompt, tokens, lambda: marks.update(hits=stats.hits, misses=stats.misses))
     decode_hits, decode_misses = stats.hits - marks["hits"], stats.misses - marks["misses"]
-    from moeswarm.node.tiers import measure_compute_bps, measure_disk_bps
+    from moeswarm.node.measure import measure_compute_bps, measure_disk_bps
 
     result.update(resident_decode_s=1 / resident["decode_tok_s"], resident_prefill_s=resident["prefill_s"],
                   hit_rate=decode_hits / max(1, decode_hits + decode_misses), disk_bps=measure_disk_bps(weights),
@@ -112,7 +112,9 @@ def run_mmap(folder: Path, budget: int, prompt: list[int], tokens: int) -> dict[
 
 def backbone_main(spec: dict[str, Any]) -> None:
     """Inside namespace a: a backbone (--tiers remote or fetch) timed like ``run_mmap``; prints JSON."""
-    from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+    from moeswarm.daemon import SwarmConfig
+    from moeswarm.node.backbone import SwarmBackbone
+    from moeswarm.node.config import BackboneConfig
 
     async def main() -> dict[str, Any]:
         config = BackboneConfig(SwarmConfig(spec["folder"], bootstrap=(spec["bootstrap"],), client_mode=True),

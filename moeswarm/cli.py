@@ -9,6 +9,7 @@ import click
 
 from ._cli_util import friendly_errors
 
+
 class LazyGroup(click.Group):
     """Subcommands that live in other packages are imported only when used: ``moeswarm generate``
     should not pay for aiohttp, onnxruntime or the ledger's SQLAlchemy (time and resident memory)."""
@@ -98,7 +99,9 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
     if swarm:
         import asyncio
 
-        from .node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+        from .daemon import SwarmConfig
+        from .node.backbone import SwarmBackbone
+        from .node.config import BackboneConfig
 
         if relay_ca is not None:
             from .relay import set_relay_ca

@@ -129,8 +129,10 @@ def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int) -> No
 
     import click
 
+    from ..daemon import SwarmConfig
     from ..model import SamplingParams, generate, load_config
-    from ..node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+    from ..node.backbone import SwarmBackbone
+    from ..node.config import BackboneConfig
     from ..protocol import peer_id_to_str
 
     cfg = load_config(model_dir)

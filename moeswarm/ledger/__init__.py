@@ -13,18 +13,47 @@ them (``fetch_root``, ``root_problem``). A backbone submits through ``ReceiptSub
 ``LedgerService`` (``moeswarm-ledger serve``). See ``cli.py`` for the command line.
 """
 
-from ._audit import AuditConfig, AuditRunner, AuditSample, AuditVerdict, LocalJudge, check_sample, reexecute
+from ._audit import (
+    AuditConfig,
+    AuditRunner,
+    AuditSample,
+    AuditVerdict,
+    check_sample,
+    reexecute,
+)
 from ._chain import GENESIS_HASH, ModelShape, Reason, entry_hash, receipt_id
 from ._errors import DatabaseMissing, LedgerCorrupt
-from ._evidence import EvidenceRecord, evidence_for, record_evidence
+from ._evidence import EvidenceRecord, LocalJudge, evidence_for, record_evidence
 from ._ingest import IngestResult
-from ._merkle import inclusion_proof, leaf_hash, merkle_root, node_hash, verify_inclusion
+from ._merkle import (
+    inclusion_proof,
+    leaf_hash,
+    merkle_root,
+    node_hash,
+    verify_inclusion,
+)
 from ._queries import ReceiptRow, list_receipts, load_key
 from ._remote import RemoteJudge
 from ._roots import fetch_root, publish_root, root_problem, root_record
 from ._service import LedgerService, ServiceConfig
-from ._settle import Balance, FlatPrice, PerExpertPrice, Pricing, Statement, balances, credits
-from ._settlement import PeerBalance, Proof, check_proof, peer_balance, prove, settle_epoch, stored_statement
+from ._settle import (
+    Balance,
+    FlatPrice,
+    PerExpertPrice,
+    Pricing,
+    Statement,
+    balances,
+    credits,
+)
+from ._settlement import (
+    PeerBalance,
+    Proof,
+    check_proof,
+    peer_balance,
+    prove,
+    settle_epoch,
+    stored_statement,
+)
 from ._store import HeadInfo, Ledger, StoreConfig
 from ._submitter import ReceiptSubmitter, SubmitterConfig
 from ._verify import Problem, VerifyReport, verify_chain

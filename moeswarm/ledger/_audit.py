@@ -8,7 +8,7 @@ recomputes every (expert, row) pair. The error is ``max |output - reference|`` d
 
 ``AuditRunner`` is the shell a backbone wires in: ``offer(request, outputs, receipt)`` after each
 countersigned receipt samples ``fraction`` of the calls and hands them to a judge in the
-background: ``LocalJudge`` (weights in this process, evidence into a ``Ledger``) or
+background: ``LocalJudge`` (weights in this process, evidence into a ``Ledger``; in ``_evidence``) or
 ``RemoteJudge`` (``POST /v1/audits`` to the ledger service, which re-executes itself).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,6 @@ from moeswarm.protocol import (
 )
 
 from ._chain import receipt_id
-from ._store import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -149,30 +148,6 @@ def reexecute(sample: AuditSample, weights: Weights, tolerance: float) -> AuditV
 
 
 Judge = Callable[[AuditSample], Awaitable[AuditVerdict]]
-
-
-class LocalJudge:
-    """Re-executes with weights held here and records signed evidence in ``ledger`` on a mismatch."""
-
-    def __init__(self, ledger: Ledger, weights: Mapping[str, Weights], config: AuditConfig = AuditConfig()) -> None:
-        self.ledger = ledger
-        self.weights = dict(weights)  # model_id -> weights holding the experts to audit
-        self.config = config
-
-    def judge(self, sample: AuditSample) -> AuditVerdict:
-        """Blocking: re-execute, and record evidence when the server lied."""
-        from ._evidence import record_evidence  # noqa: PLC0415 - cycle: _evidence uses AuditSample
-
-        weights = self.weights.get(sample.request.model_id)
-        if weights is None:
-            raise ConfigError(f"no weights to audit model {sample.request.model_id!r}")
-        verdict = reexecute(sample, weights, self.config.tolerance)
-        if not verdict.ok:
-            record_evidence(self.ledger, sample, verdict)
-        return verdict
-
-    async def __call__(self, sample: AuditSample) -> AuditVerdict:
-        return await asyncio.to_thread(self.judge, sample)
 
 
 class AuditRunner:

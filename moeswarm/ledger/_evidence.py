@@ -8,7 +8,9 @@ The evidence record is signed by the ledger key over canonical(body) under the d
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -16,9 +18,16 @@ import msgpack
 from sqlalchemy import insert, select
 
 from moeswarm.errors import ConfigError, SwarmError
-from moeswarm.protocol import Identity, canonical, peer_id_to_str, public_key_from_peer_id, verify
+from moeswarm.model import Weights
+from moeswarm.protocol import (
+    Identity,
+    canonical,
+    peer_id_to_str,
+    public_key_from_peer_id,
+    verify,
+)
 
-from ._audit import AuditSample, AuditVerdict
+from ._audit import AuditConfig, AuditSample, AuditVerdict, reexecute
 from ._models import Evidence, Settlement
 from ._store import Ledger
 
@@ -116,3 +125,25 @@ def evidence_for(ledger: Ledger, server: bytes | None = None) -> list[EvidenceRe
         query = query.where(Evidence.server == server)
     with ledger.read() as conn:
         return [EvidenceRecord.decode(d) for d in conn.execute(query).scalars()]
+
+
+class LocalJudge:
+    """Re-executes with weights held here and records signed evidence in ``ledger`` on a mismatch."""
+
+    def __init__(self, ledger: Ledger, weights: Mapping[str, Weights], config: AuditConfig = AuditConfig()) -> None:
+        self.ledger = ledger
+        self.weights = dict(weights)  # model_id -> weights holding the experts to audit
+        self.config = config
+
+    def judge(self, sample: AuditSample) -> AuditVerdict:
+        """Blocking: re-execute, and record evidence when the server lied."""
+        weights = self.weights.get(sample.request.model_id)
+        if weights is None:
+            raise ConfigError(f"no weights to audit model {sample.request.model_id!r}")
+        verdict = reexecute(sample, weights, self.config.tolerance)
+        if not verdict.ok:
+            record_evidence(self.ledger, sample, verdict)
+        return verdict
+
+    async def __call__(self, sample: AuditSample) -> AuditVerdict:
+        return await asyncio.to_thread(self.judge, sample)

@@ -8,7 +8,16 @@ Peer IDs are the 38 raw bytes, hashes 32 bytes. Unsigned protocol counters are s
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Index, Integer, LargeBinary, MetaData, String, Text, UniqueConstraint
+from sqlalchemy import (
+    BigInteger,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 VERSION_TABLE = "ledger_alembic_version"

@@ -1,7 +1,7 @@
 """Settlement roots in the swarm's DHT: publish a settled epoch's signed root, fetch it, and check
 an inclusion proof against it, so a volunteer need not trust the ledger's own server.
 
-The record and its validation belong to the swarm (``moeswarm.node.records.LedgerRoot``, under
+The record and its validation belong to the swarm (``moeswarm.net.records.LedgerRoot``, under
 ``/moeswarm/v1/ledger/<ledger peer>/epoch/<n>``; every DHT peer runs that one validator, which
 stores a root only when the ledger signed it and never replaces it with another). The node
 package and libp2p are imported on use: ``import moeswarm.ledger`` loads neither.
@@ -25,12 +25,12 @@ from ._settle import Statement
 from ._settlement import Proof
 
 if TYPE_CHECKING:
-    from moeswarm.node.records import LedgerRoot
+    from moeswarm.net.records import LedgerRoot
 
 
 def root_record(statement: Statement, identity: Identity) -> LedgerRoot:
     """The compact signed root of a settlement statement (deterministic: re-signing gives the same bytes)."""
-    from moeswarm.node.records import LedgerRoot  # noqa: PLC0415 - see the module docstring
+    from moeswarm.net.records import LedgerRoot  # noqa: PLC0415 - see the module docstring
 
     if identity.peer_id != statement.ledger:
         raise ConfigError("only the ledger's own key signs its settlement roots")
@@ -42,7 +42,7 @@ def root_record(statement: Statement, identity: Identity) -> LedgerRoot:
 @contextlib.asynccontextmanager
 async def _client(bootstrap: Sequence[str]) -> AsyncIterator[Any]:
     """A short-lived DHT client node (a fresh key: the record, not the node, carries the ledger's)."""
-    from moeswarm.node.p2p import P2PConfig, P2PNode  # noqa: PLC0415 - see the module docstring
+    from moeswarm.net.p2p import P2PConfig, P2PNode  # noqa: PLC0415 - see the module docstring
 
     if not bootstrap:
         raise ConfigError("reaching the DHT needs a --bootstrap peer (a multiaddr ending in /p2p/<peer id>)")
@@ -54,7 +54,7 @@ async def publish_root(statement: Statement, identity: Identity, bootstrap: Sequ
     """Store the statement's root in the DHT; returns it and how many peers newly stored it (0 when
     every peer reached already held it). ``ProtocolError`` (code 14) if the epoch has another root:
     the peers would refuse this one, and say nothing about it."""
-    from moeswarm.node.records import ledger_root_key  # noqa: PLC0415
+    from moeswarm.net.records import ledger_root_key  # noqa: PLC0415
 
     root = root_record(statement, identity)
     key, value = ledger_root_key(root.ledger, root.epoch), root.encode()
@@ -69,7 +69,7 @@ async def publish_root(statement: Statement, identity: Identity, bootstrap: Sequ
 
 async def fetch_root(ledger: bytes, epoch: int, bootstrap: Sequence[str]) -> LedgerRoot | None:
     """The ledger's root of ``epoch`` from the DHT (validated: signed by ``ledger``), or None."""
-    from moeswarm.node.records import ledger_root_key, validate_ledger_root  # noqa: PLC0415
+    from moeswarm.net.records import ledger_root_key, validate_ledger_root  # noqa: PLC0415
 
     key = ledger_root_key(ledger, epoch)
     async with _client(bootstrap) as node:

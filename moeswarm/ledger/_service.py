@@ -23,12 +23,19 @@ from typing import Any
 import msgpack
 from aiohttp import web
 
-from moeswarm.errors import BadResponse, ConfigError, NetworkError, ProtocolError, SwarmError
+from moeswarm.errors import (
+    BadResponse,
+    ConfigError,
+    NetworkError,
+    ProtocolError,
+    SwarmError,
+)
 from moeswarm.protocol import peer_id_to_str
 
-from ._audit import AuditSample, LocalJudge
+from ._audit import AuditSample
 from ._chain import ModelShape
 from ._errors import LedgerCorrupt
+from ._evidence import LocalJudge
 from ._settlement import prove, stored_statement
 from ._store import Ledger
 

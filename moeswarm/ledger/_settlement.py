@@ -14,7 +14,13 @@ from typing import Any
 from sqlalchemy import func, insert, select, true, update
 
 from moeswarm.errors import ConfigError
-from moeswarm.protocol import CountersignedReceipt, Receipt, decode, peer_id_from_str, peer_id_to_str
+from moeswarm.protocol import (
+    CountersignedReceipt,
+    Receipt,
+    decode,
+    peer_id_from_str,
+    peer_id_to_str,
+)
 
 from ._chain import GENESIS_HASH, receipt_id
 from ._errors import LedgerCorrupt

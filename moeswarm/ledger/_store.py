@@ -21,9 +21,24 @@ from sqlalchemy import Connection, Row, Table, func, insert, select, tuple_, upd
 from sqlalchemy.exc import SQLAlchemyError
 
 from moeswarm.errors import ConfigError
-from moeswarm.protocol import CountersignedReceipt, Identity, canonical, peer_id_to_str, public_key_from_peer_id, verify
+from moeswarm.protocol import (
+    CountersignedReceipt,
+    Identity,
+    canonical,
+    peer_id_to_str,
+    public_key_from_peer_id,
+    verify,
+)
 
-from ._chain import GENESIS_HASH, ModelShape, Prepared, Reason, Refused, entry_hash, prepare
+from ._chain import (
+    GENESIS_HASH,
+    ModelShape,
+    Prepared,
+    Reason,
+    Refused,
+    entry_hash,
+    prepare,
+)
 from ._db import database_url, describe, migrate, open_engine, translate, write_tx
 from ._ingest import IngestResult, Known, plan_batch
 from ._models import Entry, Head, Meta, Model

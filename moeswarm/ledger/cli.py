@@ -318,7 +318,8 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
     from moeswarm.model import load_weights
     from moeswarm.model.model_id import model_id_for
 
-    from ._audit import AuditConfig, LocalJudge
+    from ._audit import AuditConfig
+    from ._evidence import LocalJudge
     from ._service import LedgerService, ServiceConfig, ready_info
 
     host, port = _parse_listen(listen)

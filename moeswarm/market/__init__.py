@@ -46,7 +46,15 @@ from ._price import (
     smooth,
     target_multipliers,
 )
-from ._rebalance import MovePlan, PlanStep, RebalanceConfig, check_plan, drop_is_safe, plan_move, rebalance
+from ._rebalance import (
+    MovePlan,
+    PlanStep,
+    RebalanceConfig,
+    check_plan,
+    drop_is_safe,
+    plan_move,
+    rebalance,
+)
 from ._reports import (
     REPORT_KIND,
     DemandReport,
@@ -59,10 +67,19 @@ from ._reports import (
     sign_report,
     verify_report,
 )
-from ._state import HolderRecord, MarketState, shape_from_json, state_from_json, summarize
+from ._state import (
+    HolderRecord,
+    MarketState,
+    shape_from_json,
+    state_from_json,
+    summarize,
+)
 from ._supply import HolderLike, Supply, supply_from_holders
+from ._volunteer import market_assignment, model_shape
 
 __all__ = [
+    "market_assignment",
+    "model_shape",
     # grid
     "ModelShape", "Block", "Rect", "Score", "best_rect", "better", "pareto_shapes",
     # demand

@@ -1,6 +1,6 @@
 """The market's I/O shell over the DHT: read announcements and demand reports into a ``MarketState``.
 
-Announcements are read exactly as ``moeswarm.node.discovery.Discovery`` reads them (providers of
+Announcements are read exactly as ``moeswarm.net.discovery.Discovery`` reads them (providers of
 each MoE layer's key, then each provider's own record, validated). Demand reports live under::
 
     /moeswarm/v1/<model_id>/demand/<peer_id base58btc>   value: the signed DemandReport
@@ -28,7 +28,14 @@ from moeswarm.protocol import (
 
 from ._grid import ModelShape
 from ._price import PriceConfig, PriceTable
-from ._reports import DemandReport, MergeConfig, decode_report, encode_report, merge_reports, verify_report
+from ._reports import (
+    DemandReport,
+    MergeConfig,
+    decode_report,
+    encode_report,
+    merge_reports,
+    verify_report,
+)
 from ._state import MarketState
 from ._supply import supply_from_holders
 

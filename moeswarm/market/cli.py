@@ -100,12 +100,12 @@ def live_state(model_dir: str, bootstrap: tuple[str, ...], model_id: str | None 
     """The market read live from the swarm's DHT (joins as a DHT client for the duration)."""
     import asyncio
 
+    from ..daemon import SwarmConfig, p2p_node  # the shell may use the node's DHT
     from ..model import load_config
     from ..model.model_id import model_id_for
-    from ..node.daemon import SwarmConfig, p2p_node  # the shell may use the node's DHT
-    from ..node.rebalancer import model_shape
     from ..protocol import Identity
     from ._dht import fetch_state
+    from ._volunteer import model_shape
 
     cfg = load_config(model_dir)
     shape = model_shape(model_dir, cfg, model_id or model_id_for(model_dir, cfg))

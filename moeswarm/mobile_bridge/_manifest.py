@@ -45,7 +45,7 @@ class ShardEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    model_id: str  # as nodes announce it (moeswarm.node.daemon.model_id_for)
+    model_id: str  # as nodes announce it (moeswarm.model.model_id.model_id_for)
     arch: str
     dtype: str  # "fp32" or "fp16": weights and computation
     hidden_size: int

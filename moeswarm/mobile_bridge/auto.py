@@ -19,12 +19,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from ..daemon import SwarmConfig, load_identity, p2p_node
 from ..errors import ConfigError
-from ..market import Block, Volunteer
+from ..market import Block, Volunteer, market_assignment, model_shape
 from ..model import ModelConfig, load_config
 from ..model.model_id import model_id_for
-from ..node.daemon import SwarmConfig, load_identity, p2p_node
-from ..node.rebalancer import market_assignment, model_shape
 from ._graph import DTYPES
 from ._manifest import Manifest
 from .export import export_onnx

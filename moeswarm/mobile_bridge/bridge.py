@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._tasks import cancel_and_wait
+from ..daemon import load_identity, parse_range, ready, stop_event
 from ..errors import SwarmError, Timeout
-from ..node.daemon import load_identity, parse_range, ready, stop_event
-from ..node.dataplane import DataPlaneServer, ServerConfig
-from ..node.expert_server import ExpertServerConfig
+from ..net.dataplane import DataPlaneServer, ServerConfig
+from ..net.expert_service import ExpertServerConfig
 from ..protocol import Identity, encode, peer_id_from_str, sign_announcement
 from ..relay import Welcome
 from ._manifest import Manifest

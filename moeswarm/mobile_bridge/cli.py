@@ -32,8 +32,8 @@ def export_onnx(model_dir: str, layers: str | None, experts: str | None, out_dir
     \b
         moeswarm export-onnx --model ./mixtral --layers 0-31 --experts 6-7 --out ./shards
     """
+    from ..daemon import parse_range
     from ..model import load_config
-    from ..node.daemon import parse_range
     from .export import export_onnx as run
 
     cfg = load_config(model_dir)

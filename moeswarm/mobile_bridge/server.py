@@ -1,7 +1,7 @@
-"""The bridge's expert server: ``ExpertServer`` with onnxruntime doing the arithmetic.
+"""The bridge's backend of the expert data plane: onnxruntime doing the arithmetic.
 
 Validation, queueing, batching, deadlines, error codes and receipts are inherited unchanged
-from ``moeswarm.node.expert_server.ExpertServer``, so a device answers exactly like a node;
+from ``moeswarm.net.expert_service.ExpertService``, so a device answers exactly like a node;
 only the compute step differs: each layer of a batch is one onnxruntime run over every expert
 the batch's requests routed to (the other branches of the layer's graph get empty inputs).
 """
@@ -16,23 +16,22 @@ from typing import Any
 import numpy as np
 
 from ..errors import ProtocolError
-from ..model import Weights
-from ..node.expert_server import ExpertServer, ExpertServerConfig
+from ..net.expert_service import ExpertServerConfig, ExpertService, Job
 from ..protocol import ExpertResponse, Identity
 from .shards import OnnxShards
 
 
-class OnnxExpertServer(ExpertServer):
+class OnnxExpertServer(ExpertService):
     def __init__(self, shards: OnnxShards, identity: Identity, config: ExpertServerConfig) -> None:
         cfg = shards.model_config
-        super().__init__(Weights(cfg, str(shards.folder), {}, {}), identity, config)
+        super().__init__(cfg, identity, config)
         self.shards = shards
         self._held = {layer: dict.fromkeys(shards.held(layer)) for layer in shards.moe_layers}
 
     def _experts(self, layer: int) -> Any:  # validation only asks which experts are held
         return self._held.get(layer, {})
 
-    def _compute(self, jobs: Sequence[Any]) -> list[ExpertResponse | ProtocolError]:
+    def _compute(self, jobs: Sequence[Job]) -> list[ExpertResponse | ProtocolError]:
         """Thread: per layer, one onnxruntime run over the rows of every job, then sign."""
         t0 = time.perf_counter()
         hidden_size = self.cfg.hidden_size

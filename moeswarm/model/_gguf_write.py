@@ -206,7 +206,7 @@ def convert_to_gguf(
     ``sidecar`` also writes config.json and the tokenizer files beside it, byte for byte (never
     overwriting), so its folder works as a model folder everywhere.  The swarm still tells the GGUF
     apart from the safetensors checkpoint: its model id adds the experts' encoding to the hash of
-    config.json (``mixtral-76b2c92d8168-q8_0``, see ``moeswarm.node.daemon.model_id_for``).
+    config.json (``mixtral-76b2c92d8168-q8_0``, see ``moeswarm.model.model_id.model_id_for``).
     """
     out = Path(out)
     if out.suffix != ".gguf":

@@ -2,7 +2,7 @@
 
 The routed experts are behind an ``ExpertExecutor`` so that the same forward pass runs with the
 experts in this process (``LocalExperts``) or spread over a swarm (the backbone in
-``moeswarm.node`` supplies a remote executor).  ``submit`` starts the work and returns a handle;
+the swarm's backbone supplies a remote executor).  ``submit`` starts the work and returns a handle;
 the shared expert is computed while the routed experts are in flight; ``result`` joins them.
 """
 

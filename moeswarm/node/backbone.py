@@ -1,311 +1,221 @@
-"""The backbone's expert executor: routed experts computed by the swarm.
-
-The model's forward pass runs in a worker thread; for each MoE layer it calls ``submit``, which
-schedules the dispatch on the event loop and returns at once, so the shared expert is computed
-while the requests are in flight.  The dispatch groups the layer's (token, expert) pairs by
-holder, sends one request per holder in parallel, checks and countersigns every receipt,
-retries failed experts on other replicas, optionally falls back to the local memory-mapped
-checkpoint, and otherwise fails with an error that names the missing experts.  Outputs are
-combined in slot order, the same on every run.
-"""
+"""The backbone: a model's non-expert weights here, the router authoritative, every routed expert
+sent to its holders in the swarm (``dispatch.RemoteExperts``); ``run_backbone`` serves it over the
+OpenAI-compatible HTTP API."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
-from collections import deque
 import logging
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-from ..errors import BadResponse, ConfigError, NetworkError, ProtocolError, SwarmError
-from ..model import ExpertWeights, ModelConfig, Weights, expert_ffn
-from ..model.experts import F32Cache
-from ..protocol import (
-    CountersignedReceipt,
-    ErrorCode,
-    ExpertRequest,
-    ExpertResponse,
-    ExpertRows,
-    Identity,
-    check_response,
-    countersign,
-)
-from .dataplane import Connections
-from .routing_table import Holder, SwarmTable, plan_dispatch
-
-if TYPE_CHECKING:
-    from .tiers import TierPlanner
+from .._tasks import cancel_and_wait
+from ..daemon import load_identity, p2p_node, public_multiaddrs, ready, stop_event
+from ..errors import CheckpointError, SwarmError, Unreachable
+from ..model import Model, Tokenizer, Weights, load_config, load_weights
+from ..model.model_id import model_id_for
+from ..net.discovery import Discovery
+from ..net.routing_table import SwarmTable
+from .config import BackboneConfig
+from .dispatch import RemoteExperts
+from .links import ProbeConfig
 
 log = logging.getLogger(__name__)
 
 
-class MissingExperts(SwarmError):
-    """No replica (and no local fallback) could compute these experts."""
+class SwarmBackbone:
+    """A backbone inside this process: non-expert weights local, routed experts from the swarm."""
 
-    def __init__(self, layer: int, experts: list[int], reasons: list[str]) -> None:
-        self.layer, self.experts = layer, experts
-        why = "; ".join(reasons[-3:]) or "no holder announced them"
-        super().__init__(f"layer {layer}: experts {experts} unavailable in the swarm ({why})")
-
-
-@dataclass(frozen=True)
-class DispatchConfig:
-    timeout_s: float = 10.0  # per expert call
-    attempts: int = 3  # holders tried per expert before falling back or failing
-    wire_dtype: str = "float32"  # hidden states on the wire: float32 (exact) or float16
-    settle_idle_s: float = 0.05  # settle receipts after this long without a forward pass
-    max_unsettled: int = 4096  # ... or as soon as this many are waiting
-
-
-ReceiptSink = Callable[[CountersignedReceipt], None]
-AuditHook = Callable[[ExpertRequest, np.ndarray, CountersignedReceipt], None]
-"""Offered every countersigned call: the request, the outputs as received (P, H), the receipt."""
-
-
-class _Handle:
-    def __init__(self, future: Future[np.ndarray]) -> None:
-        self._future = future
-
-    def result(self) -> np.ndarray:
-        return self._future.result()
-
-
-class RemoteExperts:
-    """``ExpertExecutor`` over the swarm (see the module docstring)."""
-
-    def __init__(self, cfg: ModelConfig, identity: Identity, table: SwarmTable, loop: asyncio.AbstractEventLoop,
-                 *, config: DispatchConfig = DispatchConfig(), local: Weights | None = None,
-                 receipts: ReceiptSink | None = None, audit: AuditHook | None = None,
-                 tiers: "TierPlanner | None" = None) -> None:
-        self.cfg = cfg
-        self.identity = identity
-        self.table = table
-        self.loop = loop
+    def __init__(self, config: BackboneConfig) -> None:
         self.config = config
-        self.local = local  # memory-mapped checkpoint for --local-fallback, or None
-        self.receipts = receipts
-        self.audit = audit  # e.g. moeswarm.ledger.AuditRunner.offer: must not block
-        self.tiers = tiers  # acting tier planner: experts it places here are computed here
-        self._f32 = F32Cache(256 << 20)
-        self.local_pairs = 0  # (token, expert) pairs computed here on the planner's word
-        self.connections = Connections(identity)
-        self._seq = itertools.count(int(time.time() * 1000) * 1000)  # never reused across restarts
-        self.served_by: dict[bytes, set[tuple[int, int]]] = {}  # peer -> (layer, expert) it computed
-        self.calls = 0
-        self.fallbacks = 0
-        self.bad_receipts = 0
-        self._unchecked: deque[tuple[ExpertRequest, ExpertResponse, bytes]] = deque()
-        self._idle_timer: asyncio.TimerHandle | None = None
+        sc = config.swarm
+        self.cfg = load_config(sc.model_dir)
+        self.model_id = sc.model_id or model_id_for(sc.model_dir, self.cfg)
+        self.identity = load_identity(sc.identity_file)
+        self.table = SwarmTable(self.model_id)
+        self._stack = contextlib.AsyncExitStack()
+        self.p2p: Any = None
+        self.model: Model | None = None
+        self.executor: RemoteExperts | None = None
+        self.audits: Any = None  # moeswarm.ledger.AuditRunner when audit_fraction > 0
+        self.tiers: Any = None  # moeswarm.node.tiers.TierPlanner
 
-    def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> _Handle:
-        if _on_loop(self.loop):
-            raise ConfigError("run the model's forward pass in a worker thread, not on the event loop")
-        return _Handle(asyncio.run_coroutine_threadsafe(self.dispatch(layer, x, ids, weights), self.loop))
-
-    async def dispatch(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """x (T, H), ids (T, k), weights (T, k) -> (T, H)."""
-        T, k = ids.shape
-        y = np.zeros((T, k, x.shape[1]), np.float32)  # each (token, slot) expert output
-        pending = sorted(set(int(e) for e in np.unique(ids)))
-        here: asyncio.Future[list[int]] | None = None
-        reasons: list[str] = []
-        if self.tiers is not None:  # the planner's local/fetched experts: computed here meanwhile
-            mine = [e for e in pending if self._here(layer, e)]
-            if mine:
-                pending = [e for e in pending if e not in mine]
-                here = asyncio.ensure_future(self._compute_here(layer, x, ids, mine, y, reasons))
+    async def __aenter__(self) -> "SwarmBackbone":
+        sc, cfg = self.config.swarm, self.cfg
         try:
-            pending = await self._call_holders(layer, x, ids, pending, y, reasons)
+            self.p2p = await self._stack.enter_async_context(p2p_node(self.identity, sc))
+            moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
+            self.discovery = Discovery(self.p2p, self.table, moe, self.config.discovery_interval_s)
+            missing = await self.discovery.wait_for_coverage(cfg.num_experts, self.config.coverage_timeout_s)
+            if missing and not self.config.local_fallback:
+                sample = sorted(missing)[:8]
+                raise Unreachable(f"{len(missing)} (layer, expert) pairs have no holder in the swarm, e.g. {sample}")
+            await self.discovery.start()
+            self._stack.push_async_callback(self.discovery.aclose)
+            # the whole map: experts the planner places here, or nobody serves, are computed from it
+            local = self._local_experts()
+            receipts = await self._ledger_sink() if self.config.ledger_url else None
+            self.audits = await self._audit_runner() if self.config.audit_fraction > 0 else None
+            self.executor = RemoteExperts(cfg, self.identity, self.table, asyncio.get_running_loop(),
+                                          config=self.config.dispatch, local=local, receipts=receipts,
+                                          audit=self.audits.offer if self.audits is not None else None)
+            self._stack.push_async_callback(self.executor.aclose)
+            # the backbone's own tensors; with --local-fallback the full map already holds them
+            weights = local or load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
+            self.model = Model(weights, experts=self.executor)
+            await self._start_demand_reports(moe)
+            await self._start_planner(local, weights)
         except BaseException:
-            if here is not None:
-                here.cancel()
+            await self._stack.aclose()
             raise
-        if here is not None:
-            refused = await here  # weights that could not be had: the holders compute those instead
-            if refused:
-                pending += await self._call_holders(layer, x, ids, refused, y, reasons)
-        if pending:
-            if self.local is None or any(e not in self.local.experts.get(layer, {}) for e in pending):
-                raise MissingExperts(layer, pending, reasons)
-            await asyncio.to_thread(self._compute_locally, layer, x, ids, pending, y)
-            self.fallbacks += 1
-        return (weights[:, :, None] * y).sum(axis=1, dtype=np.float32) if k > 1 else weights * y[:, 0]
+        return self
 
-    async def _call_holders(self, layer: int, x: np.ndarray, ids: np.ndarray, pending: list[int], y: np.ndarray,
-                            reasons: list[str]) -> list[int]:
-        """Call holders for ``pending`` experts, retrying failures on other replicas; returns the
-        experts nobody computed."""
-        tried: dict[int, set[bytes]] = {e: set() for e in pending}
-        for _ in range(self.config.attempts):
-            if not pending:
-                break
-            plan, unheld = plan_dispatch(layer, pending, self.table.live(),
-                                         exclude=set().union(*(tried[e] for e in pending)))
-            calls = [self._call(peer, layer, x, ids, experts, y) for peer, experts in plan.items()]
-            results = await asyncio.gather(*calls, return_exceptions=True)
-            failed = list(unheld)
-            for (peer, experts), result in zip(plan.items(), results):
-                if isinstance(result, BaseException):
-                    if not isinstance(result, (SwarmError, OSError)):
-                        raise result
-                    reasons.append(f"{type(result).__name__}: {result}")
-                    for e in experts:
-                        tried[e].add(peer)
-                    failed.extend(experts)
-            pending = sorted(failed)
-            if unheld and len(unheld) == len(pending):
-                break  # nobody else to ask
-        return pending
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
 
-    def _here(self, layer: int, expert: int) -> bool:
-        assert self.tiers is not None
-        tier = self.tiers.tier_of(layer, expert)
-        return tier == "fetch" or (tier == "local" and self.tiers.weights(layer, expert) is not None)
-
-    async def _compute_here(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int],
-                            y: np.ndarray, reasons: list[str]) -> list[int]:
-        """Experts the planner placed here (ones to fetch on a miss are fetched first); returns
-        those whose weights could not be had, for the holders to compute instead."""
-        assert self.tiers is not None
-        tiers = self.tiers
-        got = await asyncio.gather(*(
-            _ready(tiers.weights(layer, e)) if tiers.tier_of(layer, e) != "fetch" else tiers.ensure(layer, e)
-            for e in experts), return_exceptions=True)
-        weights, failed = {}, []
-        for e, w in zip(experts, got):
-            if isinstance(w, (SwarmError, OSError)) or w is None:
-                reasons.append(f"expert {e} here: {type(w).__name__}: {w}")
-                failed.append(e)
-            elif isinstance(w, BaseException):
-                raise w
-            else:
-                weights[e] = w
-        ok = [e for e in experts if e in weights]
-        if ok:
-            await asyncio.to_thread(self._compute_locally, layer, x, ids, ok, y, lambda L, e: weights[e])
-            self.local_pairs += int(np.isin(ids, ok).sum())
-        return failed
-
-    async def _call(self, peer: bytes, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int],
-                    y: np.ndarray) -> None:
-        holder = self.table.holders[peer]
-        token_sets = [np.nonzero((ids == e).any(axis=1))[0] for e in experts]
-        rows_used = np.unique(np.concatenate(token_sets))
-        local_index = np.full(ids.shape[0], -1, np.int64)
-        local_index[rows_used] = np.arange(rows_used.size)
-        request = ExpertRequest(
-            request_id=os.urandom(16), model_id=self.table.model_id, layer=layer, seq=next(self._seq),
-            hidden=x[rows_used].astype(self.config.wire_dtype),
-            experts=tuple(ExpertRows(e, local_index[t].astype(np.uint32)) for e, t in zip(experts, token_sets)),
-        )
-        t0 = time.perf_counter()
+    def _local_experts(self) -> Weights | None:
+        """The whole checkpoint mapped, for --local-fallback or --tiers auto; with --tiers auto a
+        backbone whose checkpoint holds no experts plans with remote holders and fetching only."""
+        c, sc = self.config, self.config.swarm
+        if not (c.local_fallback or c.tiers == "auto"):
+            return None
         try:
-            response: ExpertResponse = await self._call_once_or_reconnect(holder, request)
-            if response.outputs.shape != (request.pairs, x.shape[1]):
-                raise BadResponse(f"outputs have shape {list(response.outputs.shape)}, expected "
-                                  f"[{request.pairs}, {x.shape[1]}]", code=ErrorCode.BAD_TENSOR)
-        except (NetworkError, ProtocolError) as e:
-            if isinstance(e, ProtocolError) and e.code == ErrorCode.NON_FINITE and not isinstance(e, BadResponse):
-                raise  # our hidden states overflowed its experts: not the holder's fault, the connection is fine
-            holder.fail(time.monotonic())
-            if not (isinstance(e, ProtocolError) and e.code == ErrorCode.OVERLOADED):
-                await self.connections.drop(peer)
-            raise
-        holder.observe(max(0.0, time.perf_counter() - t0 - response.compute_us / 1e6), response.load_permille)
-        self.calls += 1
-        outputs = response.outputs.astype(np.float32, copy=False)
-        offset = 0
-        for e, tokens in zip(experts, token_sets):
-            slots = np.argmax(ids[tokens] == e, axis=1)
-            y[tokens, slots] = outputs[offset : offset + tokens.size]
-            offset += tokens.size
-        self.served_by.setdefault(peer, set()).update((layer, e) for e in experts)
-        self._unchecked.append((request, response, peer))  # receipts: checked off the token path
-
-    def settle_receipts(self) -> int:
-        """Check, countersign and hand over the receipts of finished calls; returns how many were bad.
-
-        Receipts cost two hashes and two signature operations each, so they are settled between
-        tokens (``Model.forward`` calls this once per step via ``after_step``), not per layer."""
-        bad = 0
-        while self._unchecked:
-            request, response, peer = self._unchecked.popleft()
-            try:
-                receipt = check_response(request, response, client=self.identity.peer_id, server=peer)
-            except BadResponse as e:
-                bad += 1
-                self.bad_receipts += 1
-                log.warning("refusing a receipt from %s: %s", peer.hex()[-12:], e)
-                self.table.holders[peer].fail(time.monotonic()) if peer in self.table.holders else None
-                continue
-            countersigned = countersign(self.identity, receipt)
-            if self.receipts is not None:
-                self.receipts(countersigned)
-            if self.audit is not None:
-                self.audit(request, response.outputs, countersigned)
-        return bad
-
-    async def _call_once_or_reconnect(self, holder: Holder, request: ExpertRequest) -> ExpertResponse:
-        """A connection that was already open may have died since its last use (a relay restarted,
-        a NAT forgot us): then dial once more before counting the holder as failed."""
-        reused = self.connections.is_open(holder.peer_id)
-        client = await self.connections.get(holder, self.config.timeout_s)
-        try:
-            return await client.call(request, self.config.timeout_s)
-        except NetworkError:
-            if not reused:
+            return load_weights(sc.model_dir, config=self.cfg)
+        except CheckpointError as e:
+            if c.local_fallback:
                 raise
-            await self.connections.drop(holder.peer_id)
-            client = await self.connections.get(holder, self.config.timeout_s)
-            return await client.call(request, self.config.timeout_s)
+            log.info("no local experts (%s): the planner chooses between calling and fetching", e)
+            return None
 
-    def _compute_locally(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int], y: np.ndarray,
-                         source: Callable[[int, int], ExpertWeights | None] | None = None) -> None:
-        """Thread: experts from ``source`` (default: the local map), float32 copies kept for reuse."""
-        for e in experts:
-            w = source(layer, e) if source is not None else None
-            if w is None:
-                assert self.local is not None
-                w = self.local.experts[layer][e]
-            tokens = np.nonzero((ids == e).any(axis=1))[0]
-            slots = np.argmax(ids[tokens] == e, axis=1)
-            w32 = w if w.gate.dtype == np.float32 else self._f32.get((layer, e), w)
-            y[tokens, slots] = expert_ffn(w32, x[tokens], self.cfg)
+    async def _start_planner(self, local: Weights | None, weights: Weights) -> None:
+        """Measure the links to holders and keep a tier plan; with --tiers auto the executor follows it."""
+        from .fetch import DIGESTS_FILE, load_expert_digests
+        from .tiers import TierConfig, start_planner
 
-    def end_step(self) -> None:
-        """After each forward pass: settle receipts once decoding pauses (checking and signing
-        them costs ~0.2 ms each, which would otherwise sit on the next step's path), or at once
-        when too many are pending."""
-        if len(self._unchecked) >= self.config.max_unsettled:
-            self.loop.call_soon_threadsafe(self.settle_receipts)
-        else:
-            self.loop.call_soon_threadsafe(self._settle_when_idle)
+        c = self.config
+        act = c.tiers != "remote"
+        digests_file = Path(weights.folder) / DIGESTS_FILE
+        digests = load_expert_digests(digests_file, self.cfg) if act else None
+        if act and digests is None:
+            log.warning("fetched expert weights will not be checked: %s does not exist "
+                        "(the model's publisher writes it with `moeswarm expert-digests`)", digests_file)
+        self.tiers = await start_planner(
+            self._stack, self.identity, self.p2p, self.cfg, self.model_id, local=local, table=self.table,
+            demand=self.demand, probe=ProbeConfig(interval_s=c.probe_interval_s),
+            config=TierConfig(act=act, force="fetch" if c.tiers == "fetch" else None, replan_s=c.replan_s,
+                              fetch_cache_bytes=c.fetch_cache_bytes),
+            backbone=weights, digests=digests)
+        if act:
+            assert self.executor is not None
+            self.executor.tiers = self.tiers
 
-    def _settle_when_idle(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        self._idle_timer = self.loop.call_later(self.config.settle_idle_s, self.settle_receipts)
+    def status(self) -> dict[str, Any]:
+        from .status import memory_snapshot
 
-    async def aclose(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        self.settle_receipts()
-        await self.connections.aclose()
+        ex = self.executor
+        out: dict[str, Any] = {"role": "backbone", "peer_id": self.identity.peer_id_str, "model_id": self.model_id,
+                               "memory": memory_snapshot(), "holders": len(self.table.live())}
+        if ex is not None:
+            out["dispatch"] = {"calls": ex.calls, "fallbacks": ex.fallbacks, "local_pairs": ex.local_pairs,
+                               "bad_receipts": ex.bad_receipts,
+                               "served_by": {p.hex(): len(s) for p, s in ex.served_by.items()}}
+        if self.tiers is not None:
+            out["tiers"] = self.tiers.status()
+        return out
+
+    async def _start_demand_reports(self, moe: list[int]) -> None:
+        """Count what the routers pick and publish it, signed, for the market (issue: scarcity)."""
+        from ..market import DemandCounter, publish_demand, report_from_counter
+
+        assert self.model is not None
+        self.demand = DemandCounter(tuple(moe), self.cfg.num_experts)
+        self.model.observers.append(self.demand.observe)
+        seq = itertools.count(int(time.time() * 1000))
+
+        async def publish() -> None:
+            while True:
+                await asyncio.sleep(self.config.demand_interval_s)
+                report = report_from_counter(self.identity, self.demand, model_id=self.model_id, seq=next(seq))
+                try:
+                    await publish_demand(self.p2p, report)
+                except SwarmError as e:
+                    log.info("publishing demand failed: %s", e)
+
+        task = asyncio.create_task(publish())
+
+        async def stop() -> None:
+            await cancel_and_wait(task)
+
+        self._stack.push_async_callback(stop)
+
+    async def _ledger_sink(self) -> Any:
+        """A ReceiptSubmitter to the ledger; closed after the executor so its last receipts arrive."""
+        from ..ledger import ModelShape, ReceiptSubmitter, SubmitterConfig
+
+        assert self.config.ledger_url is not None
+        queue = self.config.ledger_queue_dir or str(
+            Path.home() / ".moeswarm" / "receipts" / self.identity.peer_id_str)
+        Path(queue).mkdir(parents=True, exist_ok=True)
+        shape = ModelShape(self.cfg.hidden_size, self.cfg.moe_intermediate_size)
+        submitter = ReceiptSubmitter(self.config.ledger_url, queue, SubmitterConfig(models=((self.model_id, shape),)))
+        await submitter.start()
+        self._stack.push_async_callback(submitter.aclose)
+        return submitter
+
+    async def _audit_runner(self) -> Any:
+        """Samples calls for the ledger to re-execute (POST /v1/audits); closed after the executor,
+        waiting (bounded) for the audits still queued."""
+        from ..ledger import AuditConfig, AuditRunner, RemoteJudge
+
+        assert self.config.ledger_url is not None
+        runner = AuditRunner(AuditConfig(fraction=self.config.audit_fraction), RemoteJudge(self.config.ledger_url))
+        await runner.start()
+
+        async def close() -> None:
+            try:
+                async with asyncio.timeout(self.config.audit_drain_s):
+                    await runner.drain()
+            except TimeoutError:
+                log.warning("stopping with audits still queued")
+            await runner.aclose()
+
+        self._stack.push_async_callback(close)
+        return runner
+
+    def tokenizer(self) -> Tokenizer:
+        # the folder the weights came from: --model may name a .gguf file, whose folder holds the tokenizer
+        folder = self.model.weights.folder if self.model is not None else self.config.swarm.model_dir
+        return Tokenizer.from_folder(folder, self.cfg.bos_token_id)
 
 
-async def _ready(value: ExpertWeights | None) -> ExpertWeights | None:
-    return value
+async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
+                       stop: asyncio.Event | None = None) -> None:
+    from .http_api import serve_http
+    from .service import GenerationService
 
+    stop = stop or stop_event()
+    async with SwarmBackbone(config) as backbone:
+        assert backbone.model is not None
+        service = GenerationService(backbone.model, backbone.tokenizer(), backbone.model_id)
+        info: dict[str, Any] = {"peer_id": backbone.identity.peer_id_str,
+                                "multiaddrs": public_multiaddrs(backbone.p2p.multiaddrs, config.swarm),
+                                "model_id": backbone.model_id}
+        runner = None
+        if config.http is not None:
+            runner, port = await serve_http(service, config.http[0], config.http[1], status=backbone.status)
+            info["http"] = info["status"] = f"http://{config.http[0]}:{port}"
+        try:
+            with contextlib.ExitStack() as files:
+                if runner is not None:
+                    from .status import run_file
 
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    with contextlib.suppress(RuntimeError):
-        return asyncio.get_running_loop() is loop
-    return False
+                    files.enter_context(run_file("backbone", backbone.identity.peer_id_str, info["status"]))
+                on_ready(info)
+                await stop.wait()
+        finally:
+            if runner is not None:
+                await runner.cleanup()

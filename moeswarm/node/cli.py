@@ -38,7 +38,7 @@ def swarm_options(fn):  # type: ignore[no-untyped-def]
 def swarm_config(model_dir: str, bootstrap: tuple[str, ...], host: str, announce_host: str | None, p2p_port: int,
                  client_mode: bool, model_id: str | None, identity_file: str | None, relay_ca: str | None,
                  verbose: int):  # type: ignore[no-untyped-def]
-    from .daemon import SwarmConfig
+    from ..daemon import SwarmConfig
 
     if relay_ca is not None:
         from ..relay import set_relay_ca
@@ -108,9 +108,9 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
     with --experts auto a `REBALANCE {json}` line (action, reason, layers, experts) per
     re-evaluation. `moeswarm node status` shows what a running node measures and plans.
     """
-    from .daemon import NodeConfig, run_node
-
     from ..model.memory import parse_size
+    from .config import NodeConfig
+    from .volunteer import run_node
 
     budget = parse_size(memory_budget) if memory_budget is not None else None
     config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port,  # type: ignore[arg-type]
@@ -153,9 +153,9 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
     Serves /v1/models, /v1/completions and /v1/chat/completions, and /status and /metrics.
     Prints `READY {json}` (peer_id, multiaddrs, http) on stdout once serving.
     """
-    from .daemon import BackboneConfig, run_backbone
-
     from ..model.memory import parse_size
+    from .backbone import run_backbone
+    from .config import BackboneConfig
 
     config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout,  # type: ignore[arg-type]
                             ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction,

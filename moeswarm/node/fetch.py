@@ -30,8 +30,8 @@ from ..errors import BadResponse, ConfigError, ProtocolError
 from ..model import ExpertWeights, ModelConfig, Weights
 from ..model.experts import ExpertLRU
 from ..model.weights import expert_shapes
+from ..net.client import ExpertClient
 from ..protocol import WIRE_DTYPES, ErrorCode, WeightsRequest, WeightsResponse
-from .dataplane import ExpertClient
 
 CHUNK_BYTES = 4 << 20  # rows per weights_request: about this many bytes
 PARALLEL_CHUNKS = 4  # weights_requests in flight per fetch

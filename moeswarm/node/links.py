@@ -24,10 +24,10 @@ import numpy as np
 
 from .._tasks import cancel_and_wait
 from ..errors import ConfigError, NetworkError, ProtocolError
+from ..net.client import Connections, ExpertClient
+from ..net.routing_table import Holder, SwarmTable
 from ..protocol import MAX_PROBE_BYTES, Identity
-from .dataplane import Connections, ExpertClient
 from .planner import Link
-from .routing_table import Holder, SwarmTable
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ import psutil
 from .._tasks import cancel_and_wait
 from ..errors import ConfigError, SwarmError
 from ..model import ModelConfig, Weights, load_weights
-from .announce import Announcer
+from ..net.announce import Announcer
 from .expert_server import ExpertServer
 
 if TYPE_CHECKING:
     from ..market import Block, DeviceClass, MarketState, ModelShape, Volunteer
-    from .daemon import NodeConfig
+    from .config import NodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,36 +50,14 @@ def held_bytes(weights: Weights) -> int:
     return sum(w.nbytes for layer in weights.experts.values() for w in layer.values())
 
 
-def model_shape(model_dir: str, cfg: ModelConfig, model_id: str) -> ModelShape:
-    """The model's expert grid as the market sees it (bytes per expert read from the checkpoint)."""
-    from ..market import ModelShape
-
-    first = next(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
-    probe = load_block(model_dir, cfg, (first, first), (0, 0))
-    return ModelShape(model_id, tuple(L for L in range(cfg.num_layers) if cfg.moe_layers[L]), cfg.num_experts,
-                      held_bytes(probe))
-
-
 def market_view(cfg: ModelConfig, model_id: str, config: NodeConfig) -> tuple[ModelShape, Volunteer]:
     """The model's expert grid and what this machine offers, as the market sees them."""
-    from ..market import Volunteer
+    from ..market import Volunteer, model_shape
 
     shape = model_shape(config.swarm.model_dir, cfg, model_id)
     memory = config.capacity_bytes or config.memory_budget or int(psutil.virtual_memory().available // 2)
     return shape, Volunteer(memory_bytes=memory, throughput=config.throughput,
                             device_class=cast("DeviceClass", config.device_class))  # Volunteer checks it
-
-
-async def market_assignment(p2p: Any, shape: ModelShape, volunteer: Volunteer) -> Block:
-    """``--experts auto``: ask the market which block of experts this volunteer should hold."""
-    from ..market import assign, fetch_state
-
-    state = await fetch_state(p2p, shape)
-    assignment = assign(shape, state.supply, state.demand, volunteer)
-    if not assignment.blocks:
-        raise ConfigError(f"{volunteer.memory_bytes / 2**20:.0f} MiB cannot hold a single expert "
-                          f"({shape.expert_bytes / 2**20:.1f} MiB)")
-    return assignment.blocks[0]
 
 
 def watch_memory(server: ExpertServer, weights: Weights, budget: int | None) -> None:

@@ -21,7 +21,13 @@ from typing import Final, Protocol
 from moeswarm.errors import ConfigError, ProtocolError, SwarmError
 
 from ._codec import MODEL_ID_RE, announcement_body, decode
-from ._identity import Identity, peer_id_from_public_key, peer_id_from_str, peer_id_to_str, verify
+from ._identity import (
+    Identity,
+    peer_id_from_public_key,
+    peer_id_from_str,
+    peer_id_to_str,
+    verify,
+)
 from ._limits import (
     CLOCK_SKEW_MS,
     MAX_RECORD_BYTES,
@@ -176,7 +182,7 @@ def select_record(key: str, values: Sequence[bytes], *, now_ms: int | None = Non
 
 
 class DHT(Protocol):
-    """The DHT operations the swarm uses (``moeswarm.node.p2p.P2PNode`` provides them)."""
+    """The DHT operations the swarm uses (``moeswarm.net.p2p.P2PNode`` provides them)."""
 
     async def put(self, key: str, value: bytes) -> int: ...  # how many peers stored it
     async def get(self, key: str) -> bytes | None: ...

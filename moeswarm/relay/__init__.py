@@ -7,7 +7,7 @@ Operators run ``moeswarm relay`` (``daemon.run_relay``); backbones dial announce
 """
 
 from ._dial import open_relay_stream, parse_relay_endpoint, relay_endpoint
-from ._directory import DhtDirectory, Directory, MemoryDirectory, RelayP2PNode, check_publish
+from ._directory import DhtDirectory, Directory, MemoryDirectory, check_publish
 from ._envelope import (
     CLIENT_SUBPROTOCOL,
     DEVICE_PATH,
@@ -37,7 +37,7 @@ from ._transport import FrameTransport, StreamFlow, open_stream
 
 __all__ = [
     # running a relay
-    "RelayServer", "RelayConfig", "RelayLimits", "Directory", "DhtDirectory", "MemoryDirectory", "RelayP2PNode",
+    "RelayServer", "RelayConfig", "RelayLimits", "Directory", "DhtDirectory", "MemoryDirectory",
     "check_publish", "TokenBucket", "Quota", "PeerBudget",
     # dialing through one
     "open_relay_stream", "parse_relay_endpoint", "relay_endpoint", "set_relay_ca", "client_context", "binding_of",

@@ -17,10 +17,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ProtocolError
-from ..node.p2p import P2PNode
 from ..protocol import (
     Announcement,
     ErrorCode,
@@ -30,6 +29,9 @@ from ..protocol import (
     provider_key,
     validate_record,
 )
+
+if TYPE_CHECKING:
+    from ..net.p2p import P2PNode  # imports trio: only the relay daemon creates one
 
 log = logging.getLogger(__name__)
 
@@ -83,38 +85,10 @@ class MemoryDirectory:
         self.forgotten.append(peer_id)
 
 
-class RelayP2PNode(P2PNode):
-    """A ``P2PNode`` that can list other peers (its devices) in its own provider store.
-
-    This reaches into the node's trio side (``_call``, ``_dht``, ``_host``); ``P2PNode`` should
-    grow a public ``add_local_provider`` so this subclass can go.
-    """
-
-    async def add_local_provider(self, key: str, peer_id: bytes) -> None:
-        from libp2p.peer.id import ID
-        from libp2p.peer.peerinfo import PeerInfo
-
-        async def add() -> None:
-            info = PeerInfo(ID(peer_id), list(self._host.get_addrs()))
-            self._dht.provider_store.add_provider(key.encode(), info)
-
-        await self._call(add)
-
-    async def remove_local_provider(self, peer_id: bytes) -> None:
-        text = peer_id_to_str(peer_id)
-
-        async def remove() -> None:
-            providers: dict[bytes, dict[str, Any]] = self._dht.provider_store.providers
-            for entries in providers.values():
-                entries.pop(text, None)
-
-        await self._call(remove)
-
-
 class DhtDirectory:
     """Stores device records in the DHT and lists the devices as providers on this relay."""
 
-    def __init__(self, node: RelayP2PNode) -> None:
+    def __init__(self, node: "P2PNode") -> None:
         self.node = node
 
     async def publish(self, record: Announcement, value: bytes, layers: Sequence[int]) -> int:

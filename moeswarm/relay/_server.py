@@ -22,11 +22,32 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from ..errors import ConfigError, ProtocolError
-from ..protocol import Auth, Error, ErrorCode, Hello, Identity, ServerHandshake, peer_id_from_str, peer_id_to_str
+from ..protocol import (
+    Auth,
+    Error,
+    ErrorCode,
+    Hello,
+    Identity,
+    ServerHandshake,
+    peer_id_from_str,
+    peer_id_to_str,
+)
 from ._dial import relay_endpoint
 from ._directory import Directory, check_publish
-from ._envelope import CLIENT_SUBPROTOCOL, DEVICE_PATH, DEVICE_SUBPROTOCOL, GoAway, Kind, Publish, Welcome, WSClose
-from ._envelope import decode_control, encode_control, pack, unpack
+from ._envelope import (
+    CLIENT_SUBPROTOCOL,
+    DEVICE_PATH,
+    DEVICE_SUBPROTOCOL,
+    GoAway,
+    Kind,
+    Publish,
+    Welcome,
+    WSClose,
+    decode_control,
+    encode_control,
+    pack,
+    unpack,
+)
 from ._limits import PeerBudget, RelayLimits, client_budget, device_budget
 from ._metrics import CONTENT_TYPE, RelayMetrics
 from ._sessions import ClientStream, CloseCode, DeviceSession

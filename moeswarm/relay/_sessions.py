@@ -15,21 +15,46 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import WSMsgType, web
 
 from .._tasks import cancel_and_wait
 from ..errors import ProtocolError
 from ..protocol import Error, ErrorCode, canonical, peer_id_to_str
-from ._envelope import CloseCode, Control, Kind, Publish, Published, WSClose, check_frame, close_payload
-from ._envelope import decode_control, encode_control, pack, parse_close, unpack
+from ._envelope import (
+    CloseCode,
+    Control,
+    Kind,
+    Publish,
+    Published,
+    WSClose,
+    check_frame,
+    close_payload,
+    decode_control,
+    encode_control,
+    pack,
+    parse_close,
+    unpack,
+)
 from ._limits import PeerBudget, RelayLimits, TokenBucket
 from ._outbox import Outbox, OutboxClosed
 
 if TYPE_CHECKING:
-    from ._server import RelayServer
+    from ._metrics import RelayMetrics
+
+
+class RelayHost(Protocol):
+    """What a session needs of the relay that owns it (``_server.RelayServer`` is one)."""
+
+    limits: RelayLimits
+    metrics: RelayMetrics
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
+
+    async def publish(self, session: "DeviceSession", msg: Publish) -> tuple[int, int]: ...
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +79,7 @@ def violation_of(error: ProtocolError) -> Violation:
     return Violation(str(error), "malformed", WSClose.PROTOCOL_ERROR, error.code)
 
 
-async def charge(relay: "RelayServer", budget: PeerBudget, nbytes: int, role: str) -> None:
+async def charge(relay: "RelayHost", budget: PeerBudget, nbytes: int, role: str) -> None:
     """Hold the sender back to its rate; ``Violation`` when it is over quota or far over rate."""
     wait = budget.charge(nbytes)
     if wait is None:
@@ -71,7 +96,7 @@ async def charge(relay: "RelayServer", budget: PeerBudget, nbytes: int, role: st
 class ClientStream:
     """One client connection to a device, carried as a numbered stream in the device's session."""
 
-    relay: "RelayServer"
+    relay: "RelayHost"
     ws: web.WebSocketResponse
     device: "DeviceSession"
     stream_id: int
@@ -174,7 +199,7 @@ def _open_payload(remote: str) -> bytes:
 class DeviceSession:
     """An authenticated device's WebSocket: CONTROL messages, and DATA for its client streams."""
 
-    def __init__(self, relay: "RelayServer", ws: web.WebSocketResponse, peer: bytes, endpoint: str,
+    def __init__(self, relay: "RelayHost", ws: web.WebSocketResponse, peer: bytes, endpoint: str,
                  budget: PeerBudget) -> None:
         self.relay, self.ws, self.peer, self.endpoint, self.budget = relay, ws, peer, endpoint, budget
         self.peer_str = peer_id_to_str(peer)

@@ -1,6 +1,6 @@
 """A data-plane byte stream over frame messages, as a real ``asyncio`` transport.
 
-``moeswarm.node.dataplane`` speaks the protocol over ``asyncio.StreamReader``/``StreamWriter``.
+``moeswarm.net.dataplane`` speaks the protocol over ``asyncio.StreamReader``/``StreamWriter``.
 ``FrameTransport`` lets the same code run over anything that carries one frame per message
 (a WebSocket to the relay, or a stream multiplexed inside a device's relay session): bytes
 written are cut at frame boundaries and each whole frame is handed to ``deliver``; frames

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..node.daemon import load_identity, ready, stop_event
-from ..node.p2p import P2PConfig
-from ._directory import DhtDirectory, Directory, MemoryDirectory, RelayP2PNode
+from ..daemon import load_identity, ready, stop_event
+from ..net.p2p import P2PConfig, P2PNode
+from ._directory import DhtDirectory, Directory, MemoryDirectory
 from ._server import RelayConfig, RelayServer
 
 
@@ -41,7 +41,7 @@ async def _directory(config: RelayDaemonConfig, identity: Any) -> AsyncIterator[
         yield MemoryDirectory(), []
         return
     listen = config.p2p_listen or default_p2p_listen(config.relay.host)
-    node = RelayP2PNode(identity, P2PConfig(listen=listen, bootstrap=config.bootstrap))
+    node = P2PNode(identity, P2PConfig(listen=listen, bootstrap=config.bootstrap))
     await node.start()
     try:
         yield DhtDirectory(node), node.multiaddrs

@@ -1,6 +1,6 @@
 """A backbone inside the client's process: ``Client(bootstrap=..., model_dir=...)``.
 
-It runs ``moeswarm.node.daemon.run_backbone`` (DHT discovery, routed experts from the swarm,
+It runs ``moeswarm.node.backbone.run_backbone`` (DHT discovery, routed experts from the swarm,
 the OpenAI API on a private loopback port) on an event loop in a background thread, and the
 client talks to it like to any backbone.  ``close()`` stops it within a bounded time.
 """
@@ -17,7 +17,8 @@ from ..errors import SwarmError, Timeout
 class EmbeddedBackbone:
     def __init__(self, model_dir: str, bootstrap: tuple[str, ...], *, coverage_timeout_s: float = 60.0,
                  local_fallback: bool = False) -> None:
-        from ..node.daemon import BackboneConfig, SwarmConfig
+        from ..daemon import SwarmConfig
+        from ..node.config import BackboneConfig
 
         self.config = BackboneConfig(SwarmConfig(model_dir, bootstrap=bootstrap, client_mode=True),
                                      http=("127.0.0.1", 0), local_fallback=local_fallback,
@@ -39,7 +40,7 @@ class EmbeddedBackbone:
         return str(self.info["http"])
 
     def _run(self) -> None:
-        from ..node.daemon import run_backbone
+        from ..node.backbone import run_backbone
 
         async def main() -> None:
             self._loop = asyncio.get_running_loop()

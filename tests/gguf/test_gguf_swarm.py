@@ -13,14 +13,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moeswarm.daemon import SwarmConfig
 from moeswarm.demo.swarm import Daemon, local_swarm
 from moeswarm.errors import ProtocolError, Unreachable
-from moeswarm.model import Model, SamplingParams, expert_ffn, generate, load_config, load_model, load_weights
+from moeswarm.model import (
+    Model,
+    SamplingParams,
+    expert_ffn,
+    generate,
+    load_config,
+    load_model,
+    load_weights,
+)
 from moeswarm.model.gguf import QuantizedTensor, convert_to_gguf
 from moeswarm.model.model_id import model_id_for
-from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
-from moeswarm.node.dataplane import ExpertClient
-from moeswarm.protocol import ErrorCode, ExpertRequest, ExpertRows, Identity, peer_id_from_str
+from moeswarm.net.client import ExpertClient
+from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.node.config import BackboneConfig
+from moeswarm.protocol import (
+    ErrorCode,
+    ExpertRequest,
+    ExpertRows,
+    Identity,
+    peer_id_from_str,
+)
 
 ARCH = "mixtral"  # 2 MoE layers of 8 experts: the nodes hold 0-3 and 4-7
 N_RANDOM_PROMPTS = 15  # plus the oracle prompt: the prompt set of test_gguf_numerics

@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from ledger_support import LyingServer, start_ledger
 
+from moeswarm.daemon import SwarmConfig
 from moeswarm.demo import CHECKPOINT, DEFAULT_PROMPT
 from moeswarm.demo.swarm import start_daemon, stop_daemon
 from moeswarm.errors import ConfigError
@@ -31,11 +33,11 @@ from moeswarm.ledger import (
 )
 from moeswarm.ledger._queries import default_key_path
 from moeswarm.model import SamplingParams, generate
-from moeswarm.node import daemon
-from moeswarm.node.daemon import BackboneConfig, NodeConfig, SwarmBackbone, SwarmConfig, run_node
+from moeswarm.node import volunteer
+from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.node.config import BackboneConfig, NodeConfig
+from moeswarm.node.volunteer import run_node
 from moeswarm.protocol import peer_id_from_str
-
-from ledger_support import LyingServer, start_ledger
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -83,7 +85,7 @@ def test_audits_in_the_backbone_catch_a_lying_node(tmp_path: Path, monkeypatch: 
     try:
         honest_node = start_daemon("honest node", ["node", "--model", str(CHECKPOINT), "--experts", "0-3"])
         try:
-            monkeypatch.setattr(daemon, "ExpertServer", LyingServer)  # only run_node in this process
+            monkeypatch.setattr(volunteer, "ExpertServer", LyingServer)  # only run_node in this process
             run = asyncio.run(generate_beside_a_liar(honest_node.info["multiaddrs"][0], ledger.info["url"],
                                                      tmp_path / "queue"))
         finally:

@@ -14,15 +14,20 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from ledger_support import MODEL, SHAPE, Clock, Peers
 
 from moeswarm.errors import ProtocolError
-from moeswarm.ledger import Ledger, StoreConfig, list_receipts, root_record, settle_epoch
+from moeswarm.ledger import (
+    Ledger,
+    StoreConfig,
+    list_receipts,
+    root_record,
+    settle_epoch,
+)
 from moeswarm.ledger.cli import main
-from moeswarm.node.p2p import P2PConfig, P2PNode
-from moeswarm.node.records import LedgerRoot, ledger_root_key, select_any, validate_any
+from moeswarm.net.p2p import P2PConfig, P2PNode
+from moeswarm.net.records import LedgerRoot, ledger_root_key, select_any, validate_any
 from moeswarm.protocol import ErrorCode, Identity
-
-from ledger_support import MODEL, SHAPE, Clock, Peers
 
 pytestmark = pytest.mark.timeout(120)
 

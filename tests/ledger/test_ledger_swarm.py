@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from moeswarm.daemon import SwarmConfig
 from moeswarm.demo import CHECKPOINT, DEFAULT_PROMPT
 from moeswarm.demo.swarm import local_swarm
 from moeswarm.ledger import (
@@ -27,7 +28,8 @@ from moeswarm.ledger import (
 )
 from moeswarm.ledger._models import Entry
 from moeswarm.model import SamplingParams, generate
-from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.node.config import BackboneConfig
 from moeswarm.protocol import CountersignedReceipt, Identity, peer_id_from_str
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

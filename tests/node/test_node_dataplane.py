@@ -11,11 +11,19 @@ import pytest
 
 from moeswarm.errors import ProtocolError
 from moeswarm.model import Model, load_model, load_weights
-from moeswarm.node.backbone import MissingExperts, RemoteExperts
-from moeswarm.node.dataplane import DataPlaneServer, ExpertClient
+from moeswarm.net.client import ExpertClient
+from moeswarm.net.dataplane import DataPlaneServer
+from moeswarm.net.routing_table import SwarmTable
+from moeswarm.node.dispatch import MissingExperts, RemoteExperts
 from moeswarm.node.expert_server import ExpertServer, ExpertServerConfig
-from moeswarm.node.routing_table import SwarmTable
-from moeswarm.protocol import ErrorCode, ExpertRequest, ExpertRows, Identity, sign_announcement, verify_countersigned
+from moeswarm.protocol import (
+    ErrorCode,
+    ExpertRequest,
+    ExpertRows,
+    Identity,
+    sign_announcement,
+    verify_countersigned,
+)
 
 
 class Node:
@@ -242,8 +250,8 @@ def test_closing_a_stream_whose_peer_never_says_goodbye_drops_the_socket_in_boun
     import ssl
     import threading
 
-    from moeswarm.node.dataplane import close_writer
-    from moeswarm.node.tls import client_context, self_signed_server_context
+    from moeswarm.net.dataplane import close_writer
+    from moeswarm.net.tls import client_context, self_signed_server_context
 
     server_ctx, _ = self_signed_server_context("silent")
     listener = socket.create_server(("127.0.0.1", 0))

@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeswarm.model import load_weights
-from moeswarm.node.dataplane import DataPlaneServer, ExpertClient, parse_endpoint
+from moeswarm.net.client import ExpertClient
+from moeswarm.net.dataplane import DataPlaneServer, parse_endpoint
+from moeswarm.net.tls import channel_binding, client_context
 from moeswarm.node.expert_server import ExpertServer, ExpertServerConfig
-from moeswarm.node.tls import channel_binding, client_context
 from moeswarm.protocol import (
     FATAL_CODES,
     ClientHandshake,

@@ -24,7 +24,7 @@ pytestmark = [
 
 SERVER = """
 import asyncio
-from moeswarm.node.dataplane import DataPlaneServer, ServerConfig
+from moeswarm.net.dataplane import DataPlaneServer, ServerConfig
 from moeswarm.protocol import Identity
 async def main():
     async def no_calls(client, request): raise RuntimeError("probes only")
@@ -36,7 +36,7 @@ asyncio.run(main())
 
 PROBER = """
 import asyncio, json, sys
-from moeswarm.node.dataplane import ExpertClient
+from moeswarm.net.client import ExpertClient
 from moeswarm.node.links import ProbeConfig, measure
 from moeswarm.protocol import Identity
 async def main():

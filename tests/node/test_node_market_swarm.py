@@ -11,12 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from moeswarm.daemon import SwarmConfig
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import start_daemon, stop_daemon
-from moeswarm.ledger import Ledger, ModelShape as LedgerShape, PerExpertPrice, StoreConfig, settle_epoch
-from moeswarm.market import Demand, DemandCounter, ModelShape, compute_prices, supply_from_holders
+from moeswarm.ledger import Ledger, PerExpertPrice, StoreConfig, settle_epoch
+from moeswarm.ledger import ModelShape as LedgerShape
+from moeswarm.market import (
+    Demand,
+    DemandCounter,
+    ModelShape,
+    compute_prices,
+    supply_from_holders,
+)
 from moeswarm.model import SamplingParams, Tokenizer, generate, load_config
-from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.node.config import BackboneConfig
 from moeswarm.protocol import Identity, peer_id_from_str
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moeswarm.node.planner import FETCH, LOCAL, REMOTE, ExpertSpec, Link, LocalTier, decide, plan
+from moeswarm.node.planner import (
+    FETCH,
+    LOCAL,
+    REMOTE,
+    ExpertSpec,
+    Link,
+    LocalTier,
+    decide,
+    plan,
+)
 
 MB = 1e6
 # seed 000: MI250 box <-> GB10, RTT 3.4 ms, 49 Mbit/s (6.1 MB/s) one way, 11.2 MB/s the other; NVMe 2.5 GB/s
@@ -57,7 +66,7 @@ def test_choice_is_cheapest_and_slower_links_never_attract(rtt: float, more: flo
 
 
 def _holder(i: int, layers: tuple[int, int], experts: tuple[int, int], rtt: float | None = None):  # type: ignore[no-untyped-def]
-    from moeswarm.node.routing_table import Holder
+    from moeswarm.net.routing_table import Holder
 
     h = Holder(bytes([i]) * 34, (f"tcp://10.0.0.{i}:1",), "m", layers, experts, 2**62, 1)
     h.rtt_s = rtt
@@ -95,8 +104,8 @@ def test_unprobed_holders_are_planned_with_the_typical_link() -> None:
     from dataclasses import replace
 
     from moeswarm.model.config import ModelConfig
+    from moeswarm.net.routing_table import SwarmTable
     from moeswarm.node.links import LinkEstimate, LinkMonitor
-    from moeswarm.node.routing_table import SwarmTable
     from moeswarm.node.tiers import TierPlanner
     from moeswarm.protocol import Identity
 

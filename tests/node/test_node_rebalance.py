@@ -28,26 +28,25 @@ from typing import Any
 import numpy as np
 import pytest
 
+from moeswarm.daemon import SwarmConfig, p2p_node
 from moeswarm.demo import CHECKPOINT
 from moeswarm.errors import ProtocolError
 from moeswarm.market import Block, ModelShape, RebalanceConfig, Volunteer
 from moeswarm.model import expert_ffn, load_config
-from moeswarm.node.announce import AnnounceConfig, Announcer
-from moeswarm.node.daemon import (
+from moeswarm.net.announce import AnnounceConfig, Announcer
+from moeswarm.net.client import ExpertClient
+from moeswarm.net.discovery import Discovery
+from moeswarm.net.routing_table import SwarmTable
+from moeswarm.node.config import NodeConfig
+from moeswarm.node.expert_server import ExpertServer, ExpertServerConfig
+from moeswarm.node.rebalancer import (
     Decision,
     Holding,
-    NodeConfig,
     Rebalancer,
-    SwarmConfig,
     held_bytes,
     load_block,
-    p2p_node,
-    run_node,
 )
-from moeswarm.node.dataplane import ExpertClient
-from moeswarm.node.discovery import Discovery
-from moeswarm.node.expert_server import ExpertServer, ExpertServerConfig
-from moeswarm.node.routing_table import SwarmTable
+from moeswarm.node.volunteer import run_node
 from moeswarm.protocol import (
     ErrorCode,
     ExpertRequest,

@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moeswarm.daemon import SwarmConfig
 from moeswarm.demo.swarm import Daemon, expert_nodes
 from moeswarm.model import SamplingParams, generate, load_model
-from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.node.config import BackboneConfig
 from moeswarm.protocol import peer_id_from_str
 
 pytestmark = pytest.mark.slow

@@ -17,16 +17,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from test_node_swarm import backbone_config, nodes, run_logits
 
 from moeswarm.errors import ProtocolError
 from moeswarm.model import SamplingParams, generate, load_model, load_weights
-from moeswarm.node.daemon import SwarmBackbone
-from moeswarm.node.dataplane import DataPlaneServer, ExpertClient, ServerConfig
-from moeswarm.node.fetch import DIGESTS_FILE, FetchedExperts, fetch_expert, serve_weights, write_expert_digests
+from moeswarm.net.client import ExpertClient
+from moeswarm.net.dataplane import DataPlaneServer, ServerConfig
+from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.node.fetch import (
+    DIGESTS_FILE,
+    FetchedExperts,
+    fetch_expert,
+    serve_weights,
+    write_expert_digests,
+)
 from moeswarm.node.status import fetch_reports
 from moeswarm.protocol import ErrorCode, Identity, WeightsRequest
-
-from test_node_swarm import backbone_config, nodes, run_logits
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +45,8 @@ async def _no_calls(client, request):  # type: ignore[no-untyped-def]
 async def planner_over(cfg, servers, **kw):  # type: ignore[no-untyped-def]
     """A TierPlanner (links not probed) whose swarm table names ``servers`` ((identity,
     DataPlaneServer) pairs), each announcing every expert of the model "m"."""
+    from moeswarm.net.routing_table import SwarmTable
     from moeswarm.node.links import LinkMonitor, ProbeConfig
-    from moeswarm.node.routing_table import SwarmTable
     from moeswarm.node.tiers import TierPlanner
     from moeswarm.protocol import sign_announcement
 

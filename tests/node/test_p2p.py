@@ -22,8 +22,14 @@ from typing import Any, TypeVar
 import pytest
 import trio
 
-from moeswarm.errors import ConfigError, NetworkError, ProtocolError, Timeout, Unreachable
-from moeswarm.node.p2p import WORKAROUNDS, P2PConfig, P2PNode
+from moeswarm.errors import (
+    ConfigError,
+    NetworkError,
+    ProtocolError,
+    Timeout,
+    Unreachable,
+)
+from moeswarm.net.p2p import WORKAROUNDS, P2PConfig, P2PNode
 from moeswarm.protocol import (
     Announcement,
     ErrorCode,
@@ -296,10 +302,13 @@ def test_plaintext_dialer_is_refused(swarm: list[Peer]) -> None:
             from libp2p import new_host
             from libp2p.crypto.ed25519 import create_new_key_pair
             from libp2p.peer.peerinfo import info_from_p2p_addr
-            from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+            from libp2p.security.insecure.transport import (
+                PLAINTEXT_PROTOCOL_ID,
+                InsecureTransport,
+            )
             from multiaddr import Multiaddr
 
-            from moeswarm.node import _libp2p_patches as glue
+            from moeswarm.net import _libp2p_patches as glue
 
             key_pair = create_new_key_pair()
             security = ({PLAINTEXT_PROTOCOL_ID: InsecureTransport(key_pair)} if plaintext else
@@ -401,7 +410,7 @@ def churn_inbound(addr: str) -> list[str]:
         from libp2p.peer.peerinfo import info_from_p2p_addr
         from multiaddr import Multiaddr
 
-        from moeswarm.node import _libp2p_patches as glue
+        from moeswarm.net import _libp2p_patches as glue
 
         info = info_from_p2p_addr(Multiaddr(addr))
         hosts = []
@@ -434,7 +443,7 @@ def churn_inbound(addr: str) -> list[str]:
 
 
 async def _serve_host(host: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    from moeswarm.node import _libp2p_patches as glue
+    from moeswarm.net import _libp2p_patches as glue
 
     async with host.run([]):
         try:

@@ -19,9 +19,26 @@ import pytest
 
 from moeswarm.errors import Unreachable
 from moeswarm.mobile_bridge import BridgeConfig, export_onnx, run_bridge, running_bridge
-from moeswarm.node.dataplane import ExpertClient
-from moeswarm.protocol import ExpertRequest, ExpertRows, Identity, Ping, check_response, frame, peer_id_from_str
-from moeswarm.relay import Kind, MemoryDirectory, RelayConfig, RelayLimits, RelayServer, WSClose, pack, set_relay_ca
+from moeswarm.net.client import ExpertClient
+from moeswarm.protocol import (
+    ExpertRequest,
+    ExpertRows,
+    Identity,
+    Ping,
+    check_response,
+    frame,
+    peer_id_from_str,
+)
+from moeswarm.relay import (
+    Kind,
+    MemoryDirectory,
+    RelayConfig,
+    RelayLimits,
+    RelayServer,
+    WSClose,
+    pack,
+    set_relay_ca,
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
+from moeswarm.daemon import SwarmConfig
 from moeswarm.demo import CHECKPOINT, DEFAULT_PROMPT
 from moeswarm.mobile_bridge import Manifest
 from moeswarm.model import SamplingParams, Tokenizer, generate, load_config, load_model
-from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.node.config import BackboneConfig
 from moeswarm.protocol import peer_id_from_str
 from moeswarm.relay import set_relay_ca
 

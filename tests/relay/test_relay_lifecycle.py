@@ -17,9 +17,17 @@ import pytest
 
 from moeswarm.errors import Unreachable
 from moeswarm.mobile_bridge import BridgeConfig, export_onnx, run_bridge, running_bridge
-from moeswarm.node.dataplane import ExpertClient
+from moeswarm.net.client import ExpertClient
 from moeswarm.protocol import ExpertRequest, ExpertRows, Identity, peer_id_from_str
-from moeswarm.relay import GoAway, MemoryDirectory, RelayConfig, RelayLimits, RelayServer, WSClose, set_relay_ca
+from moeswarm.relay import (
+    GoAway,
+    MemoryDirectory,
+    RelayConfig,
+    RelayLimits,
+    RelayServer,
+    WSClose,
+    set_relay_ca,
+)
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from moeswarm.daemon import SwarmConfig
 from moeswarm.mobile_bridge import export_onnx
 from moeswarm.model import SamplingParams, generate
-from moeswarm.node.backbone import DispatchConfig
-from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.node.config import BackboneConfig
+from moeswarm.node.dispatch import DispatchConfig
 from moeswarm.protocol import peer_id_from_str
 from moeswarm.relay import set_relay_ca
 

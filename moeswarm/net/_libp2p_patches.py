@@ -1,4 +1,4 @@
-"""The libp2p-specific half of ``moeswarm.node.p2p``: host, DHT and every workaround for
+"""The libp2p-specific half of ``moeswarm.net.p2p``: host, DHT and every workaround for
 py-libp2p 0.8.1 (``spikes/libp2p/FINDINGS.md``); the DHT's part of them lives in
 ``_libp2p_dht``. Importing it imports libp2p (1-2 s); ``p2p`` does so in its trio thread.
 
@@ -54,7 +54,7 @@ from moeswarm.protocol import DHT_NAMESPACE, Identity
 from ._libp2p_dht import MoeswarmDHT, install_find_node_fix
 
 if TYPE_CHECKING:
-    from .p2p import P2PConfig
+    from .p2p_config import P2PConfig
 
 __all__ = [
     "Multiaddr", "MoeswarmDHT", "background_trio_service", "bootstrap", "close_host",

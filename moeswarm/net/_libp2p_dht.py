@@ -25,7 +25,7 @@ from libp2p.peer.peerstore import PeerStoreError
 from libp2p.records.validator import NamespacedValidator, Validator
 
 from moeswarm.errors import ProtocolError
-from moeswarm.node.records import select_any, validate_any
+from moeswarm.net.records import select_any, validate_any
 from moeswarm.protocol import DHT_NAMESPACE
 
 __all__ = ["MoeswarmDHT", "install_find_node_fix", "install_routing_table_hygiene"]

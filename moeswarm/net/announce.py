@@ -16,7 +16,15 @@ from dataclasses import dataclass, replace
 
 from .._tasks import cancel_and_wait
 from ..errors import SwarmError
-from ..protocol import DHT, Announcement, Identity, announcement_key, encode, provider_key, sign_announcement
+from ..protocol import (
+    DHT,
+    Announcement,
+    Identity,
+    announcement_key,
+    encode,
+    provider_key,
+    sign_announcement,
+)
 
 log = logging.getLogger(__name__)
 SOFTWARE = "moeswarm/0.1.0"

@@ -21,14 +21,15 @@ import logging
 import socket
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
 import trio
 
 from moeswarm.errors import ConfigError, NetworkError, SwarmError, Timeout
-from moeswarm.protocol import Identity
+from moeswarm.protocol import Identity, peer_id_to_str
+
+from .p2p_config import P2PConfig, listen_socket_address
 
 __all__ = ["P2PConfig", "P2PNode", "WORKAROUNDS"]
 
@@ -40,30 +41,6 @@ WORKAROUNDS: Final = frozenset({"inbound_slots", "routing_table"})
 
 MAX_VALUE_KEY_BYTES: Final = 128  # py-libp2p servers reset GET_VALUE for longer keys
 MAX_PROVIDER_KEY_BYTES: Final = 80  # ... and ADD_PROVIDER for longer ones
-
-
-@dataclass(frozen=True)
-class P2PConfig:
-    """How a node joins the control plane. Times are seconds."""
-
-    listen: str = "/ip4/127.0.0.1/tcp/0"  # multiaddr to listen on (tcp/0: any free port)
-    bootstrap: tuple[str, ...] = ()  # full multiaddrs ending in /p2p/<peer id>; () = first node
-    client_mode: bool = False  # NAT'd node: DHT client, never in others' routing tables
-    max_connections: int = 64  # hard cap on connections; prune above 3/4 of it (finding 9)
-    dial_timeout_s: float = 10.0  # bound on one dial, bootstrap dials included
-    op_timeout_s: float = 30.0  # bound on one DHT operation, and on the bootstrap lookup
-    stop_timeout_s: float = 10.0  # bound on stop(): close connections, end the thread
-
-    def __post_init__(self) -> None:
-        _listen_socket_address(self.listen)  # ConfigError unless /ip4|ip6/<address>/tcp/<port>
-        for addr in self.bootstrap:
-            if "/p2p/" not in addr:
-                raise ConfigError(f"bootstrap address {addr!r} lacks /p2p/<peer id>")
-        if self.max_connections < 4:
-            raise ConfigError(f"max_connections must be at least 4, not {self.max_connections}")
-        for name in ("dial_timeout_s", "op_timeout_s", "stop_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive")
 
 
 class P2PNode:
@@ -282,25 +259,38 @@ class P2PNode:
             if not answered:
                 _deliver(loop, result, error=error)
 
+    async def add_local_provider(self, key: str, peer_id: bytes) -> None:
+        """List ``peer_id`` (a device behind this relay) as a provider of ``key`` in this node's own store."""
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import PeerInfo
+
+        async def add() -> None:
+            info = PeerInfo(ID(peer_id), list(self._host.get_addrs()))
+            self._dht.provider_store.add_provider(key.encode(), info)
+
+        await self._call(add)
+
+    async def remove_local_provider(self, peer_id: bytes) -> None:
+        """Stop listing ``peer_id`` as a provider of anything here."""
+        text = peer_id_to_str(peer_id)
+
+        async def remove() -> None:
+            providers: dict[bytes, dict[str, Any]] = self._dht.provider_store.providers
+            for entries in providers.values():
+                entries.pop(text, None)
+
+        await self._call(remove)
+
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, (SwarmError, KeyboardInterrupt, SystemExit)) or self._glue is None:
             return exc
         return self._glue.translate_error(exc)
 
 
-def _listen_socket_address(listen: str) -> tuple[socket.AddressFamily, str, int]:
-    parts = listen.split("/")
-    if len(parts) != 5 or parts[0] or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" \
-            or not parts[4].isdigit() or int(parts[4]) > 65535:
-        raise ConfigError(f"listen must look like /ip4/<address>/tcp/<port>, not {listen!r}")
-    family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
-    return family, parts[2], int(parts[4])
-
-
 def _check_port_free(listen: str) -> None:
     """``ConfigError`` if another socket listens on the port: py-libp2p sets SO_REUSEPORT (for
     hole punching), so a second node on a taken port would silently share it with the first."""
-    family, address, port = _listen_socket_address(listen)
+    family, address, port = listen_socket_address(listen)
     if port == 0:
         return
     with socket.socket(family, socket.SOCK_STREAM) as probe:

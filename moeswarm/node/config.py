@@ -1,0 +1,61 @@
+"""What a volunteer's expert node and a backbone are configured with (the CLI's flags, as data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..daemon import SwarmConfig
+from ..errors import ConfigError
+from .dispatch import DispatchConfig
+
+if TYPE_CHECKING:
+    from ..market import RebalanceConfig
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    swarm: SwarmConfig
+    layers: str | None = None  # inclusive range, default all
+    experts: str | None = None  # inclusive range, default all
+    data_port: int = 0
+    announce_port: int | None = None  # data-plane port others dial, if not data_port (NAT, proxy)
+    announce_interval_s: float = 240.0  # protocol_spec: refresh every 4 minutes
+    record_ttl_s: float = 600.0  # ... with records that expire 10 minutes ahead
+    memory_budget: int | None = None  # bytes of resident memory to stay under (None: no limit)
+    capacity_bytes: int | None = None  # --experts auto: memory offered for expert weights (default: budget or half of free RAM)
+    throughput: float = 10_000.0  # --experts auto: (expert, token) pairs per second this machine can compute
+    device_class: str = "hub"  # --experts auto: "hub" (fat link) or "edge" (phone, NAT'd box)
+    rebalance_interval_s: float = 600.0  # --experts auto: re-evaluate the block about this often, seconds (0: never)
+    rebalance_grace_s: float = 30.0  # after a move, serve the old block this long too (calls in flight, stale tables)
+    rebalance: RebalanceConfig | None = None  # --experts auto: hysteresis and cooldown of moves (None: the market's)
+    status: tuple[str, int] | None = ("127.0.0.1", 0)  # serve /status and /metrics here (None: not at all)
+    probe_interval_s: float = 30.0  # re-measure the links to peers this often (0: never)
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    swarm: SwarmConfig
+    http: tuple[str, int] | None = None  # serve the OpenAI API here
+    local_fallback: bool = False  # compute unreachable experts from the local checkpoint
+    coverage_timeout_s: float = 60.0  # wait this long for every expert to be announced
+    discovery_interval_s: float = 10.0
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    demand_interval_s: float = 120.0  # publish the routers' decayed expert counts (signed) this often
+    ledger_url: str | None = None  # submit countersigned receipts to this ledger service
+    ledger_queue_dir: str | None = None  # receipts spooled here until the ledger acknowledges them
+    audit_fraction: float = 0.0  # share of expert calls the ledger re-executes (needs ledger_url), 0..1
+    audit_drain_s: float = 30.0  # on shutdown, wait at most this long for the audits still queued
+    tiers: str = "remote"  # "remote": every routed expert is called in the swarm; "auto": the tier planner
+    # decides; "fetch": every expert is fetched from a holder on a miss and computed here
+    fetch_cache_bytes: int = 1 << 30  # --tiers auto: memory for expert weights fetched from holders
+    probe_interval_s: float = 30.0  # re-measure the links to holders this often (0: never)
+    replan_s: float = 10.0  # recompute the tier plan this often
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.audit_fraction <= 1.0:
+            raise ConfigError(f"the audit fraction must be within 0..1, not {self.audit_fraction}")
+        if self.audit_fraction > 0 and self.ledger_url is None:
+            raise ConfigError("audits are judged by the ledger: --audit-fraction needs --ledger")
+        if self.tiers not in ("remote", "auto", "fetch"):
+            raise ConfigError(f"--tiers is 'remote', 'auto' or 'fetch', not {self.tiers!r}")

@@ -1,0 +1,129 @@
+"""The volunteer's daemon: an expert node serving a block of a model's experts over the data plane,
+announcing it in the DHT, reporting its status, and (``--experts auto``) following the market."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..daemon import (
+    load_identity,
+    p2p_node,
+    parse_range,
+    public_multiaddrs,
+    ready,
+    stop_event,
+)
+from ..market import market_assignment
+from ..model import ModelConfig, load_config
+from ..model.model_id import model_id_for
+from ..net.announce import AnnounceConfig, Announcer
+from ..net.dataplane import DataPlaneServer, ServerConfig
+from ..protocol import Identity
+from .config import NodeConfig
+from .expert_server import ExpertServer, ExpertServerConfig
+from .fetch import serve_weights
+from .links import ProbeConfig
+from .rebalancer import (
+    Decision,
+    Holding,
+    Rebalancer,
+    held_bytes,
+    load_block,
+    market_view,
+    moe_layers_in,
+    report_decision,
+    watch_memory,
+)
+
+
+async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
+                   stop: asyncio.Event | None = None,
+                   on_decision: Callable[[Decision], None] = report_decision) -> None:
+    sc = config.swarm
+    cfg = load_config(sc.model_dir)
+    model_id = sc.model_id or model_id_for(sc.model_dir, cfg)
+    identity = load_identity(sc.identity_file)
+    stop = stop or stop_event()
+    async with p2p_node(identity, sc) as p2p:
+        market = None
+        if config.experts == "auto":
+            market = market_view(cfg, model_id, config)
+            block = await market_assignment(p2p, *market)
+            layers, experts = block.layers, block.experts
+        else:
+            layers = parse_range(config.layers, cfg.num_layers, "layers")
+            experts = parse_range(config.experts, cfg.num_experts, "experts")
+        moe = moe_layers_in(cfg, layers)
+        weights = load_block(sc.model_dir, cfg, layers, experts)
+        server = ExpertServer(weights, identity, ExpertServerConfig(
+            model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
+        watch_memory(server, weights, config.memory_budget)
+        dataplane = DataPlaneServer(identity, server.handle, ServerConfig(host=sc.host, port=config.data_port),
+                                    weights_handler=lambda client, request: asyncio.to_thread(
+                                        serve_weights, server.weights, model_id, request))
+        await server.start()
+        await dataplane.start()
+        try:
+            host = sc.announce_host or sc.host
+            endpoint = f"tcp+tls://{host}:{config.announce_port or dataplane.port}"
+            announcer = Announcer(p2p, identity, AnnounceConfig(
+                model_id, layers, moe, experts, (endpoint,), held_bytes(weights), config.announce_interval_s,
+                config.record_ttl_s), stats=lambda: (server.throughput, server.load_permille))
+            await announcer.start()
+            async with contextlib.AsyncExitStack() as stack:
+                status_url = await _node_status(stack, config, identity, p2p, cfg, model_id, server, endpoint)
+                on_ready({"peer_id": identity.peer_id_str, "multiaddrs": public_multiaddrs(p2p.multiaddrs, sc),
+                          "endpoint": endpoint, "model_id": model_id, "layers": list(layers),
+                          "experts": list(experts), "status": status_url})
+                if market is not None and config.rebalance_interval_s > 0:
+                    holding = Holding(cfg, server, announcer, weights, layers, experts, config.memory_budget)
+                    await Rebalancer(p2p, identity.peer_id, *market, holding, config, on_decision).run_until(stop)
+                else:
+                    await stop.wait()
+            await announcer.withdraw()
+        finally:
+            await dataplane.aclose()
+            await server.aclose()
+
+
+async def _node_status(stack: contextlib.AsyncExitStack, config: NodeConfig, identity: Identity, p2p: Any,
+                       cfg: ModelConfig, model_id: str, server: ExpertServer, endpoint: str) -> str | None:
+    """``moeswarm node status``'s source: the tier planner over the whole local checkpoint (what
+    this machine would compute itself, call, or fetch), link figures, memory, what it served."""
+    from .status import cache_snapshot, memory_snapshot, run_file, serve_status
+    from .tiers import TierConfig, start_planner
+
+    if config.status is None:
+        return None
+    everything = load_block(config.swarm.model_dir, cfg, (0, cfg.num_layers - 1), (0, cfg.num_experts - 1))
+    # timing a step without experts reads the attention, router and LM-head weights: only when that
+    # is cheap and no memory budget forbids it (a node does not otherwise touch them)
+    small = sum(int(getattr(a, "nbytes", 0)) for a in everything.tensors.values()) < 1 << 30
+    tiers = await start_planner(stack, identity, p2p, cfg, model_id, local=everything,
+                                probe=ProbeConfig(interval_s=config.probe_interval_s), config=TierConfig(act=False),
+                                backbone=everything if small and config.memory_budget is None else None)
+    started = time.time()
+
+    def snapshot() -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "role": "node", "peer_id": identity.peer_id_str, "model_id": model_id, "endpoint": endpoint,
+            "layers": list(server.config.layers), "experts": list(server.config.experts),
+            "uptime_s": round(time.time() - started, 1), "memory": memory_snapshot(),
+            "memory_budget": config.memory_budget,
+            "serving": {"requests": server.requests_served, "pairs": server.pairs_served,
+                        "throughput_pairs_per_s": server.throughput, "load_permille": server.load_permille},
+            "tiers": tiers.status(),
+        }
+        budget = getattr(server.on_access, "__self__", None)
+        if budget is not None and hasattr(budget, "stats"):
+            out["expert_cache"] = cache_snapshot(budget.stats)
+        return out
+
+    runner, url = await serve_status(snapshot, *config.status)
+    stack.push_async_callback(runner.cleanup)
+    stack.enter_context(run_file("node", identity.peer_id_str, url))
+    return url
