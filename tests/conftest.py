@@ -113,3 +113,23 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
 
 
 _task_dump_timer = pytest.StashKey[Any]()
+
+
+@pytest.fixture(scope="session")
+def network_namespaces() -> None:
+    """The link tests build hosts in network namespaces: they need root and iproute2's ``ip``.
+    Where those are missing the tests are skipped with a reason the session summary repeats
+    loudly (below), never silently; as root without ``ip`` they fail, naming the package."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CI runs as root): the link tests did NOT run")
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.fail("the link tests need iproute2 (`ip`, `tc`): apt-get install -y iproute2")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line that says how many tests were skipped and why, so no skip goes unnoticed."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    terminalreporter.write_sep("=", f"moeswarm: {len(skipped)} skipped", bold=bool(skipped), red=bool(skipped))
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        terminalreporter.write_line(f"SKIPPED {report.nodeid}: {reason}", red=True)

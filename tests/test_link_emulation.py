@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="network namespaces need root"),
-    pytest.mark.skipif(shutil.which("ip") is None, reason="needs iproute2's `ip`"),
+    pytest.mark.usefixtures("network_namespaces"),
 ]
 
 SIZE = 3 << 20  # bytes per bulk transfer

@@ -83,10 +83,12 @@ def host_port(text: str) -> tuple[str, int]:
               help="Serve /status (JSON) and /metrics (Prometheus) here, for `moeswarm node status`.")
 @click.option("--probe-interval", default=30.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
               help="Re-measure round trip and bandwidth (each direction) to the other holders this often; 0 = never.")
+@click.option("--no-weight-fetches", is_flag=True,
+              help="Refuse to send expert weights to fetching backbones (a metered uplink); calls are still served.")
 @friendly_errors
 def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str,
          rebalance_interval: float, data_port: int, announce_port: int | None, memory_budget: str | None,
-         status: str, probe_interval: float, **swarm: object) -> None:
+         status: str, probe_interval: float, no_weight_fetches: bool, **swarm: object) -> None:
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
@@ -116,7 +118,8 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
     config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port,  # type: ignore[arg-type]
                         memory_budget=budget, capacity_bytes=parse_size(capacity) if capacity else None,
                         device_class=device_class, rebalance_interval_s=rebalance_interval,
-                        status=None if status == "off" else host_port(status), probe_interval_s=probe_interval)
+                        status=None if status == "off" else host_port(status), probe_interval_s=probe_interval,
+                        serve_weights=not no_weight_fetches)
     asyncio.run(run_node(config))
 
 

@@ -63,8 +63,9 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
             model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
         watch_memory(server, weights, config.memory_budget)
         dataplane = DataPlaneServer(identity, server.handle, ServerConfig(host=sc.host, port=config.data_port),
-                                    weights_handler=lambda client, request: asyncio.to_thread(
+                                    weights_handler=(lambda client, request: asyncio.to_thread(
                                         serve_weights, server.weights, model_id, request))
+                                    if config.serve_weights else None)
         await server.start()
         await dataplane.start()
         try:

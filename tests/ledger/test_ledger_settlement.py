@@ -176,5 +176,25 @@ def test_balance_and_cli_settle_and_prove(ledger: Ledger, clock: Clock, ledger_k
     path.write_text(proof.output)
     checked = runner.invoke(main, ["check-proof", str(path), "--ledger-key", ledger_key.peer_id_str])
     assert checked.exit_code == 0 and "in the signed statement of epoch" in checked.output
-    path.write_text(proof.output.replace(proof.output[proof.output.index('"record": "') + 20], "0", 1))
-    assert runner.invoke(main, ["check-proof", str(path)]).exit_code in (1, 2)
+    # tamper one named field of the decoded proof at a time: each is caught for its own reason
+    honest = json.loads(proof.output)
+    assert honest["path"], "a receipt of a 3-leaf tree has siblings"
+
+    def flipped(hex_text: str) -> str:  # the same length, one nibble different
+        return ("1" if hex_text[0] != "1" else "2") + hex_text[1:]
+
+    tampered = {
+        "path": ({**honest, "path": [flipped(honest["path"][0]), *honest["path"][1:]]},
+                 "the path does not lead from the receipt to the Merkle root"),
+        "merkle_root": ({**honest, "merkle_root": flipped(honest["merkle_root"])},
+                        "the path does not lead from the receipt to the Merkle root"),
+        "epoch": ({**honest, "epoch": honest["epoch"] + 1},
+                  "the proof's root, size or epoch differ from the signed statement"),
+        "statement.merkle_root": ({**honest, "statement": {**honest["statement"],
+                                                           "merkle_root": flipped(honest["statement"]["merkle_root"])}},
+                                  "the settlement statement's signature does not verify"),
+    }
+    for field_name, (bad, message) in tampered.items():
+        path.write_text(json.dumps(bad))
+        out = runner.invoke(main, ["check-proof", str(path)])
+        assert (out.exit_code, message in out.output) == (1, True), (field_name, out.output)

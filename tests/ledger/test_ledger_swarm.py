@@ -36,11 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def test_generation_through_a_swarm_lands_in_the_ledger(request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    urls = [str(tmp_path / "swarm.db")]
-    try:
-        urls.append(str(request.getfixturevalue("pg_url")))
-    except pytest.skip.Exception:  # no PostgreSQL outside CI: SQLite only
-        pass
+    urls = [str(tmp_path / "swarm.db"), str(request.getfixturevalue("pg_url"))]  # SQLite and PostgreSQL
     key = Identity.generate()
 
     with local_swarm(str(CHECKPOINT), 2, experts_per_layer=8) as daemons:

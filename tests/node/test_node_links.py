@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="network namespaces need root"),
-    pytest.mark.skipif(shutil.which("ip") is None, reason="needs iproute2's `ip`"),
+    pytest.mark.usefixtures("network_namespaces"),
 ]
 
 SERVER = """

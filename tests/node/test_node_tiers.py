@@ -19,6 +19,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from test_node_swarm import backbone_config, nodes, run_logits
 
+from moeswarm.demo.swarm import expert_nodes
 from moeswarm.errors import ProtocolError
 from moeswarm.model import SamplingParams, generate, load_model, load_weights
 from moeswarm.net.client import ExpertClient
@@ -26,7 +27,6 @@ from moeswarm.net.dataplane import DataPlaneServer, ServerConfig
 from moeswarm.node.backbone import SwarmBackbone
 from moeswarm.node.fetch import (
     DIGESTS_FILE,
-    FetchedExperts,
     fetch_expert,
     serve_weights,
     write_expert_digests,
@@ -294,24 +294,7 @@ def test_backbone_following_its_plan_fetches_experts_and_keeps_the_oracle_tokens
                 params = SamplingParams(max_new_tokens=len(ref.greedy_tokens))
                 fetched_tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
                 assert bb.executor is not None and bb.tiers is not None
-                result = fetched_tokens, bb.tiers.fetched.fetched_bytes, bb.tiers.fetched.bytes, bb.executor.calls
-
-                # a holder that refuses a fetch (as a v1.0 one, or a phone behind a relay, does): the
-                # expert is called instead, and the tokens do not change
-                real_ensure = bb.tiers.ensure
-
-                async def refuse_even(layer: int, expert: int):  # type: ignore[no-untyped-def]
-                    if expert % 2 == 0:
-                        raise ProtocolError("unknown message type 'weights_request'", code=ErrorCode.UNKNOWN_MESSAGE)
-                    return await real_ensure(layer, expert)
-
-                bb.tiers.ensure = refuse_even  # type: ignore[method-assign]
-                bb.tiers.fetched = FetchedExperts(0)  # nothing cached: every use of an even expert is refused
-                again = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
-                served = {e for s in bb.executor.served_by.values() for _, e in s}
-                assert again == ref.greedy_tokens, again
-                assert served and all(e % 2 == 0 for e in served), served  # only the refused ones were called
-                return result
+                return fetched_tokens, bb.tiers.fetched.fetched_bytes, bb.tiers.fetched.bytes, bb.executor.calls
 
         cold_tokens, fetched_bytes, held_bytes, calls = asyncio.run(cold_tier())
         urls = [d.info["status"] for d in daemons]
@@ -346,4 +329,31 @@ def test_backbone_following_its_plan_fetches_experts_and_keeps_the_oracle_tokens
         assert r["memory"]["vm_rss"] > 0 and r["tiers"]["plan"]["counts"]["local"] == total
         other = next(o for o in daemons if o is not d).info["peer_id"]
         assert other in r["tiers"]["links"]  # each node measures the other, both directions
-        assert r["serving"]["requests"] >= 0
+
+
+def test_a_holder_that_refuses_fetches_is_called_instead(oracle_checkpoints, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A real node started with --no-weight-fetches (as a metered volunteer, or a v1.0 node, refuses
+    weight fetches): a backbone with --tiers fetch gets UNKNOWN_EXPERT for every fetch, calls the
+    node instead, and keeps the oracle's tokens; the node counts exactly the calls the backbone made."""
+    folder, ref = oracle_checkpoints.get("mixtral", "per_expert")
+    own = backbone_only_copy(Path(folder), tmp_path / "backbone")
+    write_expert_digests(load_weights(folder), own / DIGESTS_FILE, model_id="published with the model")
+    with expert_nodes(str(folder), ["0-7"], extra_args=lambda i: ["--no-weight-fetches"]) as daemons:
+
+        async def main() -> tuple[list[int], int, int, set, int]:  # type: ignore[type-arg]
+            config = backbone_config(own, daemons[0].info["multiaddrs"][0], tiers="fetch")
+            async with SwarmBackbone(config) as bb:
+                params = SamplingParams(max_new_tokens=len(ref.greedy_tokens))
+                tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
+                assert bb.executor is not None and bb.tiers is not None
+                served = {pair for s in bb.executor.served_by.values() for pair in s}
+                return tokens, bb.executor.calls, bb.tiers.fetched.fetched_bytes, served, bb.executor.local_pairs
+
+        tokens, calls, fetched_bytes, served, local_pairs = asyncio.run(main())
+        report = subprocess.run([sys.executable, "-m", "moeswarm.cli", "node", "status", "--json",
+                                 "--url", daemons[0].info["status"]], capture_output=True, text=True, timeout=60)
+    assert tokens == ref.greedy_tokens
+    assert fetched_bytes == 0 and local_pairs == 0  # nothing came over as weights, nothing computed here
+    assert calls > 0 and served, (calls, served)  # every routed expert was called instead
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)[0]["serving"]["requests"] == calls
