@@ -542,7 +542,8 @@ def test_departed_client_peers_do_not_stall_lookups(workarounds: frozenset[str])
                     await server.get(announcement_key(MODEL, 2, Identity.generate().peer_id))
                     await server.find_providers(provider_key(MODEL, 2))
                 elapsed = time.perf_counter() - started
-                assert elapsed < DIAL_TIMEOUT_S / 2, f"lookups took {elapsed:.1f} s"
+                # meeting one stale peer costs a whole dial timeout: less means no stale peer was dialled
+                assert elapsed < DIAL_TIMEOUT_S, f"lookups took {elapsed:.1f} s"
                 assert not client_ids & set(await server.routing_table())
             assert not any(in_tables)
         finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,11 @@ CODES = {int(c) for c in p.ErrorCode}
 
 def _check(body: bytes) -> p.Message | None:
     """Decode; on success the message must re-encode stably; on failure the code is known."""
-    start = time.perf_counter()
     try:
         msg = p.decode(body)
     except ProtocolError as exc:
         assert exc.code in CODES, exc
         msg = None
-    assert time.perf_counter() - start < 0.5
     if msg is not None:
         again = p.encode(msg)
         assert p.encode(p.decode(again)) == again

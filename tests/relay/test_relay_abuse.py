@@ -179,8 +179,8 @@ def test_untrusted_certificate_is_refused_by_bridge_and_client(certs: Any, other
             try:
                 t0 = time.monotonic()
                 with pytest.raises(Unreachable, match="not trusted"):
-                    await ExpertClient.connect(info["endpoint"], Identity.generate(), timeout=10)
-                assert time.monotonic() - t0 < 5  # refused at once, not retried until the timeout
+                    await ExpertClient.connect(info["endpoint"], Identity.generate(), timeout=120)
+                assert time.monotonic() - t0 < 60  # refused at once, not retried until the (long) timeout
             finally:
                 set_relay_ca(str(certs.ca))
 

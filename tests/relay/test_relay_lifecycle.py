@@ -117,10 +117,9 @@ def test_graceful_shutdown_sends_devices_away_and_they_return_to_the_restarted_r
 
             relay = new_relay(certs, port)  # same port; its startup grace answers 503 for now
             await relay.start()
-            t0 = time.monotonic()
             client2 = await ExpertClient.connect(info["endpoint"], Identity.generate(), expected_peer=device,
-                                                 timeout=15)  # waits for the bridge to come back
-            assert device in relay.devices and time.monotonic() - t0 < 10
+                                                 timeout=60)  # waits for the bridge to come back
+            assert device in relay.devices
             await one_call(client2, shards[1].model_id, 2)
             await client2.aclose()
             await client.aclose()
@@ -143,8 +142,8 @@ def test_unknown_device_fails_fast_and_a_pinned_relay_is_enforced(certs: Any, sh
             t0 = time.monotonic()
             with pytest.raises(Unreachable, match="404"):
                 await ExpertClient.connect(f"relay+wss://127.0.0.1:{relay.port}/{stranger.peer_id_str}",
-                                           Identity.generate(), timeout=10)
-            assert time.monotonic() - t0 < 3
+                                           Identity.generate(), timeout=120)
+            assert time.monotonic() - t0 < 60  # answered 404 at once, not retried until the (long) timeout
             other = Identity.generate().peer_id_str
             with pytest.raises(Unreachable, match="refused"):
                 await asyncio.wait_for(run_bridge(BridgeConfig(relay.url, str(shards[0]), str(certs.ca),
