@@ -87,11 +87,15 @@ def _default_model() -> str:
               help="Keep this process's resident memory under SIZE (e.g. 8GB) by paging experts in and out "
                    "of the memory-mapped checkpoint.")
 @click.option("--stats", is_flag=True, help="Print memory, page-fault, disk-read and speed figures (stderr).")
+@click.option("--coverage-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+              help="With --swarm: wait this long for every expert to be announced (then fail, or with "
+                   "--local-fallback compute the missing ones here).")
 @friendly_errors
 def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, max_new_tokens: int, backend: str,
              temperature: float, top_p: float, seed: int | None, print_token_ids: bool, swarm: tuple[str, ...],
              local_fallback: bool, relay_ca: str | None, show_experts: bool, ledger_url: str | None,
-             audit_fraction: float, speculative: int, memory_budget: str | None, stats: bool) -> None:
+             audit_fraction: float, speculative: int, memory_budget: str | None, stats: bool,
+             coverage_timeout: float) -> None:
     """Generate text from a checkpoint, streaming it to stdout: in this process, or with --swarm."""
     from .model import load_model
 
@@ -109,7 +113,8 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
             set_relay_ca(relay_ca)
 
         config = BackboneConfig(SwarmConfig(model_dir, bootstrap=swarm, client_mode=True),
-                                local_fallback=local_fallback, ledger_url=ledger_url, audit_fraction=audit_fraction)
+                                local_fallback=local_fallback, ledger_url=ledger_url, audit_fraction=audit_fraction,
+                                coverage_timeout_s=coverage_timeout)
 
         async def in_swarm() -> None:
             async with SwarmBackbone(config) as backbone:
