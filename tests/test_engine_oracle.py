@@ -76,3 +76,32 @@ def test_batch_rows_equal_single_rows(oracle_checkpoints) -> None:
     for b in range(3):
         alone = model.forward(batch[b : b + 1], model.new_cache())
         assert np.abs(together[b] - alone[0]).max() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_a_bf16_checkpoint_matches_transformers_on_the_same_file(oracle_checkpoints, tmp_path, arch: str) -> None:
+    """bf16 safetensors as published (every tensor bfloat16): transformers loads the same file (upcast
+    to fp32, eager) as the oracle, so both sides compute with the same rounded weights."""
+    import shutil
+
+    import torch
+    from oracle import read_tensors, reference_run
+    from safetensors.torch import save_file
+
+    folder, ref32 = oracle_checkpoints.get(arch, "per_expert")
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    for f in folder.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, bf16 / f.name)
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in read_tensors(folder).items()}
+    save_file(tensors, str(bf16 / "model.safetensors"), metadata={"format": "pt"})
+    ref = reference_run(bf16, ref32.prompt_ids)
+    model = load_model(bf16, backend="eager")
+    assert {str(a.dtype) for a in model.weights.tensors.values()} >= {"bfloat16"}  # stored bytes, mapped as is
+    prefill, decode = run_engine(model, ref)
+    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
+    assert np.abs(decode - ref.decode_logits).max() <= TOL
+    assert np.abs(prefill - ref32.prefill_logits).max() > TOL  # the rounding is real: bf16 is not fp32
+    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
+    assert tokens == ref.greedy_tokens

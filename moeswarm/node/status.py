@@ -75,6 +75,7 @@ def _gauges(snap: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
         gauge("expert_cache_bytes_fetched", "Expert bytes paged in on misses", cache.get("bytes_fetched")),
         gauge("predicted_tokens_per_second", "The tier planner's prediction", plan.get("predicted_tokens_per_s")),
         gauge("fetched_expert_bytes", "Expert weights fetched from holders, in total", fetched.get("bytes_fetched")),
+        gauge("fetched_experts_verified", "Fetched experts that matched expert_digests.json", fetched.get("verified")),
         gauge("fetched_experts_rejected", "Fetched experts that differed from expert_digests.json", fetched.get("rejected")),
     ]
     yield from (g for g in found if g is not None)

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -357,3 +358,49 @@ def test_a_holder_that_refuses_fetches_is_called_instead(oracle_checkpoints, tmp
     assert calls > 0 and served, (calls, served)  # every routed expert was called instead
     assert report.returncode == 0, report.stderr
     assert json.loads(report.stdout)[0]["serving"]["requests"] == calls
+
+
+def test_metrics_of_nodes_and_backbone_and_node_status_without_urls(oracle_checkpoints, tmp_path,  # type: ignore[no-untyped-def]
+                                                                    monkeypatch) -> None:
+    """The README's promises: every daemon serves Prometheus figures on /metrics (a backbone with
+    --tiers fetch counts the fetched experts its digests verified), and `moeswarm node status` finds
+    the daemons of this machine through their run files, without --url."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from moeswarm.demo.swarm import start_daemon, stop_daemon
+
+    from moeswarm.demo import CHECKPOINT
+
+    folder = CHECKPOINT  # a tokenizer too: the backbone serves text
+    own = backbone_only_copy(Path(folder), tmp_path / "backbone")
+    write_expert_digests(load_weights(folder), own / DIGESTS_FILE, model_id="published with the model")
+    monkeypatch.setenv("MOESWARM_HOME", str(tmp_path / "home"))  # the daemons' run files
+
+    def metrics(url: str) -> dict[str, float]:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+    with expert_nodes(str(folder), ["0-3", "4-7"]) as daemons:
+        backbone = start_daemon("backbone", ["backbone", "--model", str(own), "--bootstrap",
+                                             daemons[0].info["multiaddrs"][0], "--client-mode", "--tiers", "fetch",
+                                             "--http", "127.0.0.1:0"])
+        try:
+            body = json.dumps({"prompt": "And it came to pass", "max_tokens": 4, "temperature": 0}).encode()
+            request = urllib.request.Request(backbone.info["http"] + "/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as r:
+                assert r.status == 200
+            figures = metrics(backbone.info["http"])
+            nodes_figures = [metrics(d.info["status"]) for d in daemons]
+            report = subprocess.run([sys.executable, "-m", "moeswarm.cli", "node", "status", "--json"],
+                                    capture_output=True, text=True, timeout=120)
+        finally:
+            stop_daemon(backbone)
+    assert figures["moeswarm_fetched_experts_verified"] >= 1 and figures["moeswarm_fetched_experts_rejected"] == 0
+    assert figures["moeswarm_fetched_expert_bytes"] > 0 and figures["moeswarm_vm_rss_bytes"] > 0
+    for f in nodes_figures:
+        assert f["moeswarm_vm_rss_bytes"] > 0 and "moeswarm_requests_served" in f
+    assert report.returncode == 0, report.stderr
+    found = {(r["role"], r["peer_id"]) for r in json.loads(report.stdout)}
+    assert found == {("node", d.info["peer_id"]) for d in daemons} | {("backbone", backbone.info["peer_id"])}
