@@ -254,6 +254,9 @@ def test_auto_node_moves_to_what_the_swarm_lacks_without_uncovering_an_expert() 
                         with pytest.raises(ProtocolError) as dropped:  # the grace is over
                             await call(c["endpoint"], c_peer, model_id, 0, 4, x)
                         assert dropped.value.code == ErrorCode.UNKNOWN_EXPERT
+                        deadline = time.monotonic() + 60  # a slow machine samples less often: wait for enough
+                        while len(samples) < 5 and time.monotonic() < deadline:
+                            await asyncio.sleep(0.1)
                     finally:
                         sampler.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
