@@ -1,0 +1,182 @@
+"""MiniMax M2, MiniMax M3 (text model) and Kimi K2.5 (text model) against transformers 5.24:
+both on-disk layouts, a 16-token prefill (whole, and in chunks of 5 over the cache), 8 decode steps
+on the cache, greedy tokens; and negative controls showing each new mechanism changes the logits,
+so the match is not an accident of a mechanism that does nothing on these weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeswarm.model import BACKENDS, Model, SamplingParams, generate, get_backend, load_model, load_weights
+from moeswarm.model._attn_lightning import select_blocks
+from moeswarm.model.config import ARCHITECTURES_MINIMAX_KIMI
+from moeswarm.model.routing import route
+
+LAYOUTS = ("per_expert", "packed")
+TOL = 1e-4
+MATTERS = 1e-2  # a mechanism switched off must move some logit by at least 100x the tolerance
+
+
+def run_engine(model: Model, ref, chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
+    cache = model.new_cache()
+    ids = ref.prompt_ids
+    step = chunk or len(ids)
+    prefill = np.concatenate([model.forward(np.asarray([ids[i : i + step]]), cache)[0] for i in range(0, len(ids), step)])
+    decode = [model.forward(np.asarray([[t]]), cache)[0, -1] for t in ref.decode_tokens]
+    return prefill, np.stack(decode)
+
+
+def test_the_three_families_are_parsed() -> None:
+    assert set(ARCHITECTURES_MINIMAX_KIMI) == {"minimax_m2", "minimax_m3_vl", "kimi_k25"}
+
+
+@pytest.mark.parametrize("chunk", [None, 5], ids=["one-prefill", "prefill-in-chunks-of-5"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch", ARCHITECTURES_MINIMAX_KIMI)
+def test_logits_and_greedy_tokens_match_transformers(family_checkpoints, arch: str, layout: str,
+                                                     chunk: int | None) -> None:
+    folder, ref = family_checkpoints.get(arch, layout)
+    model = load_model(folder, backend="eager")
+    assert model.config.arch == arch
+    prefill, decode = run_engine(model, ref, chunk)
+    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
+    assert np.abs(decode - ref.decode_logits).max() <= TOL
+    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
+    assert tokens == ref.greedy_tokens
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES_MINIMAX_KIMI)
+def test_backends_agree(family_checkpoints, arch: str) -> None:
+    folder, _ = family_checkpoints.get(arch, "packed")
+    model = load_model(folder)
+    cfg, w = model.config, model.weights
+    layer = next(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
+    rng = np.random.default_rng(1)
+    for tokens in (1, 3, 8, 33):
+        x = rng.standard_normal((tokens, cfg.hidden_size)).astype(np.float32)
+        ids, weights = route(cfg, x, w[f"{layer}.router"], None, w.get(f"{layer}.router_score_bias"))
+        outs = {name: get_backend(name)(w.experts[layer], x, ids, weights, cfg) for name in BACKENDS}
+        for name, out in outs.items():
+            assert np.abs(out - outs["eager"]).max() <= 1e-5, (tokens, name)
+        assert np.abs(outs["eager"]).max() > 1e-2
+
+
+def _variant(folder: Path, **changes) -> Model:  # type: ignore[no-untyped-def]
+    w = load_weights(folder)
+    w.config = replace(w.config, **changes)
+    return Model(w, backend="eager")
+
+
+def _moved(model: Model, ref) -> float:  # type: ignore[no-untyped-def]
+    prefill, decode = run_engine(model, ref)
+    return float(max(np.abs(prefill - ref.prefill_logits).max(), np.abs(decode - ref.decode_logits).max()))
+
+
+def test_minimax_m3_indexer_really_drops_key_blocks(family_checkpoints) -> None:
+    folder, ref = family_checkpoints.get("minimax_m3_vl")
+    cfg = load_model(folder).config
+    # the configuration makes the selection bite: 4-token blocks, 2 kept, a 16-token prompt
+    assert cfg.index_topk_blocks * cfg.index_block_size < len(ref.prompt_ids)
+    assert any(cfg.sparse_layers) and not all(cfg.sparse_layers)
+    assert any(cfg.moe_layers) and not all(cfg.moe_layers)
+    # at the last prompt position the indexer sees 4 causal blocks and keeps 2
+    scores = np.random.default_rng(0).standard_normal((1, cfg.index_heads, 1, 16)).astype(np.float32)
+    keep = select_blocks(scores, np.asarray([15]), cfg)
+    assert keep.sum(axis=-1).tolist() == [[[2]] * cfg.index_heads]
+    assert keep[..., 3].all()  # the query's own block is always local
+    dense_attention = _variant(folder, index_topk_blocks=1000)
+    no_local = _variant(folder, index_local_blocks=0)
+    assert _moved(dense_attention, ref) > MATTERS
+    assert _moved(no_local, ref) > MATTERS
+
+
+@pytest.mark.parametrize("change", ["swiglu_limit", "routed_scaling_factor", "dense_activation", "rotary",
+                                    "score_bias"])
+def test_minimax_m3_mechanisms_each_change_the_logits(family_checkpoints, change: str) -> None:
+    folder, ref = family_checkpoints.get("minimax_m3_vl")
+    cfg = load_model(folder).config
+    if change == "score_bias":
+        model = load_model(folder, backend="eager")
+        for L in range(cfg.num_layers):
+            if cfg.moe_layers[L]:
+                model.weights.tensors[f"{L}.router_score_bias"] = np.zeros(cfg.num_experts, np.float32)
+    else:
+        changes = {
+            "swiglu_limit": dict(swiglu_limit=1e9),
+            "routed_scaling_factor": dict(routed_scaling_factor=1.0),
+            "dense_activation": dict(dense_activation="swiglu"),
+            "rotary": dict(rope=replace(cfg.rope, dim=cfg.head_dim)),
+        }[change]
+        model = _variant(folder, **changes)
+    assert _moved(model, ref) > MATTERS
+
+
+@pytest.mark.parametrize("change", ["rotary", "score_bias", "qk_norm"])
+def test_minimax_m2_mechanisms_each_change_the_logits(family_checkpoints, change: str) -> None:
+    folder, ref = family_checkpoints.get("minimax_m2")
+    cfg = load_model(folder).config
+    assert cfg.rope.dim == cfg.head_dim // 2
+    if change == "score_bias":
+        model = load_model(folder, backend="eager")
+        for L in range(cfg.num_layers):
+            model.weights.tensors[f"{L}.router_score_bias"] = np.zeros(cfg.num_experts, np.float32)
+    elif change == "rotary":
+        model = _variant(folder, rope=replace(cfg.rope, dim=cfg.head_dim))
+    else:
+        model = _variant(folder, qk_norm=None)
+    assert _moved(model, ref) > MATTERS
+
+
+def test_kimi_k25_ties_the_head_as_transformers_does(family_checkpoints) -> None:
+    folder, ref = family_checkpoints.get("kimi_k25")
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["text_config"]["tie_word_embeddings"] is False and "tie_word_embeddings" in raw
+    model = load_model(folder)
+    assert model.config.tie_word_embeddings
+    assert model.weights["lm_head"] is model.weights["embed"]
+
+
+def _copy_with_config(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    edit(raw)
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_hub_spellings_of_the_configs_give_the_same_logits(family_checkpoints, tmp_path: Path) -> None:
+    """MiniMax M2 as published says ``rotary_dim``; MiniMax M3 as published says
+    ``sparse_attention_config`` and ``moe_layer_freq``.  transformers reads both."""
+    folder, ref = family_checkpoints.get("minimax_m2")
+
+    def m2(raw):  # type: ignore[no-untyped-def]
+        raw["rope_parameters"].pop("partial_rotary_factor")
+        raw["rotary_dim"] = 8
+
+    model = load_model(_copy_with_config(folder, tmp_path / "m2", m2), backend="eager")
+    assert model.config.rope.dim == 8
+    prefill, decode = run_engine(model, ref)
+    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
+
+    folder, ref = family_checkpoints.get("minimax_m3_vl")
+
+    def m3(raw):  # type: ignore[no-untyped-def]
+        t = raw["text_config"]
+        t["sparse_attention_config"] = {
+            "sparse_attention_freq": [int(k == "minimax_m3_sparse") for k in t.pop("layer_types")],
+            "sparse_num_index_heads": t.pop("index_n_heads"), "sparse_index_dim": t.pop("index_head_dim"),
+            "sparse_block_size": t.pop("index_block_size"), "sparse_topk_blocks": t.pop("index_topk_blocks"),
+            "sparse_local_block": t.pop("index_local_blocks"),
+        }
+        t["moe_layer_freq"] = [int(k == "sparse") for k in t.pop("mlp_layer_types")]
+
+    model = load_model(_copy_with_config(folder, tmp_path / "m3", m3), backend="eager")
+    assert replace(model.config, model_id="") == replace(load_model(folder).config, model_id="")
+    prefill, decode = run_engine(model, ref, chunk=5)
+    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
