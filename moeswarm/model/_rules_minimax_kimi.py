@@ -3,10 +3,10 @@
 The two vision-language checkpoints keep their language model under a prefix:
 ``language_model.model.layers.*`` / ``language_model.lm_head`` as published (and as
 ``save_pretrained`` writes them), ``model.language_model.layers.*`` / ``lm_head`` in transformers'
-runtime layout (transformers 5.24 saves Kimi K2.5's layers as ``language_model.model.blocks.*``:
-its load-time rename ``blocks -> layers`` runs backwards on save; both are read).  Both reach the canonical names; every other key (``vision_tower.*``,
-``mm_projector.*``, ``multi_modal_projector.*``, ``patch_merge_mlp.*``) matches no rule, so it is
-left unmatched and its bytes are never touched.
+runtime layout.  transformers 5.24 saves Kimi K2.5's layers as ``language_model.model.blocks.*``
+(its load-time rename ``blocks -> layers`` runs backwards on save); that is read too.  Every other
+key (``vision_tower.*``, ``mm_projector.*``, ``multi_modal_projector.*``, ``patch_merge_mlp.*``)
+matches no rule, so it is left unmatched and its bytes are never touched.
 
 MiniMax-specific keys:
 

@@ -180,3 +180,64 @@ def test_hub_spellings_of_the_configs_give_the_same_logits(family_checkpoints, t
     assert replace(model.config, model_id="") == replace(load_model(folder).config, model_id="")
     prefill, decode = run_engine(model, ref, chunk=5)
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL
+
+
+def test_minimax_m3_cache_rolls_back_its_index_keys_too(family_checkpoints) -> None:
+    """Speculative decoding truncates the cache after a rejected draft: the index keys must go too."""
+    from moeswarm.model.speculative import generate_speculative
+
+    folder, ref = family_checkpoints.get("minimax_m3_vl")
+    model = load_model(folder, backend="eager")
+    cache = model.new_cache()
+    model.forward(np.asarray([ref.prompt_ids]), cache)
+    model.forward(np.asarray([[5, 6, 7, 8]]), cache)  # a draft that is then rejected
+    cache.truncate(len(ref.prompt_ids))
+    assert {layer.length for layer in cache.layers} == {len(ref.prompt_ids)}
+    assert {layer.index.length for layer in cache.layers if hasattr(layer, "index")} == {len(ref.prompt_ids)}
+    again = model.forward(np.asarray([[ref.decode_tokens[0]]]), cache)[0, -1]
+    assert np.abs(again - ref.decode_logits[0]).max() <= TOL
+    prompt = ref.prompt_ids + ref.prompt_ids[:8]  # repeats, so prompt lookup drafts (and some are rejected)
+    params = SamplingParams(max_new_tokens=12)
+    assert list(generate_speculative(model, prompt, params, k=4)) == list(generate(model, prompt, params))
+
+
+def test_minimax_m3_batch_rows_equal_single_rows(family_checkpoints) -> None:
+    folder, _ = family_checkpoints.get("minimax_m3_vl")
+    model = load_model(folder)
+    batch = np.random.default_rng(2).integers(3, model.config.vocab_size, size=(3, 13))
+
+    def two_chunks(ids: np.ndarray) -> np.ndarray:
+        cache = model.new_cache()
+        return np.concatenate([model.forward(ids[:, :9], cache), model.forward(ids[:, 9:], cache)], axis=1)
+
+    # rows must not see each other's keys, index keys or blocks; what is left is fp32 summation order
+    # (gemm vs gemv over 3x more rows), amplified by M3's Gemma norms (~2x per norm): ~1e-5 on logits ~7
+    together = two_chunks(batch)
+    for b in range(3):
+        alone = two_chunks(batch[b : b + 1])
+        assert np.abs(together[b] - alone[0]).max() <= TOL
+        other = two_chunks(batch[(b + 1) % 3 : (b + 1) % 3 + 1])
+        assert np.abs(together[b] - other[0]).max() > 1.0  # a different row is far away
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t.update(layer_types=["full_attention", "sliding_attention"] * 2), "layer type 'sliding_attention'"),
+    (lambda t: t.update(mlp_layer_types=["dense"] * 3), "fewer than num_hidden_layers=4"),
+    (lambda t: t.update(index_n_heads=3), "index_n_heads=3 must divide num_attention_heads=4"),
+    (lambda t: t.pop("num_local_experts"), "'num_experts'"),
+])
+def test_a_bad_minimax_m3_config_says_what_is_wrong(family_checkpoints, tmp_path: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
+    from moeswarm.errors import CheckpointError
+
+    folder, _ = family_checkpoints.get("minimax_m3_vl")
+    bad = _copy_with_config(folder, tmp_path / "bad", lambda raw: edit(raw["text_config"]))
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_model(bad)
+
+
+def test_kimi_k25_text_config_may_say_kimi_k2(family_checkpoints, tmp_path: Path) -> None:
+    """The hub's Kimi K2.5 config.json names its text model ``kimi_k2``; transformers reads it as DeepSeek-V3."""
+    folder, ref = family_checkpoints.get("kimi_k25")
+    hub = _copy_with_config(folder, tmp_path / "hub", lambda raw: raw["text_config"].update(model_type="kimi_k2"))
+    prefill, _ = run_engine(load_model(hub, backend="eager"), ref)
+    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
