@@ -241,3 +241,46 @@ def test_kimi_k25_text_config_may_say_kimi_k2(family_checkpoints, tmp_path: Path
     hub = _copy_with_config(folder, tmp_path / "hub", lambda raw: raw["text_config"].update(model_type="kimi_k2"))
     prefill, _ = run_engine(load_model(hub, backend="eager"), ref)
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL
+
+
+def _published_m3_text() -> dict:  # type: ignore[type-arg]
+    """MiniMax M3's text_config as published (hub field names and values; no weights needed)."""
+    dense3 = [0, 0, 0] + [1] * 57
+    return {
+        "model_type": "minimax_m3", "hidden_size": 6144, "intermediate_size": 3072, "num_hidden_layers": 60,
+        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 200064,
+        "max_position_embeddings": 524288, "rms_norm_eps": 1e-06, "use_gemma_norm": True, "rope_theta": 5000000,
+        "rotary_dim": 64, "partial_rotary_factor": 0.5, "hidden_act": "swigluoai", "qk_norm_type": "per_head",
+        "tie_word_embeddings": False, "dense_intermediate_size": 12288, "shared_intermediate_size": 3072,
+        "num_local_experts": 128, "num_experts_per_tok": 4, "n_shared_experts": 1, "scoring_func": "sigmoid",
+        "moe_layer_freq": dense3, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "routed_scaling_factor": 2.0,
+        "sparse_attention_config": {"use_sparse_attention": True, "sparse_index_dim": 128, "sparse_num_index_heads": 4,
+                                    "sparse_topk_blocks": 16, "sparse_block_size": 128, "sparse_local_block": 1,
+                                    "sparse_attention_freq": dense3},
+    }
+
+
+def test_published_configs_parse_at_real_scale() -> None:
+    """The seed's figures for MiniMax M3 (7,296 routed experts, 228 active per token) and Kimi K2.5's shape."""
+    from moeswarm.model import ModelConfig
+
+    m3 = ModelConfig.from_hf({"model_type": "minimax_m3_vl", "text_config": _published_m3_text(),
+                              "vision_config": {"hidden_size": 1280}})
+    assert m3.num_experts * sum(m3.moe_layers) == 7296 and m3.top_k * sum(m3.moe_layers) == 228
+    assert m3.rope.dim == 64 and m3.rope.theta == 5e6 and sum(m3.sparse_layers) == 57
+    assert (m3.index_heads, m3.index_head_dim, m3.index_block_size, m3.index_topk_blocks) == (4, 128, 128, 16)
+    assert (m3.dense_intermediate_size, m3.shared_intermediate_size, m3.routed_scaling_factor) == (12288, 3072, 2.0)
+    kimi_text = {
+        "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "rope_theta": 50000.0, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    }
+    kimi = ModelConfig.from_hf({"model_type": "kimi_k25", "text_config": kimi_text, "tie_word_embeddings": False,
+                                "vision_config": {}})
+    assert kimi.arch == "kimi_k25" and kimi.attention == "mla" and not kimi.tie_word_embeddings
+    assert kimi.num_experts * sum(kimi.moe_layers) == 384 * 60 and kimi.rope.kind == "yarn"
