@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import oracle
 import torch
+from oracle import PROMPT, Reference, _quiet  # noqa: F401  (PROMPT re-exported)
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -40,9 +42,6 @@ from transformers import (
     MiniMaxM2Config,
     MiniMaxM3VLConfig,
 )
-
-import oracle
-from oracle import PROMPT, Reference, _quiet  # noqa: F401  (PROMPT re-exported)
 
 ARCHS = ("minimax_m2", "minimax_m3_vl", "kimi_k25")
 VISION_LANGUAGE = ("minimax_m3_vl", "kimi_k25")

@@ -64,7 +64,7 @@ def test_the_vision_tower_is_never_read(family_checkpoints, arch: str, tmp_path:
     shutil.copytree(folder, copy)
     _add_vision_shard(copy)
     out = subprocess.run([sys.executable, "-c", _PROBE, str(copy), json.dumps(ref.prompt_ids)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
     grew = json.loads(out.stdout.strip().splitlines()[-1])
     assert grew["served"] < VISION_BYTES // 8, grew  # opening and serving the language model
@@ -78,14 +78,14 @@ def test_moeswarm_generate_runs_each_family_folder(family_checkpoints, arch: str
     out = subprocess.run(
         [sys.executable, "-m", "moeswarm.cli", "generate", "--model", str(folder), "--prompt-ids",
          json.dumps(ref.prompt_ids), "--max-new-tokens", str(n), "--print-token-ids"],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ref.greedy_tokens
 
 
 def test_generate_help_says_images_are_not_supported() -> None:
     out = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--help"], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, check=False)
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     assert "images are not supported yet" in text
