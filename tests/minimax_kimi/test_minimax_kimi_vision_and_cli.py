@@ -90,3 +90,13 @@ def test_generate_help_says_images_are_not_supported() -> None:
     text = " ".join(out.stdout.split())
     assert "images are not supported yet" in text
     assert "MiniMax M3" in text and "Kimi K2.5" in text
+
+
+def test_the_openai_api_refuses_an_image_part_saying_why() -> None:
+    from moeswarm.node.http_api import ApiError, _content
+
+    image = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(ApiError, match="images are not supported yet") as e:
+        _content(image, "messages[0].content")
+    assert e.value.status == 400 and e.value.param == "messages[0].content"
+    assert _content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "p") == "ab"
