@@ -92,3 +92,13 @@ def test_llama_cpp_keys_alone_rebuild_the_config(family_checkpoints, arch: str, 
     differ = {x.name for x in dataclasses.fields(exact) if getattr(exact, x.name) != getattr(rebuilt, x.name)}
     # a llama.cpp deepseek2 file does not say it came from Kimi K2.5: it reads as DeepSeek-V3, the same model
     assert differ <= ({"raw", "arch"} if arch == "kimi_k25" else {"raw"})
+
+
+def test_minimax_m3_has_no_gguf_form_and_says_so(family_checkpoints, tmp_path: Path) -> None:
+    from moeswarm.errors import ConfigError
+
+    folder, _ = family_checkpoints.get("minimax_m3_vl")
+    assert not any("MINIMAXM3" in a.name for a in gguf.MODEL_ARCH)  # re-check when gguf learns it
+    with pytest.raises(ConfigError, match="minimax_m3_vl has no GGUF form"):
+        convert_to_gguf(folder, tmp_path / "m3.gguf", weight_type="F32", sidecar=False)
+    assert not (tmp_path / "m3.gguf").exists()
