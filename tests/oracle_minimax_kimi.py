@@ -44,7 +44,8 @@ from transformers import (
 )
 
 ARCHS = ("minimax_m2", "minimax_m3_vl", "kimi_k25")
-VISION_LANGUAGE = ("minimax_m3_vl", "kimi_k25")
+EXTRA = ("minimax_m3_vl_odd_index",)  # model_type minimax_m3_vl too
+VISION_LANGUAGE = ("minimax_m3_vl", "kimi_k25", "minimax_m3_vl_odd_index")
 LAYOUTS = ("per_expert", "packed")
 
 _TEXT = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -74,7 +75,15 @@ M3_TEXT = dict(
     rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0, partial_rotary_factor=0.5),
 )
 
+#: a second MiniMax M3 shape for the indexer's corner cases: one indexer head for two kv heads, an
+#: indexer narrower than the rotary width (transformers cuts the cos/sin tables, which pairs channels
+#: oddly), blocks of 3 (the last one padded), 2 local blocks, full rotary
+M3_ODD_INDEX = dict(M3_TEXT, index_n_heads=1, index_head_dim=8, index_block_size=3, index_topk_blocks=3,
+                    index_local_blocks=2, rope_parameters=dict(rope_type="default", rope_theta=10_000.0))
+
 CONFIGS: dict[str, Any] = {
+    "minimax_m3_vl_odd_index": lambda: MiniMaxM3VLConfig(text_config=dict(M3_ODD_INDEX),
+                                                         vision_config=dict(_VISION_M3)),
     "minimax_m2": lambda: MiniMaxM2Config(
         **_TEXT,
         num_hidden_layers=2,

@@ -292,3 +292,17 @@ def test_published_configs_parse_at_real_scale() -> None:
                                 "vision_config": {}})
     assert kimi.arch == "kimi_k25" and kimi.attention == "mla" and not kimi.tie_word_embeddings
     assert kimi.num_experts * sum(kimi.moe_layers) == 384 * 60 and kimi.rope.kind == "yarn"
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_minimax_m3_indexer_corner_cases_match_transformers(family_checkpoints, chunk: int | None) -> None:
+    """One indexer head shared by all query heads, an indexer narrower than the rotary width,
+    3-key blocks (16 keys: the last block padded), 2 local blocks."""
+    folder, ref = family_checkpoints.get("minimax_m3_vl_odd_index")
+    model = load_model(folder, backend="eager")
+    cfg = model.config
+    assert (cfg.index_heads, cfg.index_head_dim, cfg.rope.dim, cfg.index_block_size) == (1, 8, 16, 3)
+    prefill, decode = run_engine(model, ref, chunk)
+    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
+    assert np.abs(decode - ref.decode_logits).max() <= TOL
+    assert _moved(_variant(folder, index_topk_blocks=1000), ref) > MATTERS
