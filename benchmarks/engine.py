@@ -5,7 +5,10 @@ then for batch 1 and 8: a 16-token prefill followed by N timed decode steps, in 
 Both use one thread (OPENBLAS_NUM_THREADS=1, torch.set_num_threads(1)) so the ratio is fair and
 stable on a shared 2-core box.  Prints a table; the ratio column is what to quote.
 
-    python benchmarks/engine.py [--steps 24] [--keep DIR]
+    python benchmarks/engine.py [--steps 24] [--keep DIR] [--only all|mixtral|families]
+
+``--only families`` measures one row per family of issue 13 (MiniMax M2, MiniMax M3 text model
+with its lightning indexer, Kimi K2.5 text model) at batch 1.
 """
 
 from __future__ import annotations
@@ -75,13 +78,104 @@ def bench_hf(folder: Path, batch: int, steps: int, prompt: np.ndarray) -> float:
     return batch * steps / (time.perf_counter() - t0)
 
 
+# Issue 13's families at a common small size (hidden 512, 4 layers, 16 experts, vocab 8192), built
+# by transformers from their configs, decoded at batch 1 after a 64-token prefill.
+_TEXT = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+             head_dim=64, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+
+
+def _family_config(family: str):  # type: ignore[no-untyped-def]
+    import transformers as T
+
+    rope = dict(rope_type="default", rope_theta=5_000_000.0, partial_rotary_factor=0.5)
+    if family == "minimax_m2":
+        return T.MiniMaxM2Config(**_TEXT, intermediate_size=512, num_local_experts=16, num_experts_per_tok=2,
+                                 rope_parameters=rope, tie_word_embeddings=False)
+    if family == "minimax_m3_vl":
+        text = dict(**_TEXT, intermediate_size=512, dense_intermediate_size=1024, shared_intermediate_size=512,
+                    num_local_experts=16, num_experts_per_tok=2, index_n_heads=2, index_head_dim=64,
+                    index_block_size=16, index_topk_blocks=2, index_local_blocks=1, rope_parameters=rope,
+                    layer_types=["full_attention", "minimax_m3_sparse"] * 2, mlp_layer_types=["dense"] + ["sparse"] * 3)
+        return T.MiniMaxM3VLConfig(text_config=text, vision_config=_VISION)
+    text = dict({k: v for k, v in _TEXT.items() if k != "head_dim"}, num_key_value_heads=8, intermediate_size=1024, moe_intermediate_size=512,
+                n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=64,
+                qk_rope_head_dim=32, v_head_dim=64, routed_scaling_factor=2.5, num_mtp_layers=0)
+    return T.Kimi_K25Config(text_config=T.DeepseekV3Config(**text).to_dict(),
+                            vision_config=dict(_VISION, pos_emb_height=4, pos_emb_width=4))
+
+
+def _auto(family: str):  # type: ignore[no-untyped-def]
+    import transformers as T
+
+    return T.AutoModelForCausalLM if family == "minimax_m2" else T.AutoModelForImageTextToText
+
+
+def build_family(folder: Path, family: str) -> None:
+    if (folder / "config.json").exists():
+        return
+    torch.manual_seed(0)
+    model = _auto(family).from_config(_family_config(family), attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    model.save_pretrained(folder)
+
+
+@torch.no_grad()
+def bench_hf_family(folder: Path, family: str, steps: int, prompt: np.ndarray) -> float:
+    from transformers import DynamicCache
+
+    model = _auto(family).from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=torch.from_numpy(prompt[:1]), cache=cache, use_cache=True)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    model(input_ids=token, cache=cache, use_cache=True)  # warm-up step
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+    return steps / (time.perf_counter() - t0)
+
+
+def family_rows(root: Path, steps: int, rounds: int) -> list[tuple[str, str, float, float]]:
+    """(family, GB, moeswarm tok/s, transformers tok/s): medians of ``rounds`` alternating runs."""
+    rows = []
+    for family in ("minimax_m2", "minimax_m3_vl", "kimi_k25"):
+        folder = root / family
+        build_family(folder, family)
+        gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
+        prompt = np.random.default_rng(1).integers(3, _TEXT["vocab_size"], size=(1, 64))
+        ours, hf = [], []
+        for _ in range(rounds):  # alternate the engines so drift on a shared box hits both
+            ours.append(bench_ours(folder, 1, steps, prompt))
+            hf.append(bench_hf_family(folder, family, steps, prompt))
+        rows.append((family, f"{gb:.2f}", float(np.median(ours)), float(np.median(hf))))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=24, help="timed decode steps per case")
     ap.add_argument("--keep", type=Path, default=None, help="build/reuse checkpoints here instead of a temp dir")
+    ap.add_argument("--only", choices=("all", "mixtral", "families"), default="all",
+                    help="the Mixtral size/batch table, the issue-13 families table, or both")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs per family (median reported)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     root = args.keep or Path(tempfile.mkdtemp(prefix="moeswarm-bench-"))
+    if args.only in ("all", "families"):
+        fam = family_rows(root, args.steps, args.rounds)
+        print(f"\ndecode tokens/s at batch 1, 1 thread each, {args.steps} steps after a 64-token prefill, "
+              f"median of {args.rounds} alternating runs")
+        print("| family | GB | moeswarm | transformers eager | ratio |")
+        print("|---|---|---|---|---|")
+        for family, gb, ours, hf in fam:
+            print(f"| {family} | {gb} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x |")
+    if args.only == "families":
+        return
     rng = np.random.default_rng(0)
     rows = []
     for size in SIZES:

@@ -94,13 +94,15 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.shared_intermediate_size:
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-    if cfg.arch == "deepseek_v3":
+    if cfg.arch in ("deepseek_v3", "kimi_k25"):
         w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
         w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
+    if cfg.arch == "minimax_m2":
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     windows = {x for x in cfg.sliding_windows if x is not None}
     if windows:
         w.add_sliding_window(max(windows))
@@ -116,9 +118,9 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
 
 def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: str) -> dict[str, Any]:
     """A config.json-like dict from llama.cpp keys (``meta``: key -> value) and tensor names."""
-    from ._gguf_names import GGUF_ARCH
+    from ._gguf_names import model_type_of
 
-    arch = {v: k for k, v in GGUF_ARCH.items()}.get(garch)
+    arch = model_type_of(garch)
     if arch is None:
         raise KeyError("general.architecture")
 
@@ -184,6 +186,10 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
                    n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)),
                    rope_interleave=True, head_dim=None)
+    elif arch == "minimax_m2":
+        head_dim = int(raw["head_dim"] or raw["hidden_size"] // heads)
+        raw.update(num_local_experts=experts, intermediate_size=expert_ff, head_dim=head_dim)
+        raw["rope_parameters"]["partial_rotary_factor"] = int(get(R.DIMENSION_COUNT, head_dim)) / head_dim
     elif arch == "gpt_oss":
         window = get(A.SLIDING_WINDOW, None)
         raw.update(sliding_window=int(window) if window else None, attention_bias=has("attn_q.bias"))

@@ -194,3 +194,28 @@ def rope_permutation(rows: int, heads: int) -> np.ndarray:
     """
     idx = np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
     return idx
+
+
+# MiniMax M2 (llama.cpp ``minimax-m2``) and Kimi K2.5's text model (llama.cpp converts it as
+# ``deepseek2``; its HF keys sit under ``language_model.``).  MiniMax M3 has no llama.cpp architecture.
+GGUF_ARCH.update({"minimax_m2": "minimax-m2", "kimi_k25": "deepseek2"})
+NAME_MAP["minimax_m2"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _QK_NORM
+    + _rows(("{L}.router", "blk.{L}.ffn_gate_inp.weight", _P + "block_sparse_moe.gate.weight"),
+            ("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "block_sparse_moe.e_score_correction_bias"))
+    + _experts("block_sparse_moe.", {"gate": "experts.{E}.w1.weight", "up": "experts.{E}.w3.weight",
+                                     "down": "experts.{E}.w2.weight"})
+)
+
+
+def _under_language_model(rows: tuple[NameRow, ...]) -> tuple[NameRow, ...]:
+    return tuple(NameRow(r.canonical, r.gguf, "language_model." + r.hf, r.permute, r.invented) for r in rows)
+
+
+NAME_MAP["kimi_k25"] = _under_language_model(NAME_MAP["deepseek_v3"])
+
+
+def model_type_of(garch: str) -> str | None:
+    """The moeswarm architecture a GGUF ``general.architecture`` reads as (the first listed:
+    ``deepseek2`` is DeepSeek-V3, though Kimi K2.5 writes it too)."""
+    return next((k for k, v in GGUF_ARCH.items() if v == garch), None)

@@ -212,6 +212,9 @@ def convert_to_gguf(
     if out.suffix != ".gguf":
         raise ConfigError(f"the output file must end in .gguf: {out}")
     w = load_weights(model)
+    if w.config.arch not in GGUF_ARCH:  # e.g. MiniMax M3: llama.cpp names no architecture for it
+        raise ConfigError(f"{w.config.arch} has no GGUF form: llama.cpp's gguf package names no architecture "
+                          f"for it (GGUF covers {', '.join(GGUF_ARCH)})")
     plans = plan(w, weight_type, experts_type)
     files = _source_files(model, w)
     files.setdefault("config.json", json.dumps(w.config.raw, indent=2))

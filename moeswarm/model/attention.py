@@ -43,6 +43,9 @@ class Rope:
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x (B, heads, T, dim).  Halves layout rotates (x[:d/2], x[d/2:]); DeepSeek's interleaved
         layout rotates (x[0::2], x[1::2]) and returns the halves layout, like transformers does."""
+        rotated = 2 * cos.shape[-1]
+        if rotated < x.shape[-1]:  # partial rotary (MiniMax): the first channels turn, the rest pass
+            return np.concatenate([self.apply(x[..., :rotated], cos, sin), x[..., rotated:]], axis=-1)
         if self.interleaved:
             a, b = x[..., 0::2], x[..., 1::2]
         else:

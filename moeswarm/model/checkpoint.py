@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import numpy as np
+
 from ._gguf_path import find_gguf
 from .config import ModelConfig
 from .weights import Weights, load_safetensors
@@ -36,8 +38,19 @@ def load_weights(
     if gguf_file is not None:
         from ._gguf_read import load_gguf_weights
 
-        return load_gguf_weights(gguf_file, config=config, keep_expert=keep_expert)
-    return load_safetensors(folder, config=config, keep_expert=keep_expert)
+        return fold_norm_offset(load_gguf_weights(gguf_file, config=config, keep_expert=keep_expert))
+    return fold_norm_offset(load_safetensors(folder, config=config, keep_expert=keep_expert))
+
+
+def fold_norm_offset(w: Weights) -> Weights:
+    """Gemma-style RMSNorms (MiniMax M3) scale by ``1 + w``: store that sum, so the engine's norms
+    (which scale by ``w``) compute the same.  Norm weights are small vectors; nothing else is copied."""
+    offset = w.config.norm_offset
+    if offset:
+        for name, a in w.tensors.items():
+            if name.endswith("norm"):
+                w.tensors[name] = a.astype(np.float32) + np.float32(offset)
+    return w
 
 
 __all__ = ["load_config", "load_weights"]

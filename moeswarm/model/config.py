@@ -129,6 +129,15 @@ class ModelConfig:
     pad_token_id: int | None = None
     max_position_embeddings: int = 0
     model_id: str = ""  # a human name for the model (folder name unless given)
+    # MiniMax M3 (issue 13; see _config_minimax_kimi.py)
+    dense_activation: str = "swiglu"  # dense MLP layers and shared experts: "swiglu" or "clamped_swiglu"
+    norm_offset: float = 0.0  # RMSNorms scale by (norm_offset + w) (Gemma style: 1.0); folded into w at load
+    sparse_layers: tuple[bool, ...] = ()  # True where a lightning indexer picks the key blocks a query sees
+    index_heads: int = 0  # indexer query heads (one block choice per head, shared by its query-head group)
+    index_head_dim: int = 0  # indexer q/k width
+    index_block_size: int = 0  # keys per scored block
+    index_topk_blocks: int = 0  # blocks each query keeps (best max-pooled indexer score)
+    index_local_blocks: int = 0  # blocks ending at the query's own block, always kept
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -150,9 +159,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], *, model_id: str = "", path: str | None = None) -> "ModelConfig":
         arch = raw.get("model_type")
-        if arch not in ARCHITECTURES:
+        if arch not in _PARSERS:
             raise CheckpointError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}", path=path
+                f"unsupported architecture {arch!r}; supported: {', '.join(_PARSERS)}", path=path
             )
         try:
             return _PARSERS[arch](raw, model_id, path)
@@ -397,3 +406,10 @@ _PARSERS = {
     "deepseek_v3": _deepseek_v3,
     "gpt_oss": _gpt_oss,
 }
+
+# MiniMax M2, MiniMax M3 (text model) and Kimi K2.5 (text model), issue 13: parsed in their own module
+from ._config_minimax_kimi import PARSERS as _PARSERS_MINIMAX_KIMI, THETAS as _THETAS_MINIMAX_KIMI  # noqa: E402
+
+_PARSERS.update(_PARSERS_MINIMAX_KIMI)
+_DEFAULT_THETA.update(_THETAS_MINIMAX_KIMI)
+ARCHITECTURES_MINIMAX_KIMI = tuple(_PARSERS_MINIMAX_KIMI)

@@ -157,6 +157,16 @@ def dense_ffn(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray)
     return mm(g * sigmoid(g) * mm(x, up), down)
 
 
+def oai_dense_ffn(cfg: ModelConfig) -> Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    """``dense_ffn`` with SwiGLU-OAI (clamped, alpha, ``up + 1``), as MiniMax M3's dense layers and shared
+    expert compute it."""
+
+    def ffn(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray) -> np.ndarray:
+        return expert_ffn(ExpertWeights(gate, up, down), x, cfg)
+
+    return ffn
+
+
 Backend = Callable[[Mapping[int, ExpertWeights], np.ndarray, np.ndarray, np.ndarray, ModelConfig], np.ndarray]
 
 

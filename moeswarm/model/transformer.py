@@ -13,9 +13,10 @@ from typing import Protocol
 
 import numpy as np
 
+from ._attn_lightning import lightning, new_layer_cache
 from .attention import KVCache, Rope, gqa, mla, rms_norm
 from .config import ModelConfig
-from .experts import F32Cache, dense_ffn, f32, get_backend, sigmoid
+from .experts import F32Cache, dense_ffn, f32, get_backend, oai_dense_ffn, sigmoid
 from .routing import route
 from .weights import ExpertWeights, Weights
 
@@ -88,7 +89,7 @@ class Model:
         ]
 
     def new_cache(self) -> KVCache:
-        return KVCache.empty(self.config.num_layers)
+        return KVCache([new_layer_cache(self.config, L) for L in range(self.config.num_layers)])
 
     def forward(self, ids: np.ndarray, cache: KVCache, *, last_only: bool = False) -> np.ndarray:
         """ids (B, T) int -> logits (B, T, V) float32 (or (B, 1, V) with ``last_only``)."""
@@ -104,6 +105,8 @@ class Model:
             h = rms_norm(x, w[f"{L}.attn_norm"], cfg.rms_norm_eps)
             if cfg.attention == "mla":
                 h = mla(self._attn[L], h, cfg, self.rope, cache.layers[L], positions)
+            elif cfg.sparse_layers and cfg.sparse_layers[L]:  # MiniMax M3 lightning indexer
+                h = lightning(self._attn[L], h, cfg, self.rope, cache.layers[L], positions)
             else:
                 h = gqa(self._attn[L], h, cfg, self.rope, cache.layers[L], positions, cfg.sliding_windows[L])
             x = x + h
@@ -120,8 +123,9 @@ class Model:
     def _mlp(self, L: int, h: np.ndarray) -> np.ndarray:
         """h (N, H) -> (N, H): a dense MLP, or router + routed experts + shared expert."""
         cfg, w = self.config, self.weights
+        ffn = oai_dense_ffn(cfg) if cfg.dense_activation == "clamped_swiglu" else dense_ffn
         if not cfg.moe_layers[L]:
-            return dense_ffn(w[f"{L}.mlp.gate"], w[f"{L}.mlp.up"], w[f"{L}.mlp.down"], h)
+            return ffn(w[f"{L}.mlp.gate"], w[f"{L}.mlp.up"], w[f"{L}.mlp.down"], h)
         ids, weights = route(cfg, h, w[f"{L}.router"], w.get(f"{L}.router_bias"), w.get(f"{L}.router_score_bias"))
         for observe in self.observers:
             observe(L, ids)
@@ -130,7 +134,7 @@ class Model:
             handle.result()
         shared = None
         if cfg.shared_intermediate_size:  # overlaps with remote experts in flight
-            shared = dense_ffn(w[f"{L}.shared.gate"], w[f"{L}.shared.up"], w[f"{L}.shared.down"], h)
+            shared = ffn(w[f"{L}.shared.gate"], w[f"{L}.shared.up"], w[f"{L}.shared.down"], h)
             if cfg.shared_expert_gate:
                 shared = sigmoid(h @ f32(w[f"{L}.shared_gate"]).T) * shared
         out = handle.result()

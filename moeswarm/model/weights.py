@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ._safetensors import TensorRef, open_folder
+from ._config_minimax_kimi import extra_shapes
 from .config import ModelConfig
 from .convert import convert
 
@@ -103,6 +104,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             s[p + "shared.down"] = (H, inter)
         if cfg.shared_expert_gate:
             s[p + "shared_gate"] = (1, H)
+    s.update(extra_shapes(cfg))  # MiniMax M3's lightning indexer
     return s
 
 

@@ -172,6 +172,9 @@ def _content(content: object, param: str) -> str:
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in ("image_url", "input_image")
+                                         for p in content):
+        raise ApiError(400, f"{param}: images are not supported yet (text parts only)", param=param)
     raise ApiError(400, f"{param} must be a string or a list of text parts", param=param)
 
 
