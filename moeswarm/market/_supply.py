@@ -13,7 +13,7 @@ from ._grid import Block, ModelShape, Rect
 
 
 class HolderLike(Protocol):
-    """What supply reads from a holder: an ``Announcement`` or a ``node.routing_table.Holder``."""
+    """What supply reads from a holder: an ``Announcement`` or a ``net.routing_table.Holder``."""
 
     @property
     def peer_id(self) -> bytes: ...

@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from . import _config_minimax_kimi, _rules_minimax_kimi  # noqa: F401 - register the MiniMax/Kimi families
 from .attention import KVCache
+from .checkpoint import load_config, load_weights
 from .config import ARCHITECTURES, ModelConfig
 from .experts import BACKENDS, expert_ffn, expert_flops, get_backend
 from .generate import SamplingParams, generate, sample
 from .tokenizer import StreamDecoder, Tokenizer
 from .transformer import ExpertExecutor, ExpertHandle, LocalExperts, Model
-from .checkpoint import load_config, load_weights
 from .weights import ExpertWeights, Weights
 
 

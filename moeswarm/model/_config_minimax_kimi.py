@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from .config import ModelConfig, _common, _deepseek_v3, _rope, register_family
+
 THETAS = {"minimax_m2": 5_000_000.0, "minimax_m3_vl": 5_000_000.0}
 
 
@@ -39,8 +41,6 @@ def _rotary_dim(raw: dict[str, Any], head_dim: int, legacy_rotary_dim: bool) -> 
 
 
 def _minimax_m2(raw: dict[str, Any], model_id: str, path: str | None) -> Any:
-    from .config import ModelConfig, _common, _rope
-
     c = _common(raw, "minimax_m2", model_id)
     n = c["num_layers"]
     return ModelConfig(
@@ -104,8 +104,6 @@ def _index(t: dict[str, Any], key: str) -> int:
 
 
 def _minimax_m3_vl(raw: dict[str, Any], model_id: str, path: str | None) -> Any:
-    from .config import ModelConfig, _common, _rope
-
     t = _text_config(raw)
     c = _common(t, "minimax_m3_vl", model_id)
     c.update(raw=raw, tie_word_embeddings=bool(raw.get("tie_word_embeddings")) or bool(t.get("tie_word_embeddings")))
@@ -146,8 +144,6 @@ def _minimax_m3_vl(raw: dict[str, Any], model_id: str, path: str | None) -> Any:
 
 
 def _kimi_k25(raw: dict[str, Any], model_id: str, path: str | None) -> Any:
-    from .config import _deepseek_v3
-
     t = dict(_text_config(raw))
     if t.get("model_type", "deepseek_v3") not in ("deepseek_v3", "kimi_k2"):
         raise ValueError(f"text_config.model_type {t.get('model_type')!r} is not deepseek_v3 / kimi_k2")
@@ -169,3 +165,6 @@ def extra_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
             s[p + "index_k"] = (cfg.index_head_dim, cfg.hidden_size)
             s[p + "index_q_norm"] = s[p + "index_k_norm"] = (cfg.index_head_dim,)
     return s
+ARCHITECTURES = tuple(PARSERS)
+
+register_family(PARSERS, THETAS)

@@ -20,7 +20,7 @@ MiniMax-specific keys:
 
 from __future__ import annotations
 
-from .convert import Rule, chunk
+from .convert import _BACKBONE, _PACKED, _PER_EXPERT, RULES, Rule, chunk
 
 _VL_MODEL = r"(?:language_model\.model|model\.language_model|model)\."
 _VL_HEAD = r"(?:language_model\.)?lm_head\.weight"
@@ -60,3 +60,6 @@ def rules(backbone: tuple[Rule, ...], per_expert: tuple[Rule, ...], packed: tupl
         "minimax_m3_vl": _vision_language(backbone + _M3 + per_expert + packed),
         "kimi_k25": _vision_language(backbone + per_expert + packed),
     }
+
+
+RULES.update(rules(_BACKBONE, _PER_EXPERT, _PACKED))  # registered when moeswarm.model is imported

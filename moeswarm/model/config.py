@@ -407,9 +407,8 @@ _PARSERS = {
     "gpt_oss": _gpt_oss,
 }
 
-# MiniMax M2, MiniMax M3 (text model) and Kimi K2.5 (text model), issue 13: parsed in their own module
-from ._config_minimax_kimi import PARSERS as _PARSERS_MINIMAX_KIMI, THETAS as _THETAS_MINIMAX_KIMI  # noqa: E402
-
-_PARSERS.update(_PARSERS_MINIMAX_KIMI)
-_DEFAULT_THETA.update(_THETAS_MINIMAX_KIMI)
-ARCHITECTURES_MINIMAX_KIMI = tuple(_PARSERS_MINIMAX_KIMI)
+def register_family(parsers: dict[str, Any], default_thetas: dict[str, float]) -> None:
+    """Add the config.json parsers of more architectures (each family's own ``_config_*`` module calls
+    this when ``moeswarm.model`` is imported; this module never imports them, so none imports it back)."""
+    _PARSERS.update(parsers)
+    _DEFAULT_THETA.update(default_thetas)

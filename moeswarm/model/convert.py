@@ -178,9 +178,3 @@ def convert(
         else:
             out.unmatched.append(key)
     return out
-
-
-# MiniMax M2, MiniMax M3 and Kimi K2.5 (issue 13): their rules are built in their own module
-from ._rules_minimax_kimi import rules as _rules_minimax_kimi  # noqa: E402
-
-RULES.update(_rules_minimax_kimi(_BACKBONE, _PER_EXPERT, _PACKED))

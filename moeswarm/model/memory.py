@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 import os
 import re
 import resource
+import threading
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
-from ._safetensors import TensorRef, open_folder
 from ._config_minimax_kimi import extra_shapes
+from ._safetensors import TensorRef, open_folder
 from .config import ModelConfig
 from .convert import convert
 

@@ -23,7 +23,9 @@ from moeswarm.model import (
     load_weights,
 )
 from moeswarm.model._attn_lightning import select_blocks
-from moeswarm.model.config import ARCHITECTURES_MINIMAX_KIMI
+from moeswarm.model._config_minimax_kimi import (
+    ARCHITECTURES as ARCHITECTURES_MINIMAX_KIMI,
+)
 from moeswarm.model.routing import route
 
 LAYOUTS = ("per_expert", "packed")

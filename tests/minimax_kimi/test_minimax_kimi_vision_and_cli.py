@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from moeswarm.model.config import ARCHITECTURES_MINIMAX_KIMI
+from moeswarm.model._config_minimax_kimi import (
+    ARCHITECTURES as ARCHITECTURES_MINIMAX_KIMI,
+)
 
 VISION_BYTES = 256 << 20  # a 256 MiB vision tensor, left as a file hole (reads back as zeros)
 

@@ -9,9 +9,11 @@ import asyncio
 import numpy as np
 import pytest
 
+from moeswarm.daemon import SwarmConfig
 from moeswarm.demo.swarm import expert_nodes
 from moeswarm.model import Model, SamplingParams, generate, load_model
-from moeswarm.node.daemon import BackboneConfig, SwarmBackbone, SwarmConfig
+from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.node.config import BackboneConfig
 from moeswarm.protocol import peer_id_from_str
 
 pytestmark = pytest.mark.slow
