@@ -162,7 +162,7 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="build/reuse checkpoints here instead of a temp dir")
     ap.add_argument("--only", choices=("all", "mixtral", "families"), default="all",
                     help="the Mixtral size/batch table, the issue-13 families table, or both")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating runs per family (median reported)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs per case (median reported)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     root = args.keep or Path(tempfile.mkdtemp(prefix="moeswarm-bench-"))
@@ -184,10 +184,14 @@ def main() -> None:
         gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
         prompt = rng.integers(3, SIZES[size]["vocab_size"], size=(8, 16))
         for batch in (1, 8):
-            ours = bench_ours(folder, batch, args.steps, prompt)
-            hf = bench_hf(folder, batch, args.steps, prompt)
+            ours_runs, hf_runs = [], []
+            for _ in range(args.rounds):  # alternate the engines so drift on a shared box hits both
+                ours_runs.append(bench_ours(folder, batch, args.steps, prompt))
+                hf_runs.append(bench_hf(folder, batch, args.steps, prompt))
+            ours, hf = float(np.median(ours_runs)), float(np.median(hf_runs))
             rows.append((size, f"{gb:.2f}", batch, ours, hf, ours / hf))
-    print(f"\ndecode tokens/s, 1 thread each, {args.steps} steps after a 16-token prefill")
+    print(f"\ndecode tokens/s, 1 thread each, {args.steps} steps after a 16-token prefill; "
+          f"median of {args.rounds} alternating runs")
     print("| model | GB | batch | moeswarm | transformers eager | ratio |")
     print("|---|---|---|---|---|---|")
     for size, gb, batch, ours, hf, ratio in rows:
