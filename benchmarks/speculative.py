@@ -58,15 +58,18 @@ def main(tokens: int, rtt_ms: float, rounds: int = 5) -> None:
                 for name, text in PROMPTS.items():
                     ids = tok.encode(text)
                     t_plains, t_fasts = [], []
-                    for _ in range(rounds):  # alternate the two so drift on a shared box hits both
-                        t0 = time.perf_counter()
-                        plain = await asyncio.to_thread(lambda: list(generate(bb.model, ids, params)))  # type: ignore[arg-type]
-                        t_plains.append(time.perf_counter() - t0)
-                        stats = SpeculativeStats()
-                        t0 = time.perf_counter()
-                        fast = await asyncio.to_thread(
-                            lambda: list(generate_speculative(bb.model, ids, params, k=4, stats=stats)))  # type: ignore[arg-type]
-                        t_fasts.append(time.perf_counter() - t0)
+                    plain = await asyncio.to_thread(lambda: list(generate(bb.model, ids, params)))  # type: ignore[arg-type]  # warm-up, untimed
+                    for r in range(rounds):  # alternate, swapping which goes first, so drift hits both alike
+                        for case in (("plain", "fast") if r % 2 == 0 else ("fast", "plain")):
+                            t0 = time.perf_counter()
+                            if case == "plain":
+                                plain = await asyncio.to_thread(lambda: list(generate(bb.model, ids, params)))  # type: ignore[arg-type]
+                                t_plains.append(time.perf_counter() - t0)
+                            else:
+                                stats = SpeculativeStats()
+                                fast = await asyncio.to_thread(
+                                    lambda: list(generate_speculative(bb.model, ids, params, k=4, stats=stats)))  # type: ignore[arg-type]
+                                t_fasts.append(time.perf_counter() - t0)
                         assert fast == plain, "speculative decoding changed the output"
                     rows.append((name, len(plain) / statistics.median(t_plains), len(fast) / statistics.median(t_fasts),
                                  stats, len(plain)))
