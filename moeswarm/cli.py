@@ -23,6 +23,7 @@ class LazyGroup(click.Group):
         "market": "moeswarm.market.cli:market",
         "convert-gguf": "moeswarm.model.gguf_cli:convert_gguf",
         "expert-digests": "moeswarm.node.cli:expert_digests",
+        "monitor": "moeswarm.monitor.cli:monitor",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -214,13 +215,18 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
 @click.option("--prompt", default=None, help="Text to continue. Default: the demo prompt.")
 @click.option("--nodes", default=3, show_default=True, type=click.IntRange(1, 64), help="Expert node processes.")
 @click.option("--max-new-tokens", default=48, show_default=True, type=click.IntRange(0, 100_000))
+@click.option("--monitor", "monitor", is_flag=False, flag_value="127.0.0.1:8700", default=None, metavar="[HOST:PORT]",
+              help="Also run the swarm map (`moeswarm monitor`) beside the demo (default address 127.0.0.1:8700).")
+@click.option("--keep", default=0.0, type=click.FloatRange(0, 24 * 3600), metavar="SECONDS",
+              help="Keep the swarm (and the map) up this long after generating, to look at it.")
 @friendly_errors
-def demo(model_dir: str | None, prompt: str | None, nodes: int, max_new_tokens: int) -> None:
+def demo(model_dir: str | None, prompt: str | None, nodes: int, max_new_tokens: int, monitor: str | None,
+         keep: float) -> None:
     """Start a local swarm on loopback, generate through it, show who served what, stop it."""
     from .demo import DEFAULT_PROMPT
     from .demo.swarm import run_demo
 
-    run_demo(model_dir or _default_model(), prompt or DEFAULT_PROMPT, nodes, max_new_tokens)
+    run_demo(model_dir or _default_model(), prompt or DEFAULT_PROMPT, nodes, max_new_tokens, monitor, keep)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -27,11 +27,13 @@ def ids_of(out: subprocess.CompletedProcess[str]) -> list[int]:
 
 
 def test_the_demo_generates_the_single_process_text_and_shows_who_served_what() -> None:
-    demo = moeswarm("demo", "--nodes", "2", "--max-new-tokens", "8")
+    """``moeswarm demo`` (with the swarm map beside it: --monitor) prints what one process prints."""
+    demo = moeswarm("demo", "--nodes", "2", "--max-new-tokens", "8", "--monitor", "127.0.0.1:0")
     alone = moeswarm("generate", "--max-new-tokens", "8")
     assert demo.returncode == 0 and alone.returncode == 0, (demo.stderr[-2000:], alone.stderr[-2000:])
     assert demo.stdout == alone.stdout and demo.stdout.strip()
     assert "started 2 expert nodes" in demo.stderr and "all nodes stopped" in demo.stderr
+    assert re.search(r"^swarm map: http://127\.0\.0\.1:\d+/$", demo.stderr, re.M), demo.stderr  # the map ran beside it
     served = re.findall(r"^  node (\d): layer", demo.stderr, re.M)
     assert sorted(served) == ["0", "1"], demo.stderr  # both nodes served experts
 

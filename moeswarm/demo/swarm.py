@@ -8,6 +8,7 @@ and stops every process it started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -124,7 +125,10 @@ def local_swarm(model_dir: str, nodes: int, *, experts_per_layer: int) -> Iterat
         yield started
 
 
-def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int) -> None:
+def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int, monitor: str | None = None,
+             keep_s: float = 0.0) -> None:
+    """``moeswarm demo``; with ``monitor`` (HOST:PORT) the swarm map runs beside it (its own process),
+    and ``keep_s`` keeps the swarm and the map up that long after generating, for a person to look."""
     import asyncio
 
     import click
@@ -143,6 +147,11 @@ def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int) -> No
             click.echo(f"  {d.name}: peer ...{d.info['peer_id'][-12:]} experts {d.info['experts']} "
                        f"at {d.info['endpoint']}", err=True)
         bootstrap = (daemons[0].info["multiaddrs"][0],)
+        watcher = None
+        if monitor is not None:
+            watcher = start_daemon("monitor", ["monitor", "--bootstrap", bootstrap[0], "--model", model_dir,
+                                               "--http", monitor, "--interval", "2"])
+            click.echo(f"swarm map: {watcher.info['http']}/", err=True)
 
         async def generate_through_swarm() -> dict[bytes, set[tuple[int, int]]]:
             config = BackboneConfig(SwarmConfig(model_dir, bootstrap=bootstrap, client_mode=True))
@@ -172,4 +181,10 @@ def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int) -> No
                 layers.setdefault(layer, []).append(expert)
             summary = "; ".join(f"layer {L}: experts {e}" for L, e in layers.items())
             click.echo(f"  {names.get(peer_id_to_str(peer), peer_id_to_str(peer))}: {summary}", err=True)
+        if keep_s > 0:
+            click.echo(f"keeping the swarm up for {keep_s:.0f} s (Ctrl-C stops it)", err=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                time.sleep(keep_s)
+        if watcher is not None:
+            stop_daemon(watcher)
     click.echo("all nodes stopped", err=True)

@@ -36,7 +36,7 @@ from ._audit import AuditSample
 from ._chain import ModelShape
 from ._errors import LedgerCorrupt
 from ._evidence import LocalJudge
-from ._settlement import prove, stored_statement
+from ._settlement import prove, stored_statement, top_contributors
 from ._store import Ledger
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class LedgerService:
             web.post("/v1/audits", self._audit),
             web.get("/v1/proofs/{receipt_id}", self._proof),
             web.get("/v1/settlements/{epoch}", self._settlement),
+            web.get("/v1/contributors", self._contributors),
             web.get("/healthz", self._health),
         ])
         return app
@@ -177,6 +178,18 @@ class LedgerService:
         if statement is None:
             return _error(404, f"epoch {epoch} is not settled")
         return web.json_response(statement.to_json())
+
+    async def _contributors(self, request: web.Request) -> web.Response:
+        """Top servers by settled credit (``?top=N``, at most 1000): what the swarm map shows."""
+        try:
+            top = max(1, min(1000, int(request.query.get("top", "20"))))
+        except ValueError:
+            return _error(400, "top must be an integer")
+        try:
+            rows = await asyncio.to_thread(top_contributors, self.ledger, top)
+        except SwarmError as e:
+            return _error(503, str(e))
+        return web.json_response({"contributors": [{"peer_id": peer_id_to_str(p), "credit": c} for p, c in rows]})
 
     async def _health(self, request: web.Request) -> web.Response:
         try:

@@ -182,6 +182,16 @@ class PeerBalance:
                 "evidence": self.evidence, "flagged": self.evidence > 0}
 
 
+def top_contributors(ledger: Ledger, n: int = 20) -> list[tuple[bytes, int]]:
+    """The ``n`` servers with the most settled credit, over every signed settlement: (peer, credits)."""
+    totals: dict[bytes, int] = {}
+    with ledger.read() as conn:
+        for data in conn.execute(select(Settlement.statement)).scalars():
+            for b in Statement.decode(data).balances:
+                totals[b.server] = totals.get(b.server, 0) + b.credits
+    return sorted(totals.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+
+
 def peer_balance(ledger: Ledger, peer: str | bytes, pricing: Pricing = FlatPrice()) -> PeerBalance:
     """The balance of a server peer (base58 peer ID or raw bytes)."""
     pid = peer_id_from_str(peer) if isinstance(peer, str) else peer

@@ -28,6 +28,7 @@ class Holder:
     rtt_s: float | None = None  # smoothed measured round trip minus server compute, seconds
     failures: int = 0  # consecutive failed calls
     banned_until: float = 0.0  # monotonic seconds; skipped until then
+    software: str = ""  # as announced, e.g. "moeswarm/0.1.0"
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.layers[0] <= layer <= self.layers[1] and self.experts[0] <= expert <= self.experts[1]
@@ -60,7 +61,7 @@ class SwarmTable:
         if old is not None and old.seq >= ann.seq:
             return
         h = Holder(ann.peer_id, ann.endpoints, ann.model_id, ann.layers, ann.experts, ann.expires_at_ms, ann.seq,
-                   ann.load_permille, ann.throughput)
+                   ann.load_permille, ann.throughput, software=ann.software)
         if old is not None and old.endpoints == ann.endpoints:  # keep what we measured
             h.rtt_s, h.failures, h.banned_until = old.rtt_s, old.failures, old.banned_until
         self.holders[ann.peer_id] = h
