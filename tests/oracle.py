@@ -571,19 +571,22 @@ def write_legacy_rope_config(model_dir: Path) -> dict:
     ``rope_parameters``; a non-default RoPE goes to ``rope_scaling`` with the old ``type`` key (as in
     DeepSeek-V3's hub config). Returns the new config dict."""
     path = Path(model_dir) / "config.json"
-    cfg = json.loads(path.read_text())
+    top = json.loads(path.read_text())
+    cfg = top.get("text_config", top)  # vision-language checkpoints (Qwen3.5-MoE) nest the language model's
     rp = cfg.pop("rope_parameters", None)
     if not isinstance(rp, dict) or "rope_theta" not in rp:
         raise ValueError(f"{path}: no single global rope_parameters dict to convert: {rp!r}")
     rp = dict(rp)
     cfg["rope_theta"] = rp.pop("rope_theta")
+    if "partial_rotary_factor" in rp:  # Qwen3-Next style: a top-level field of the text config
+        cfg["partial_rotary_factor"] = rp.pop("partial_rotary_factor")
     rope_type = rp.pop("rope_type", "default")
-    if rope_type != "default":
+    if rope_type != "default" or rp.keys() <= {"mrope_section", "mrope_interleaved"} and rp:
         cfg["rope_scaling"] = {"type": rope_type, **rp}
     elif rp:
         raise ValueError(f"{path}: default rope with extra parameters {rp}")
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return cfg
+    path.write_text(json.dumps(top, indent=2, sort_keys=True) + "\n")
+    return top
 
 
 # ----------------------------------------------------------------------------------------------------------------
