@@ -5,7 +5,7 @@ Read from transformers 5.24 (``models/qwen3_5_moe/modeling_qwen3_5_moe.py``).
 Gated DeltaNet (``layer_types[L] == "linear_attention"``): ``in_proj_qkv(x)`` goes through a
 depthwise causal convolution of width ``K`` and SiLU, then splits into q, k (``num_k_heads``) and
 v (``num_v_heads``); q and k are L2-normalised (q also scaled by ``k_head_dim**-0.5``) and repeated
-to the value heads.  Per value head, with ``g = -exp(A_log) * softplus(a + dt_bias)`` and
+to the value heads.  Per value head, with ``g = A * softplus(a + dt_bias)`` (``A = -exp(A_log)``) and
 ``beta = sigmoid(b)``, the recurrent state ``S (dk, dv)`` follows the gated delta rule
 
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - k_t S));   o_t = q_t S
@@ -135,7 +135,7 @@ def deltanet(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig, c
     mixed = _conv(linear(x, w["qkv"]), f32(w["conv"]), cache)  # type: ignore[arg-type]  # (B, T, C)
     z = linear(x, w["z"])  # type: ignore[arg-type]  # (B, T, h*dv)
     beta = sigmoid(linear(x, w["b"]))  # type: ignore[arg-type]  # (B, T, h)
-    g = -np.exp(f32(w["A_log"])) * _softplus(linear(x, w["a"]) + f32(w["dt_bias"]))  # type: ignore[arg-type]
+    g = f32(w["A"]) * _softplus(linear(x, w["a"]) + f32(w["dt_bias"]))  # type: ignore[arg-type]  # A = -exp(A_log)
     rep = h // dn.num_k_heads
     q = mixed[..., : dn.key_dim].reshape(B, T, dn.num_k_heads, dk)
     k = mixed[..., dn.key_dim : 2 * dn.key_dim].reshape(B, T, dn.num_k_heads, dk)

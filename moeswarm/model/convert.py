@@ -148,6 +148,16 @@ def plus_one() -> Op:
     return op
 
 
+def neg_exp() -> Op:
+    """``-exp(a)`` in float32 (Qwen3.5's ``A_log`` -> the decay rate ``A``; llama.cpp's ``ssm_a``)."""
+
+    def op(items: Iterable[Item]) -> Iterator[Item]:
+        for fields, a in items:
+            yield fields, -np.exp(a.astype(np.float32))
+
+    return op
+
+
 def squeeze(axis: int) -> Op:
     """Drop a length-1 axis (a depthwise ``Conv1d`` weight ``[C, 1, K]`` -> ``[C, K]``)."""
 
@@ -181,7 +191,8 @@ _QWEN3_5 = _language_model((
     Rule(_L + r"self_attn\.(?P<p>[qk])_norm\.weight", "{L}.attn.{p}_norm", (plus_one(),)),
     Rule(_L + r"linear_attn\.in_proj_(?P<p>qkv|z|b|a)\.weight", "{L}.attn.{p}"),
     Rule(_L + r"linear_attn\.conv1d\.weight", "{L}.attn.conv", (squeeze(1),)),
-    Rule(_L + r"linear_attn\.(?P<p>dt_bias|A_log)", "{L}.attn.{p}"),
+    Rule(_L + r"linear_attn\.dt_bias", "{L}.attn.dt_bias"),
+    Rule(_L + r"linear_attn\.A_log", "{L}.attn.A", (neg_exp(),)),  # the decay rate A = -exp(A_log), as llama.cpp
     Rule(_L + r"linear_attn\.norm\.weight", "{L}.attn.norm"),
     Rule(_L + r"linear_attn\.out_proj\.weight", "{L}.attn.out"),
 ) + _BACKBONE + _PER_EXPERT + _PACKED)

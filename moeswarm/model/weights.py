@@ -125,7 +125,7 @@ def _qwen3_5_attention_shapes(cfg: ModelConfig, L: int) -> dict[str, tuple[int, 
     if dn.layers[L]:
         return {p + "qkv": (dn.conv_dim, H), p + "z": (dn.value_dim, H), p + "b": (dn.num_v_heads, H),
                 p + "a": (dn.num_v_heads, H), p + "conv": (dn.conv_dim, dn.conv_kernel),
-                p + "dt_bias": (dn.num_v_heads,), p + "A_log": (dn.num_v_heads,), p + "norm": (dn.v_head_dim,),
+                p + "dt_bias": (dn.num_v_heads,), p + "A": (dn.num_v_heads,), p + "norm": (dn.v_head_dim,),
                 p + "out": (H, dn.value_dim)}
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     s = {p + "q": (2 * nh * hd, H), p + "k": (nkv * hd, H), p + "v": (nkv * hd, H), p + "o": (H, nh * hd),
