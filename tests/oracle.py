@@ -319,7 +319,7 @@ CONFIGS.update({
     ),
     "glm_moe_dsa": lambda: GlmMoeDsaConfig(
         **{**_COMMON, "num_hidden_layers": 4, "num_key_value_heads": 4},
-        **_DSA,
+        **{**_DSA, "moe_intermediate_size": 48},  # 32 leaves a near-tie (3e-4) in layer 1's expert choice
         rms_norm_eps=1e-5,
         n_group=1,
         topk_group=1,
@@ -702,11 +702,17 @@ def reference_run(model_dir: Path, prompt_ids: list[int], n_decode: int = 8) -> 
 
 # ----------------------------------------------------------------------------------------------------------------
 # self-check helpers: how strong is the oracle?
+def _decoder_layers(model):
+    """The decoder layers (a vision-language model keeps them in its language model)."""
+    inner = model.model
+    return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
+
+
 def _capture_mlp_inputs(model, ids: list[int]) -> dict[int, torch.Tensor]:
     """Input of every decoder layer's MLP (= post_attention_layernorm output), [T, H], one full prefill."""
     got: dict[int, torch.Tensor] = {}
     hooks = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(_decoder_layers(model)):
         def hook(mod, args, kwargs, i=i):
             x = args[0] if args else kwargs["hidden_states"]
             got[i] = x.detach().reshape(-1, x.shape[-1]).clone()
@@ -728,7 +734,7 @@ def _router(model, layer) -> tuple[str, torch.Tensor, torch.Tensor | None] | Non
         return "gpt_oss", mlp.router.weight, mlp.router.bias
     if not hasattr(mlp, "experts"):
         return None
-    if mt == "deepseek_v3":
+    if mt in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
         return "sigmoid", mlp.gate.weight, mlp.gate.e_score_correction_bias
     return "softmax", mlp.gate.weight, None
 
@@ -741,11 +747,11 @@ def router_stats(model, ids: list[int]) -> dict[int, dict[str, float]]:
     n_distinct    number of distinct experts chosen across the tokens
     min_margin    smallest gap, over tokens, between the k-th and (k+1)-th selection score (deepseek: also the
                   group-selection gap), i.e. how robust the top-k choice is to ~1e-6 numerical noise."""
-    cfg = model.config
+    cfg = model.config.get_text_config()
     k = cfg.num_experts_per_tok
     xs = _capture_mlp_inputs(model, ids)
     out: dict[int, dict[str, float]] = {}
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(_decoder_layers(model)):
         r = _router(model, layer)
         if r is None:
             continue
@@ -792,7 +798,7 @@ def deepseek_group_routing_stats(model, ids: list[int]) -> dict[int, float]:
     cfg = model.config
     xs = _capture_mlp_inputs(model, ids)
     out = {}
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(_decoder_layers(model)):
         r = _router(model, layer)
         if r is None:
             continue
@@ -814,7 +820,7 @@ def gpt_oss_clamp_stats(model, ids: list[int]) -> dict[int, dict[str, float]]:
     lim = cfg.swiglu_limit
     xs = _capture_mlp_inputs(model, ids)
     out = {}
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(_decoder_layers(model)):
         mlp = layer.mlp
         with torch.no_grad():
             x = xs[i].float()
