@@ -1,7 +1,8 @@
-"""Qwen3.5-MoE through a real swarm on loopback: three expert nodes as separate processes found
-through the libp2p DHT, a backbone in this process keeping the DeltaNet and gated-attention layers
-(and their conv, recurrent and KV caches) local.  It must give the single-process tokens and logits
-over a prompt longer than one 64-token DeltaNet prefill chunk."""
+"""Qwen3.5-MoE and GLM-5 through a real swarm on loopback: three expert nodes as separate processes
+found through the libp2p DHT, a backbone in this process keeping the DeltaNet / gated-attention
+layers (conv, recurrent and KV caches) or the DSA layers (KV and indexer-key caches) local.  It must
+give the single-process tokens and logits (Qwen3.5: over a prompt longer than one 64-token DeltaNet
+prefill chunk; GLM-5: with an indexer top-k of 6 under a 16-token prompt)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ def run_logits(model, prompt: list[int], decode: list[int]) -> np.ndarray:  # ty
     return np.concatenate(out)
 
 
-def test_backbone_and_three_expert_nodes_give_single_process_tokens(oracle_checkpoints) -> None:
-    folder, _ = oracle_checkpoints.get("qwen3_5_moe", "packed")
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "glm_moe_dsa"])
+def test_backbone_and_three_expert_nodes_give_single_process_tokens(oracle_checkpoints, arch: str) -> None:
+    folder, _ = oracle_checkpoints.get(arch, "packed")
     o = oracle_checkpoints.oracle
-    prompt = [int(t) for t in np.random.default_rng(11).integers(3, 512, o.QWEN3_5_PROMPT_LEN)]
+    length = o.QWEN3_5_PROMPT_LEN if arch == "qwen3_5_moe" else len(o.PROMPT)
+    prompt = [int(t) for t in np.random.default_rng(11).integers(3, 512, length)]
     single = load_model(folder)
     params = SamplingParams(max_new_tokens=8)
     expected_tokens = list(generate(single, prompt, params))
@@ -36,8 +39,9 @@ def test_backbone_and_three_expert_nodes_give_single_process_tokens(oracle_check
     ref = o.reference_run(folder, prompt, n_decode=len(expected_tokens) - 1)
     assert expected_tokens == ref.greedy_tokens  # the single process is itself the oracle's
 
-    n = single.config.num_experts  # 8: ranges of 3, 3 and 2 experts
-    ranges = ["0-2", "3-5", f"6-{n - 1}"]
+    n = single.config.num_experts  # three uneven ranges (qwen3.5: 3, 3 and 2 of 8 experts)
+    a, b = -(-n // 3), 2 * -(-n // 3)
+    ranges = [f"0-{a - 1}", f"{a}-{b - 1}", f"{b}-{n - 1}"]
     with expert_nodes(str(folder), ranges) as daemons:
         boot = daemons[0].info["multiaddrs"][0]
 
