@@ -192,3 +192,47 @@ def test_generate_help_says_images_are_not_supported() -> None:
     result = CliRunner().invoke(main, ["generate", "--help"])
     assert result.exit_code == 0
     assert "images are not supported yet" in " ".join(result.output.split())
+
+
+# ---------------------------------------------------------------- batches and published-scale configs
+
+
+@pytest.mark.parametrize("arch", NEW)
+def test_batch_rows_equal_single_rows(oracle_checkpoints, arch: str) -> None:
+    model = load_model(oracle_checkpoints.get(arch, "packed")[0])
+    rng = np.random.default_rng(3)
+    batch = rng.integers(3, model.config.vocab_size, size=(3, 20))
+
+    def run(rows: np.ndarray) -> np.ndarray:  # a prefill of 17 tokens, then 3 more (the caches carried)
+        cache = model.new_cache()
+        return np.concatenate([model.forward(rows[:, :17], cache), model.forward(rows[:, 17:], cache)], axis=1)
+
+    together = run(batch)
+    # rows are independent; only BLAS's blocking differs with the row count (51 vs 17 rows), which
+    # Qwen3.5's hot (1 + weight) norms amplify to ~3e-5 on logits of ~8, so the oracle's 1e-4 bound
+    for b in range(3):
+        assert np.abs(together[b] - run(batch[b : b + 1])[0]).max() <= TOL
+
+
+def test_published_scale_configs_parse() -> None:
+    """transformers' default configs are the published models' (DeepSeek-V3.2-Exp, GLM-5, Qwen3.5-35B-A3B)."""
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig, Qwen3_5MoeConfig
+
+    from moeswarm.model import ModelConfig
+
+    v32 = ModelConfig.from_hf(DeepseekV32Config().to_dict())
+    assert (v32.num_layers, v32.num_experts, v32.top_k) == (61, 256, 8)
+    assert v32.moe_layers[:4] == (False, False, False, True) and v32.dsa is not None
+    assert (v32.dsa.topk, v32.dsa.n_heads, v32.dsa.head_dim, v32.dsa.rope_interleaved) == (2048, 64, 128, False)
+    glm = ModelConfig.from_hf(GlmMoeDsaConfig().to_dict())
+    assert (glm.num_layers, glm.num_experts, glm.kv_lora_rank, glm.v_head_dim) == (78, 256, 512, 256)
+    assert glm.dsa is not None and glm.dsa.rope_interleaved and not any(glm.dsa.shared)
+    shared = ModelConfig.from_hf({**GlmMoeDsaConfig().to_dict(), "indexer_types": None, "index_topk_pattern": "FSSF" * 20})
+    assert shared.dsa is not None and shared.dsa.shared[:4] == (False, True, True, False)
+    qwen = ModelConfig.from_hf(Qwen3_5MoeConfig().to_dict())
+    assert qwen.deltanet is not None and qwen.deltanet.layers == (True, True, True, False) * 10
+    assert (qwen.num_experts, qwen.top_k, qwen.rope.dim, qwen.head_dim) == (256, 8, 64, 256)
+    assert (qwen.deltanet.num_k_heads, qwen.deltanet.num_v_heads, qwen.deltanet.conv_dim) == (16, 32, 8192)
+    with pytest.raises(Exception, match="linear_attention"):
+        ModelConfig.from_hf({**Qwen3_5MoeConfig().to_dict(), "text_config": {
+            **Qwen3_5MoeConfig().to_dict()["text_config"], "layer_types": ["mamba"] * 40}})
