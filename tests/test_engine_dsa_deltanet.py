@@ -236,3 +236,16 @@ def test_published_scale_configs_parse() -> None:
     with pytest.raises(Exception, match="linear_attention"):
         ModelConfig.from_hf({**Qwen3_5MoeConfig().to_dict(), "text_config": {
             **Qwen3_5MoeConfig().to_dict()["text_config"], "layer_types": ["mamba"] * 40}})
+
+
+@pytest.mark.parametrize("arch", DSA)
+def test_speculative_decoding_rolls_back_the_indexer_keys(oracle_checkpoints, arch: str) -> None:
+    from moeswarm.model.speculative import SpeculativeStats
+
+    folder, ref = oracle_checkpoints.get(arch, "packed")
+    model = load_model(folder)
+    prompt = ref.prompt_ids + ref.prompt_ids[:10]  # repetition, so drafts are proposed
+    params = SamplingParams(max_new_tokens=12)
+    stats = SpeculativeStats()
+    assert list(generate_speculative(model, prompt, params, k=4, stats=stats)) == list(generate(model, prompt, params))
+    assert stats.drafted > stats.accepted  # some drafts were rejected: caches (incl. indexer keys) were cut back
