@@ -81,6 +81,17 @@ Values the engine must honour (see ``CONFIGS``; all are in each checkpoint's con
   p-5..p), sinks, all-bias attention, router bias, top-k on logits then softmax over the k, clamped SwiGLU
   with ``swiglu_limit=1.5`` (gate clamped above, up clamped to [-1.5, 1.5]), ``swiglu_alpha=1.702``,
   YaRN (``GPT_OSS_YARN``: factor 4, original 64, ``truncate=False``): cos/sin scaled by 0.1*ln 4 + 1.
+* deepseek_v32: DeepSeek-V3's MLA and routing (``_DSA``) plus the DSA indexer: ``index_topk=6`` of the 16 prompt
+  keys, 8 indexer heads of 16 dims (first 8 rotated, halves layout), ``mlp_layer_types`` dense, sparse, sparse;
+  YaRN as deepseek_v3.  Per-expert saves are a single file (not sharded).
+* glm_moe_dsa: 4 layers, ``mlp_layer_types`` dense, sparse, dense, sparse; ``indexer_types`` full, shared, full,
+  shared (shared layers reuse the previous top-k and have no indexer tensors); interleaved indexer RoPE; n_group 1;
+  rope_theta 1e6; experts 48 wide.
+* qwen3_5_moe: the vision-language checkpoint (``model.language_model.*``, a ~10 MB ``model.visual.*`` tower,
+  ``lm_head``); ``layer_types`` linear, full, linear; DeltaNet with 2 key heads and 4 value heads of 16 dims,
+  conv kernel 4; gated full attention, head_dim 32, partial rotary 0.25; zero-centred RMSNorms (``1 + weight``);
+  E=8 top-2 with a gated shared expert.  Its DeltaNet prefill is chunked by 64 tokens, so tests that exercise the
+  chunking use prompts of ``QWEN3_5_PROMPT_LEN`` (80) tokens.
 
 Reference semantics
 -------------------
