@@ -82,7 +82,7 @@ Values the engine must honour (see ``CONFIGS``; all are in each checkpoint's con
   with ``swiglu_limit=1.5`` (gate clamped above, up clamped to [-1.5, 1.5]), ``swiglu_alpha=1.702``,
   YaRN (``GPT_OSS_YARN``: factor 4, original 64, ``truncate=False``): cos/sin scaled by 0.1*ln 4 + 1.
 * deepseek_v32: DeepSeek-V3's MLA and routing (``_DSA``) plus the DSA indexer: ``index_topk=6`` of the 16 prompt
-  keys, 8 indexer heads of 16 dims (first 8 rotated, halves layout), ``mlp_layer_types`` dense, sparse, sparse;
+  keys, 16 indexer heads of 16 dims (first 8 rotated, halves layout), ``mlp_layer_types`` dense, sparse, sparse;
   YaRN as deepseek_v3.  Per-expert saves are a single file (not sharded).
 * glm_moe_dsa: 4 layers, ``mlp_layer_types`` dense, sparse, dense, sparse; ``indexer_types`` full, shared, full,
   shared (shared layers reuse the previous top-k and have no indexer tensors); interleaved indexer RoPE; n_group 1;
@@ -269,7 +269,7 @@ CONFIGS: dict[str, Callable[[], Any]] = {
 }
 
 
-# ---- DeepSeek-V3.2 and GLM-5 (DSA: an indexer keeps index_topk=6 < 16 prompt keys per query, 8 indexer
+# ---- DeepSeek-V3.2 and GLM-5 (DSA: an indexer keeps index_topk=6 < 16 prompt keys per query, 16 indexer
 # heads so that exact score ties at the top-k boundary are unlikely), Qwen3.5-MoE (gated DeltaNet layers on
 # both sides of a gated full-attention layer; a vision tower that the engine must not read).
 _DSA = dict(
@@ -287,7 +287,7 @@ _DSA = dict(
     v_head_dim=16,
     index_topk=6,
     index_head_dim=16,
-    index_n_heads=8,
+    index_n_heads=16,
 )
 #: Qwen3.5-MoE prompts must be longer than one DeltaNet prefill chunk (64 tokens)
 QWEN3_5_PROMPT_LEN = 80

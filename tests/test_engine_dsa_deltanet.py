@@ -249,3 +249,34 @@ def test_speculative_decoding_rolls_back_the_indexer_keys(oracle_checkpoints, ar
     stats = SpeculativeStats()
     assert list(generate_speculative(model, prompt, params, k=4, stats=stats)) == list(generate(model, prompt, params))
     assert stats.drafted > stats.accepted  # some drafts were rejected: caches (incl. indexer keys) were cut back
+
+
+@pytest.mark.parametrize("arch", DSA)
+def test_indexer_top_k_boundary_is_not_a_near_tie(oracle_checkpoints, arch: str) -> None:
+    """transformers' own index scores: the k-th and (k+1)-th best key of every query that has more
+    than k causal keys differ by far more than fp noise, so equal top-k sets above are robust."""
+    import torch
+
+    o = oracle_checkpoints.oracle
+    folder, ref = oracle_checkpoints.get(arch, "packed")
+    k = load_model(folder).config.dsa.topk  # type: ignore[union-attr]
+    seen: list[torch.Tensor] = []
+    original = torch.Tensor.topk
+
+    def recording(self, n, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if n == k:  # the indexer (the routers ask for other k)
+            seen.append(self.detach().clone())
+        return original(self, n, *args, **kwargs)
+
+    torch.Tensor.topk = recording  # type: ignore[method-assign]
+    try:
+        o.run_model(o.load_model(folder), ref.sequence_ids, n_decode=0)
+    finally:
+        torch.Tensor.topk = original  # type: ignore[method-assign]
+    assert seen  # one per full indexer layer
+    gaps = []
+    for scores in seen:  # (B, S, S), causally masked with the dtype's minimum
+        for t in range(k, scores.shape[1]):  # query t has t + 1 causal keys
+            top = torch.sort(scores[0, t, : t + 1], descending=True).values
+            gaps.append(float(top[k - 1] - top[k]))
+    assert min(gaps) > 1e-4, min(gaps)
