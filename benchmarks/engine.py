@@ -2,13 +2,17 @@
 
 Builds two random Mixtral-style checkpoints with transformers (a tiny one and a ~1.2 GB one),
 then for batch 1 and 8: a 16-token prefill followed by N timed decode steps, in each engine.
+Then one row per newer family at batch 1 (DeepSeek-V3.2 and GLM-5 with an indexer top-k of 16,
+below the sequence length so the attention is really sparse; Qwen3.5-MoE with 3 DeltaNet layers
+per full-attention layer), each a ~0.2 GB random checkpoint.
 Both use one thread (OPENBLAS_NUM_THREADS=1, torch.set_num_threads(1)) so the ratio is fair and
 stable on a shared 2-core box.  Prints a table; the ratio column is what to quote.
 
-    python benchmarks/engine.py [--steps 24] [--keep DIR] [--only all|mixtral|families]
+    python benchmarks/engine.py [--steps 24] [--keep DIR] [--rounds 3] [--only all|mixtral|families|new]
 
 ``--only families`` measures one row per family of issue 13 (MiniMax M2, MiniMax M3 text model
-with its lightning indexer, Kimi K2.5 text model) at batch 1.
+with its lightning indexer, Kimi K2.5 text model) at batch 1; ``--only new`` the other three
+(DeepSeek-V3.2, GLM-5, Qwen3.5-MoE); ``--only mixtral`` the Mixtral size/batch table.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    DeepseekV32Config,
+    GlmMoeDsaConfig,
+    MixtralConfig,
+    Qwen3_5MoeConfig,
+)
 
 from moeswarm.model import load_model
 
@@ -51,6 +62,43 @@ def build(folder: Path, size: str) -> None:
     model.save_pretrained(folder)
 
 
+_BASE = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, max_position_embeddings=1024,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_DSA = dict(_BASE, num_key_value_heads=8, intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=32,
+            n_shared_experts=1, num_experts_per_tok=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+            qk_rope_head_dim=16, v_head_dim=32, index_topk=16, index_head_dim=32, index_n_heads=8,
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+#: arch -> transformers config, for the newer families' rows (batch 1)
+FAMILIES = {
+    "deepseek_v32": lambda: DeepseekV32Config(**_DSA, n_group=4, topk_group=2,
+                                              rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    "glm_moe_dsa": lambda: GlmMoeDsaConfig(**_DSA, n_group=1, topk_group=1,
+                                           rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+    "qwen3_5_moe": lambda: Qwen3_5MoeConfig(
+        text_config=dict(_BASE, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                         linear_key_head_dim=64, linear_value_head_dim=64, moe_intermediate_size=256,
+                         shared_expert_intermediate_size=256, num_experts=32, num_experts_per_tok=4),
+        vision_config=dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=64, out_hidden_size=512),
+        tie_word_embeddings=False),
+}
+
+
+def _hf_class(arch: str):  # type: ignore[no-untyped-def]
+    return AutoModelForImageTextToText if arch == "qwen3_5_moe" else AutoModelForCausalLM
+
+
+def build_family(folder: Path, arch: str) -> None:
+    if (folder / "config.json").exists():
+        return
+    torch.manual_seed(0)
+    model = _hf_class(arch).from_config(FAMILIES[arch](), attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "visual" not in name:
+                p.normal_(0, p.shape[-1] ** -0.5)
+    model.save_pretrained(folder)
+
+
 def bench_ours(folder: Path, batch: int, steps: int, prompt: np.ndarray) -> float:
     model = load_model(folder, backend="auto")
     cache = model.new_cache()
@@ -65,8 +113,8 @@ def bench_ours(folder: Path, batch: int, steps: int, prompt: np.ndarray) -> floa
 
 
 @torch.no_grad()
-def bench_hf(folder: Path, batch: int, steps: int, prompt: np.ndarray) -> float:
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+def bench_hf(folder: Path, batch: int, steps: int, prompt: np.ndarray, arch: str = "mixtral") -> float:
+    model = _hf_class(arch).from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
     ids = torch.from_numpy(prompt[:batch])
     out = model(ids, use_cache=True)
     cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
@@ -112,7 +160,7 @@ def _auto(family: str):  # type: ignore[no-untyped-def]
     return T.AutoModelForCausalLM if family == "minimax_m2" else T.AutoModelForImageTextToText
 
 
-def build_family(folder: Path, family: str) -> None:
+def build_minimax_kimi(folder: Path, family: str) -> None:
     if (folder / "config.json").exists():
         return
     torch.manual_seed(0)
@@ -145,7 +193,7 @@ def family_rows(root: Path, steps: int, rounds: int) -> list[tuple[str, str, flo
     rows = []
     for family in ("minimax_m2", "minimax_m3_vl", "kimi_k25"):
         folder = root / family
-        build_family(folder, family)
+        build_minimax_kimi(folder, family)
         gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
         prompt = np.random.default_rng(1).integers(3, _TEXT["vocab_size"], size=(1, 64))
         ours, hf = [], []
@@ -160,8 +208,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=24, help="timed decode steps per case")
     ap.add_argument("--keep", type=Path, default=None, help="build/reuse checkpoints here instead of a temp dir")
-    ap.add_argument("--only", choices=("all", "mixtral", "families"), default="all",
-                    help="the Mixtral size/batch table, the issue-13 families table, or both")
+    ap.add_argument("--only", choices=("all", "mixtral", "families", "new"), default="all",
+                    help="the Mixtral size/batch table, the MiniMax/Kimi families, the DSA/DeltaNet families, or all")
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs per case (median reported)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -178,7 +226,7 @@ def main() -> None:
         return
     rng = np.random.default_rng(0)
     rows = []
-    for size in SIZES:
+    for size in SIZES if args.only in ("all", "mixtral") else ():
         folder = root / size
         build(folder, size)
         gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
@@ -190,6 +238,17 @@ def main() -> None:
                 hf_runs.append(bench_hf(folder, batch, args.steps, prompt))
             ours, hf = float(np.median(ours_runs)), float(np.median(hf_runs))
             rows.append((size, f"{gb:.2f}", batch, ours, hf, ours / hf))
+    for arch in FAMILIES if args.only in ("all", "new") else ():
+        folder = root / arch
+        build_family(folder, arch)
+        gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
+        prompt = rng.integers(3, _BASE["vocab_size"], size=(1, 16))
+        ours, hf = [], []
+        for _ in range(args.rounds):  # alternate the engines; report medians
+            ours.append(bench_ours(folder, 1, args.steps, prompt))
+            hf.append(bench_hf(folder, 1, args.steps, prompt, arch))
+        o, h = float(np.median(ours)), float(np.median(hf))
+        rows.append((arch, f"{gb:.2f}", 1, o, h, o / h))
     print(f"\ndecode tokens/s, 1 thread each, {args.steps} steps after a 16-token prefill; "
           f"median of {args.rounds} alternating runs")
     print("| model | GB | batch | moeswarm | transformers eager | ratio |")

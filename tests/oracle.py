@@ -81,6 +81,17 @@ Values the engine must honour (see ``CONFIGS``; all are in each checkpoint's con
   p-5..p), sinks, all-bias attention, router bias, top-k on logits then softmax over the k, clamped SwiGLU
   with ``swiglu_limit=1.5`` (gate clamped above, up clamped to [-1.5, 1.5]), ``swiglu_alpha=1.702``,
   YaRN (``GPT_OSS_YARN``: factor 4, original 64, ``truncate=False``): cos/sin scaled by 0.1*ln 4 + 1.
+* deepseek_v32: DeepSeek-V3's MLA and routing (``_DSA``) plus the DSA indexer: ``index_topk=6`` of the 16 prompt
+  keys, 16 indexer heads of 16 dims (first 8 rotated, halves layout), ``mlp_layer_types`` dense, sparse, sparse;
+  YaRN as deepseek_v3.  Per-expert saves are a single file (not sharded).
+* glm_moe_dsa: 4 layers, ``mlp_layer_types`` dense, sparse, dense, sparse; ``indexer_types`` full, shared, full,
+  shared (shared layers reuse the previous top-k and have no indexer tensors); interleaved indexer RoPE; n_group 1;
+  rope_theta 1e6; experts 48 wide.
+* qwen3_5_moe: the vision-language checkpoint (``model.language_model.*``, a ~10 MB ``model.visual.*`` tower,
+  ``lm_head``); ``layer_types`` linear, full, linear; DeltaNet with 2 key heads and 4 value heads of 16 dims,
+  conv kernel 4; gated full attention, head_dim 32, partial rotary 0.25; zero-centred RMSNorms (``1 + weight``);
+  E=8 top-2 with a gated shared expert.  Its DeltaNet prefill is chunked by 64 tokens, so tests that exercise the
+  chunking use prompts of ``QWEN3_5_PROMPT_LEN`` (80) tokens.
 
 Reference semantics
 -------------------
@@ -111,17 +122,21 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     DeepseekV3Config,
+    DeepseekV32Config,
     DynamicCache,
+    GlmMoeDsaConfig,
     GptOssConfig,
     MixtralConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
+    Qwen3_5MoeConfig,
 )
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss") + ("deepseek_v32", "glm_moe_dsa", "qwen3_5_moe")
 EXTRA_ARCHS = ("deepseek_v3_no_q_lora",)
 LAYOUTS = ("per_expert", "packed")
 
@@ -253,6 +268,87 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     ),
 }
 
+
+# ---- DeepSeek-V3.2 and GLM-5 (DSA: an indexer keeps index_topk=6 < 16 prompt keys per query, 16 indexer
+# heads so that exact score ties at the top-k boundary are unlikely), Qwen3.5-MoE (gated DeltaNet layers on
+# both sides of a gated full-attention layer; a vision tower that the engine must not read).
+_DSA = dict(
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    index_topk=6,
+    index_head_dim=16,
+    index_n_heads=16,
+)
+#: Qwen3.5-MoE prompts must be longer than one DeltaNet prefill chunk (64 tokens)
+QWEN3_5_PROMPT_LEN = 80
+
+
+def _qwen3_5_moe() -> Qwen3_5MoeConfig:
+    text = dict(
+        **{k: v for k, v in _COMMON.items() if k not in ("tie_word_embeddings", "num_hidden_layers")},
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_hidden_layers=3,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                             mrope_section=[2, 1, 1], mrope_interleaved=True),
+    )
+    # a vision tower of ~10 MB (10x the language model), so that a test can see its bytes are never read
+    vision = dict(depth=2, hidden_size=256, num_heads=4, intermediate_size=1024, patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+CONFIGS.update({
+    "deepseek_v32": lambda: DeepseekV32Config(
+        **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},
+        **_DSA,
+        rms_norm_eps=1e-6,
+        n_group=4,
+        topk_group=2,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        rope_parameters=dict(DEEPSEEK_YARN),
+    ),
+    "glm_moe_dsa": lambda: GlmMoeDsaConfig(
+        **{**_COMMON, "num_hidden_layers": 4, "num_key_value_heads": 4},
+        **{**_DSA, "moe_intermediate_size": 48},  # 32 leaves a near-tie (3e-4) in layer 1's expert choice
+        rms_norm_eps=1e-5,
+        n_group=1,
+        topk_group=1,
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+        indexer_types=["full", "shared", "full", "shared"],
+        rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0),
+    ),
+    "qwen3_5_moe": _qwen3_5_moe,
+})
+
+
+def _model_class(config):
+    """Qwen3.5-MoE is published as a vision-language model: build and load that, not its text-only head."""
+    if config.model_type == "qwen3_5_moe":
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 _PER_EXPERT_RE = re.compile(
     r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$"
 )
@@ -309,6 +405,8 @@ def reinit_hot(model: torch.nn.Module, seed: int) -> None:
             continue
         if n.endswith("norm.weight") or "layernorm" in n:
             p.copy_(1 + 0.1 * randn(p))
+        elif n.endswith("A_log"):  # Qwen3.5 DeltaNet decay rate: A = exp(A_log) ~ 0.14, a long memory
+            p.copy_(-2 + 0.5 * randn(p))
         elif n.endswith("sinks"):
             p.copy_(randn(p))
         elif n.endswith("bias"):  # incl. e_score_correction_bias, gate_up_proj_bias, down_proj_bias
@@ -320,6 +418,10 @@ def reinit_hot(model: torch.nn.Module, seed: int) -> None:
             p.copy_(randn(p) / fan_in**0.5)
         elif p.dim() == 2:
             p.copy_(randn(p) / p.shape[1] ** 0.5)
+        elif p.dim() == 1 and ".visual." in f".{n}":  # vision tower norms
+            p.copy_(1 + 0.1 * randn(p))
+        elif p.dim() > 3:  # the vision tower's patch convolution
+            p.copy_(randn(p) / p[0].numel() ** 0.5)
         else:
             raise AssertionError(f"reinit_hot: no rule for {n} {tuple(p.shape)}")
 
@@ -329,7 +431,7 @@ def build_model(arch: str, seed: int = 0):
     cfg = make_config(arch)
     torch.manual_seed(seed)
     with _quiet():
-        model = AutoModelForCausalLM.from_config(
+        model = _model_class(cfg).from_config(
             cfg, attn_implementation="eager", dtype=torch.float32, experts_implementation="eager"
         )
     model.eval()
@@ -480,19 +582,22 @@ def write_legacy_rope_config(model_dir: Path) -> dict:
     ``rope_parameters``; a non-default RoPE goes to ``rope_scaling`` with the old ``type`` key (as in
     DeepSeek-V3's hub config). Returns the new config dict."""
     path = Path(model_dir) / "config.json"
-    cfg = json.loads(path.read_text())
+    top = json.loads(path.read_text())
+    cfg = top.get("text_config", top)  # vision-language checkpoints (Qwen3.5-MoE) nest the language model's
     rp = cfg.pop("rope_parameters", None)
     if not isinstance(rp, dict) or "rope_theta" not in rp:
         raise ValueError(f"{path}: no single global rope_parameters dict to convert: {rp!r}")
     rp = dict(rp)
     cfg["rope_theta"] = rp.pop("rope_theta")
+    if "partial_rotary_factor" in rp:  # Qwen3-Next style: a top-level field of the text config
+        cfg["partial_rotary_factor"] = rp.pop("partial_rotary_factor")
     rope_type = rp.pop("rope_type", "default")
-    if rope_type != "default":
+    if rope_type != "default" or rp.keys() <= {"mrope_section", "mrope_interleaved"} and rp:
         cfg["rope_scaling"] = {"type": rope_type, **rp}
     elif rp:
         raise ValueError(f"{path}: default rope with extra parameters {rp}")
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return cfg
+    path.write_text(json.dumps(top, indent=2, sort_keys=True) + "\n")
+    return top
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -512,7 +617,7 @@ def load_model(model_dir: Path, **config_overrides):
             )
             model.load_state_dict(pack_gpt_oss_experts(read_tensors(model_dir)), strict=True)
         else:
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = _model_class(config).from_pretrained(
                 model_dir,
                 config=config,
                 attn_implementation="eager",
@@ -570,7 +675,7 @@ def run_model(model, prompt_ids: list[int], n_decode: int = 8) -> Reference:
     """Prefill + ``n_decode`` greedy KV-cache decode steps on an already loaded model."""
     if not prompt_ids:
         raise ValueError("empty prompt")
-    V = model.config.vocab_size
+    V = model.config.get_text_config().vocab_size
     if not all(0 <= int(t) < V for t in prompt_ids):
         raise ValueError("prompt id out of vocab")
     with _quiet():
@@ -608,11 +713,17 @@ def reference_run(model_dir: Path, prompt_ids: list[int], n_decode: int = 8) -> 
 
 # ----------------------------------------------------------------------------------------------------------------
 # self-check helpers: how strong is the oracle?
+def _decoder_layers(model):
+    """The decoder layers (a vision-language model keeps them in its language model)."""
+    inner = model.model
+    return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
+
+
 def _capture_mlp_inputs(model, ids: list[int]) -> dict[int, torch.Tensor]:
     """Input of every decoder layer's MLP (= post_attention_layernorm output), [T, H], one full prefill."""
     got: dict[int, torch.Tensor] = {}
     hooks = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(_decoder_layers(model)):
         def hook(mod, args, kwargs, i=i):
             x = args[0] if args else kwargs["hidden_states"]
             got[i] = x.detach().reshape(-1, x.shape[-1]).clone()
@@ -634,7 +745,7 @@ def _router(model, layer) -> tuple[str, torch.Tensor, torch.Tensor | None] | Non
         return "gpt_oss", mlp.router.weight, mlp.router.bias
     if not hasattr(mlp, "experts"):
         return None
-    if mt == "deepseek_v3":
+    if mt in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
         return "sigmoid", mlp.gate.weight, mlp.gate.e_score_correction_bias
     return "softmax", mlp.gate.weight, None
 
@@ -647,11 +758,11 @@ def router_stats(model, ids: list[int]) -> dict[int, dict[str, float]]:
     n_distinct    number of distinct experts chosen across the tokens
     min_margin    smallest gap, over tokens, between the k-th and (k+1)-th selection score (deepseek: also the
                   group-selection gap), i.e. how robust the top-k choice is to ~1e-6 numerical noise."""
-    cfg = model.config
+    cfg = model.config.get_text_config()
     k = cfg.num_experts_per_tok
     xs = _capture_mlp_inputs(model, ids)
     out: dict[int, dict[str, float]] = {}
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(_decoder_layers(model)):
         r = _router(model, layer)
         if r is None:
             continue
@@ -698,7 +809,7 @@ def deepseek_group_routing_stats(model, ids: list[int]) -> dict[int, float]:
     cfg = model.config
     xs = _capture_mlp_inputs(model, ids)
     out = {}
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(_decoder_layers(model)):
         r = _router(model, layer)
         if r is None:
             continue
@@ -720,7 +831,7 @@ def gpt_oss_clamp_stats(model, ids: list[int]) -> dict[int, dict[str, float]]:
     lim = cfg.swiglu_limit
     xs = _capture_mlp_inputs(model, ids)
     out = {}
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(_decoder_layers(model)):
         mlp = layer.mlp
         with torch.no_grad():
             x = xs[i].float()

@@ -81,7 +81,7 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
     w.add_expert_used_count(cfg.top_k)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_weights_norm(cfg.norm_topk_prob)
-    if cfg.attention == "mla":
+    if cfg.attention in ("mla", "dsa"):
         w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         w.add_value_length(cfg.v_head_dim)
         if cfg.q_lora_rank:
@@ -94,7 +94,7 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.shared_intermediate_size:
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-    if cfg.arch in ("deepseek_v3", "kimi_k25"):
+    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa"):
         w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
         w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
@@ -103,6 +103,7 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_expert_group_used_count(cfg.topk_group)
     if cfg.arch == "minimax_m2":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    _dsa_deltanet_hparams(w, cfg)
     windows = {x for x in cfg.sliding_windows if x is not None}
     if windows:
         w.add_sliding_window(max(windows))
@@ -190,6 +191,8 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         head_dim = int(raw["head_dim"] or raw["hidden_size"] // heads)
         raw.update(num_local_experts=experts, intermediate_size=expert_ff, head_dim=head_dim)
         raw["rope_parameters"]["partial_rotary_factor"] = int(get(R.DIMENSION_COUNT, head_dim)) / head_dim
+    elif arch in ("glm_moe_dsa", "qwen3_5_moe"):
+        _dsa_deltanet_config(raw, get, tensors, n, experts, dense)
     elif arch == "gpt_oss":
         window = get(A.SLIDING_WINDOW, None)
         raw.update(sliding_window=int(window) if window else None, attention_bias=has("attn_q.bias"))
@@ -215,3 +218,55 @@ def _rope(get: Any, R: Any) -> dict[str, Any]:
             mscale = round(_f32(log_mul) / 0.1, 6)
             params.update(mscale=mscale, mscale_all_dim=mscale)
     return params
+
+
+# ---------------------------------------------------------------- GLM-5 (glm-dsa) and Qwen3.5-MoE (qwen35moe)
+
+
+def _dsa_deltanet_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
+    """llama.cpp's keys for the DSA indexer and for Qwen3.5's DeltaNet (as its convert_hf_to_gguf.py writes them)."""
+    if cfg.dsa is not None:
+        w.add_indexer_head_count(cfg.dsa.n_heads)
+        w.add_indexer_key_length(cfg.dsa.head_dim)
+        w.add_indexer_top_k(cfg.dsa.topk)
+    dn = cfg.deltanet
+    if dn is not None:
+        w.add_ssm_conv_kernel(dn.conv_kernel)
+        w.add_ssm_state_size(dn.k_head_dim)
+        w.add_ssm_group_count(dn.num_k_heads)
+        w.add_ssm_time_step_rank(dn.num_v_heads)
+        w.add_ssm_inner_size(dn.value_dim)
+        full = [i for i, linear in enumerate(dn.layers) if not linear]
+        w.add_full_attention_interval(full[0] + 1 if full else len(dn.layers))
+        text = cfg.raw.get("text_config", cfg.raw)
+        section = list((text.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10])
+        w.add_rope_dimension_sections((section + [0] * 4)[:4])
+
+
+def _dsa_deltanet_config(raw: dict[str, Any], get: Any, tensors: set[str], n: int, experts: int,
+                         dense: list[int]) -> None:
+    """The config.json fields of GLM-5 / Qwen3.5-MoE that llama.cpp's keys and tensor names imply."""
+    L, A, S = Keys.LLM, Keys.Attention, Keys.SSM
+    if raw["model_type"] == "glm_moe_dsa":
+        rope_dim = int(get(Keys.Rope.DIMENSION_COUNT))
+        raw.update(n_routed_experts=experts, qk_rope_head_dim=rope_dim,
+                   qk_nope_head_dim=int(get(A.KEY_LENGTH)) - rope_dim, v_head_dim=int(get(A.VALUE_LENGTH)),
+                   q_lora_rank=int(get(A.Q_LORA_RANK)), kv_lora_rank=int(get(A.KV_LORA_RANK)),
+                   n_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)),
+                   routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
+                   n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)),
+                   head_dim=None, index_n_heads=int(get(A.Indexer.HEAD_COUNT)),
+                   index_head_dim=int(get(A.Indexer.KEY_LENGTH)), index_topk=int(get(A.Indexer.TOP_K)),
+                   mlp_layer_types=["dense" if i in dense else "sparse" for i in range(n)],
+                   indexer_types=["full" if f"blk.{i}.indexer.proj.weight" in tensors else "shared"
+                                  for i in range(n)])
+        return
+    value_heads = int(get(S.TIME_STEP_RANK))
+    raw.update(layer_types=["linear_attention" if f"blk.{i}.ssm_a" in tensors else "full_attention"
+                            for i in range(n)],
+               attention_bias=any(t.endswith(".attn_q.bias") for t in tensors),
+               linear_conv_kernel_dim=int(get(S.CONV_KERNEL)), linear_key_head_dim=int(get(S.STATE_SIZE)),
+               linear_num_key_heads=int(get(S.GROUP_COUNT)), linear_num_value_heads=value_heads,
+               linear_value_head_dim=int(get(S.INNER_SIZE)) // value_heads,
+               shared_expert_intermediate_size=int(get(L.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)))
+    raw["rope_parameters"]["partial_rotary_factor"] = int(get(Keys.Rope.DIMENSION_COUNT)) / int(raw["head_dim"])

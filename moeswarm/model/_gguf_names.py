@@ -33,8 +33,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 # moeswarm architecture -> GGUF ``general.architecture``
 GGUF_ARCH = {
@@ -219,3 +223,74 @@ def model_type_of(garch: str) -> str | None:
     """The moeswarm architecture a GGUF ``general.architecture`` reads as (the first listed:
     ``deepseek2`` is DeepSeek-V3, though Kimi K2.5 writes it too)."""
     return next((k for k, v in GGUF_ARCH.items() if v == garch), None)
+# ---------------------------------------------------------------- GLM-5 (glm-dsa) and Qwen3.5-MoE (qwen35moe)
+# llama.cpp's gguf package has no DeepSeek-V3.2 architecture (its deepseek2 has no indexer), so
+# deepseek_v32 has no GGUF form here.
+#
+# Qwen3.5 as llama.cpp's convert_hf_to_gguf.py writes it (Qwen3NextModel, _LinearAttentionVReorderBase):
+# ``A_log`` is stored as ``ssm_a = -exp(A_log)`` (the engine's canonical ``attn.A`` already is),
+# ``dt_bias`` as ``ssm_dt.bias``, the conv kernel squeezed to [C, K], every RMSNorm but the
+# DeltaNet's output norm with the +1 folded in (as canonical), and, when there are more value than
+# key heads, the value heads reordered from grouped-by-key-head to tiled (``v_*`` permutations).
+
+GGUF_ARCH.update(glm_moe_dsa="glm-dsa", qwen3_5_moe="qwen35moe")
+
+_INDEXER_ROWS = _rows(
+    ("{L}.attn.idx_q_b", "blk.{L}.indexer.attn_q_b.weight", _P + "self_attn.indexer.wq_b.weight"),
+    ("{L}.attn.idx_k", "blk.{L}.indexer.attn_k.weight", _P + "self_attn.indexer.wk.weight"),
+    ("{L}.attn.idx_k_norm", "blk.{L}.indexer.k_norm.weight", _P + "self_attn.indexer.k_norm.weight"),
+    ("{L}.attn.idx_k_norm_bias", "blk.{L}.indexer.k_norm.bias", _P + "self_attn.indexer.k_norm.bias"),
+    ("{L}.attn.idx_w", "blk.{L}.indexer.proj.weight", _P + "self_attn.indexer.weights_proj.weight"),
+)
+
+
+def _in_language_model(rows: tuple[NameRow, ...]) -> tuple[NameRow, ...]:
+    """HF names under a vision-language checkpoint's ``model.language_model.`` (lm_head stays)."""
+    return tuple(NameRow(r.canonical, r.gguf, r.hf.replace("model.", "model.language_model.", 1)
+                         if r.hf.startswith("model.") else r.hf, r.permute, r.invented) for r in rows)
+
+
+_DELTANET = _rows(
+    ("{L}.attn.qkv", "blk.{L}.attn_qkv.weight", _P + "linear_attn.in_proj_qkv.weight", "v_qkv"),
+    ("{L}.attn.z", "blk.{L}.attn_gate.weight", _P + "linear_attn.in_proj_z.weight", "v_rows"),
+    ("{L}.attn.b", "blk.{L}.ssm_beta.weight", _P + "linear_attn.in_proj_b.weight", "v_heads"),
+    ("{L}.attn.a", "blk.{L}.ssm_alpha.weight", _P + "linear_attn.in_proj_a.weight", "v_heads"),
+    ("{L}.attn.conv", "blk.{L}.ssm_conv1d.weight", _P + "linear_attn.conv1d.weight", "v_qkv"),
+    ("{L}.attn.dt_bias", "blk.{L}.ssm_dt.bias", _P + "linear_attn.dt_bias", "v_heads"),
+    ("{L}.attn.A", "blk.{L}.ssm_a", _P + "linear_attn.A_log", "v_heads"),
+    ("{L}.attn.norm", "blk.{L}.ssm_norm.weight", _P + "linear_attn.norm.weight"),
+    ("{L}.attn.out", "blk.{L}.ssm_out.weight", _P + "linear_attn.out_proj.weight", "v_cols"),
+)
+
+NAME_MAP.update(
+    glm_moe_dsa=NAME_MAP["deepseek_v3"] + _INDEXER_ROWS,
+    qwen3_5_moe=_in_language_model(
+        _BACKBONE + _GQA + _QK_NORM + _DELTANET + _ROUTER + _experts("mlp.", _PROJ) + _shared("shared_expert")
+        + _rows(
+            ("{L}.mlp_norm", "blk.{L}.post_attention_norm.weight", _P + "post_attention_layernorm.weight"),
+            ("{L}.shared_gate", "blk.{L}.ffn_gate_inp_shexp.weight", _P + "mlp.shared_expert_gate.weight"),
+        )
+    ),
+)
+
+
+def v_head_permutation(kind: str, n: int, num_k_heads: int, num_v_heads: int, key_dim: int,
+                       v_head_dim: int) -> np.ndarray:
+    """llama.cpp's grouped -> tiled value-head order as an index over ``n`` rows (or columns):
+    ``stored = original[perm]``.  ``v_qkv``: the value part of [q | k | v] rows (or conv channels);
+    ``v_rows`` / ``v_cols``: value-dim rows / columns; ``v_heads``: one row per value head."""
+    head = 1 if kind == "v_heads" else v_head_dim
+    offset = 2 * key_dim if kind == "v_qkv" else 0
+    rep = num_v_heads // num_k_heads
+    tiled = np.arange(num_v_heads * head).reshape(num_k_heads, rep, head).swapaxes(0, 1).reshape(-1)
+    return np.concatenate([np.arange(offset), offset + tiled]) if offset else tiled
+
+
+def v_head_order(kind: str, cfg: "ModelConfig", shape: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(rows, columns) permutations that store a canonical Qwen3.5 tensor as llama.cpp does (None: as is)."""
+    dn = cfg.deltanet
+    if dn is None or dn.num_k_heads == dn.num_v_heads:
+        return None, None
+    n = shape[1] if kind == "v_cols" else shape[0]
+    perm = v_head_permutation(kind, n, dn.num_k_heads, dn.num_v_heads, dn.key_dim, dn.v_head_dim)
+    return (None, perm) if kind == "v_cols" else (perm, None)

@@ -22,7 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import CheckpointError
 from ._gguf_meta import FORMAT_VERSION, HF_CONFIG, VERSION, hf_config_from_metadata
-from ._gguf_names import GGUF_ARCH, NameRow, gguf_name, rope_permutation
+from ._gguf_names import GGUF_ARCH, NameRow, gguf_name, rope_permutation, v_head_order
 from ._gguf_tensor import QuantizedTensor
 from ._safetensors import TensorRef
 from .config import ModelConfig
@@ -158,11 +158,12 @@ class GGUFFile:
             raise CheckpointError(f"shape {list(have)} does not match the model config, which implies {list(shape)}",
                                   path=self.path, tensor=t.name)
 
-    def tensor(self, name: str, shape: tuple[int, ...], rows: np.ndarray | None = None) -> Any:
-        """A whole tensor: a numpy view, or a ``QuantizedTensor`` (quantised, or rows to reorder)."""
+    def tensor(self, name: str, shape: tuple[int, ...], rows: np.ndarray | None = None,
+               cols: np.ndarray | None = None) -> Any:
+        """A whole tensor: a numpy view, or a ``QuantizedTensor`` (quantised, or rows/columns to reorder)."""
         t = self._tensor(name)
         self._check_shape(t, shape)
-        return _wrap(t.data, t.tensor_type, shape, rows)
+        return _wrap(t.data, t.tensor_type, shape, rows, cols)
 
     def experts(self, name: str, shape: tuple[int, ...], count: int) -> Callable[[int], Any]:
         """Expert ``e`` of a stacked ``[count, *shape]`` tensor, as a view of its own bytes."""
@@ -179,12 +180,13 @@ class GGUFFile:
         return t.data_offset + expert * per, t.data_offset + (expert + 1) * per
 
 
-def _wrap(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], rows: np.ndarray | None) -> Any:
-    if rows is None and qtype in (Q.F32, Q.F16):
+def _wrap(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], rows: np.ndarray | None,
+          cols: np.ndarray | None = None) -> Any:
+    if rows is None and cols is None and qtype in (Q.F32, Q.F16):
         return data  # the reader's typed view
-    if rows is None and qtype == Q.BF16:
+    if rows is None and cols is None and qtype == Q.BF16:
         return data.view(ml_dtypes.bfloat16)  # bytes (..., 2n) -> (..., n)
-    return QuantizedTensor(data, qtype, shape, rows)
+    return QuantizedTensor(data, qtype, shape, rows, cols)
 
 
 class _Metadata(Mapping[str, Any]):
@@ -208,11 +210,15 @@ class _Metadata(Mapping[str, Any]):
         return len(self._fields)
 
 
-def _unpermute(row: NameRow, cfg: ModelConfig, out_rows: int) -> np.ndarray | None:
+def _unpermute(row: NameRow, cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(rows, columns) orders that undo what the writer (or llama.cpp) did to a tensor."""
     if row.permute is None:
-        return None
-    heads = cfg.num_heads if row.permute == "heads" else cfg.num_kv_heads
-    return np.argsort(rope_permutation(out_rows, heads))
+        return None, None
+    if row.permute in ("heads", "kv_heads"):
+        heads = cfg.num_heads if row.permute == "heads" else cfg.num_kv_heads
+        return np.argsort(rope_permutation(shape[0], heads)), None
+    rows, cols = v_head_order(row.permute, cfg, shape)
+    return (None if rows is None else np.argsort(rows)), (None if cols is None else np.argsort(cols))
 
 
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -234,7 +240,7 @@ def load_gguf_weights(
     w = Weights(cfg, str(Path(f.path).resolve().parent), {}, {})
     for name, shape in expected_shapes(cfg).items():
         row, gname = gguf_name(cfg.arch, name)
-        w.tensors[name] = f.tensor(gname, shape, _unpermute(row, cfg, shape[0]))
+        w.tensors[name] = f.tensor(gname, shape, *_unpermute(row, cfg, shape))
         w.sources[name] = TensorRef(f.path, gname)
     if cfg.tie_word_embeddings:
         w.tensors["lm_head"] = w.tensors["embed"]

@@ -26,14 +26,15 @@ from gguf.quants import dequantize
 class QuantizedTensor:
     """A GGML-encoded tensor (or one expert's slice of a stacked one), decoded on demand."""
 
-    __slots__ = ("raw", "qtype", "shape", "rows")
+    __slots__ = ("raw", "qtype", "shape", "rows", "cols")
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
-                 rows: np.ndarray | None = None) -> None:
+                 rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> None:
         self.raw = raw.view(np.uint8)  # (..., bytes per row): the encoded blocks, a view into the map
         self.qtype = qtype
         self.shape = tuple(int(d) for d in shape)  # logical shape, e.g. (I, H)
         self.rows = rows  # (shape[0],) row order to apply after decoding, or None
+        self.cols = cols  # (shape[1],) column order to apply after decoding, or None (Qwen3.5 ssm_out)
 
     @property
     def dtype(self) -> np.dtype:
@@ -63,6 +64,8 @@ class QuantizedTensor:
         out = dequantize(self.raw, self.qtype).reshape(self.shape)  # float32
         if self.rows is not None:
             out = out[self.rows]
+        if self.cols is not None:
+            out = out[:, self.cols]
         return out.astype(dtype, copy=False)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
@@ -72,7 +75,7 @@ class QuantizedTensor:
 
     def __getitem__(self, index: Any) -> np.ndarray:
         """Rows by integer index (embedding lookups) decode only those rows; anything else decodes all."""
-        if self.rows is None and self.ndim == 2 and _is_int_index(index):
+        if self.rows is None and self.cols is None and self.ndim == 2 and _is_int_index(index):
             idx = np.asarray(index)
             rows = self.raw.reshape(self.shape[0], -1)[idx.reshape(-1)]  # (n, bytes per row)
             return dequantize(rows, self.qtype).reshape(*idx.shape, self.shape[1])

@@ -30,7 +30,7 @@ from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from ..errors import ConfigError
 from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, write_metadata
-from ._gguf_names import GGUF_ARCH, gguf_name, rope_permutation, template
+from ._gguf_names import GGUF_ARCH, gguf_name, rope_permutation, template, v_head_order
 from ._gguf_path import find_gguf
 from ._gguf_read import GGUFFile
 from .checkpoint import load_weights
@@ -52,6 +52,7 @@ class TensorPlan:
     parts: tuple[np.ndarray, ...]
     rows: np.ndarray | None = None  # llama.cpp's q/k row permutation, applied before encoding
     note: str = ""  # why the type differs from the one asked for
+    cols: np.ndarray | None = None  # a column permutation, applied before encoding (Qwen3.5's ssm_out)
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +63,8 @@ class TensorPlan:
         a = np.asarray(a)  # a QuantizedTensor source (GGUF -> GGUF) decodes here
         if self.rows is not None:
             a = a[self.rows]
+        if self.cols is not None:
+            a = a[:, self.cols]
         if self.qtype == Q.F32:
             return np.ascontiguousarray(a, dtype=np.float32)
         if self.qtype == Q.F16:
@@ -117,12 +120,14 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
             continue  # llama.cpp omits output.weight for tied embeddings
         row, gname = gguf_name(cfg.arch, name)
         qtype, note = _choose(name, a.shape, base)
-        rows = None
-        if row.permute:
+        rows = cols = None
+        if row.permute in ("heads", "kv_heads"):
             rows = rope_permutation(a.shape[0], cfg.num_heads if row.permute == "heads" else cfg.num_kv_heads)
+        elif row.permute:
+            rows, cols = v_head_order(row.permute, cfg, a.shape)
         layer = template(name)[1]
         order = -1 if name == "embed" else (layer if layer is not None else cfg.num_layers)
-        plans.append(((order, 0), TensorPlan(gname, qtype, tuple(a.shape), (a,), rows, note)))
+        plans.append(((order, 0), TensorPlan(gname, qtype, tuple(a.shape), (a,), rows, note, cols)))
     for L, experts in w.experts.items():
         if sorted(experts) != list(range(cfg.num_experts)):
             raise ConfigError(f"layer {L} holds experts {sorted(experts)}; converting needs all {cfg.num_experts}")

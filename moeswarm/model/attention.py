@@ -107,8 +107,10 @@ def _attend(
     scale: float,
     window: int | None,
     sinks: np.ndarray | None,
+    keep: np.ndarray | None = None,
 ) -> np.ndarray:
-    """q (B, nh, T, D), k (B, nkv, S, D), v (B, nkv, S, Dv) -> (B, T, nh * Dv)."""
+    """q (B, nh, T, D), k (B, nkv, S, D), v (B, nkv, S, Dv) -> (B, T, nh * Dv).
+    ``keep`` (B, T, S) bool, if given, further restricts which keys each query sees (sparse attention)."""
     B, nh, T, D = q.shape
     nkv, S = k.shape[1], k.shape[2]
     g = nh // nkv
@@ -119,6 +121,8 @@ def _attend(
     allowed = kpos <= qpos
     if window is not None:
         allowed &= kpos > qpos - window
+    if keep is not None:
+        allowed = allowed & keep[:, None, None]  # (B, 1, 1, T, S)
     scores = np.where(allowed, scores, np.float32(-np.inf))
     if sinks is not None:
         sink = np.broadcast_to(f32(sinks).reshape(1, nkv, g, 1, 1), (B, nkv, g, T, 1))
@@ -166,19 +170,23 @@ def gqa(
     return linear(out, w["o"], w.get("o_bias"))  # type: ignore[arg-type]
 
 
-def mla(
+def mla_qkv(
     w: dict[str, np.ndarray | None],
     x: np.ndarray,
     cfg: ModelConfig,
     rope: Rope,
     cache: LayerCache,
     positions: np.ndarray,
-) -> np.ndarray:
-    """DeepSeek multi-head latent attention.  The cache keeps expanded per-head keys and values."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None]:
+    """MLA projections with the cache appended: query (B, nh, T, nope+rd), keys (B, nh, S, nope+rd),
+    values (B, nh, S, vd), the cached length before this step, and the query latent
+    ``q_a_norm(q_a(x))`` (B, T, q_lora_rank) (None without q_lora_rank; the DSA indexer reads it)."""
     B, T, _ = x.shape
     nh, nope, rd, vd = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    q_resid = None
     if cfg.q_lora_rank:
-        q = linear(rms_norm(linear(x, w["q_a"]), w["q_a_norm"], cfg.rms_norm_eps), w["q_b"])  # type: ignore[arg-type]
+        q_resid = rms_norm(linear(x, w["q_a"]), w["q_a_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
+        q = linear(q_resid, w["q_b"])  # type: ignore[arg-type]
     else:
         q = linear(x, w["q"])  # type: ignore[arg-type]
     q = q.reshape(B, T, nh, nope + rd).transpose(0, 2, 1, 3)  # (B, nh, T, nope+rd)
@@ -195,5 +203,18 @@ def mla(
     query = np.concatenate([q_pass, q_rot], axis=-1)
     past = cache.length
     keys, values = cache.append(key, value)
+    return query, keys, values, past, q_resid
+
+
+def mla(
+    w: dict[str, np.ndarray | None],
+    x: np.ndarray,
+    cfg: ModelConfig,
+    rope: Rope,
+    cache: LayerCache,
+    positions: np.ndarray,
+) -> np.ndarray:
+    """DeepSeek multi-head latent attention.  The cache keeps expanded per-head keys and values."""
+    query, keys, values, past, _ = mla_qkv(w, x, cfg, rope, cache, positions)
     out = _attend(query, keys, values, past, cfg.scale, None, None)
     return linear(out, w["o"])  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,8 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_bias: bool = False  # gpt-oss experts carry biases
+    dsa: DsaConfig | None = None  # DeepSeek Sparse Attention indexer over MLA (deepseek_v32, glm_moe_dsa)
+    deltanet: DeltaNetConfig | None = None  # gated DeltaNet linear attention on some layers (qwen3_5_moe)
     # tokens
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -412,3 +414,148 @@ def register_family(parsers: dict[str, Any], default_thetas: dict[str, float]) -
     this when ``moeswarm.model`` is imported; this module never imports them, so none imports it back)."""
     _PARSERS.update(parsers)
     _DEFAULT_THETA.update(default_thetas)
+
+# ---------------------------------------------------------------- DSA (DeepSeek-V3.2, GLM-5) and
+# Qwen3.5-MoE (gated DeltaNet + gated full attention).  Registered below, after the six above.
+
+
+@dataclass(frozen=True)
+class DsaConfig:
+    """DeepSeek Sparse Attention: a lightning indexer keeps the ``topk`` best keys per query."""
+
+    topk: int  # keys each query may attend to (index_topk)
+    n_heads: int  # indexer heads (index_n_heads)
+    head_dim: int  # indexer q/k size (index_head_dim); its first qk_rope_head_dim dims are rotated
+    rope_interleaved: bool  # GLM-5 rotates pairs (x0, x1)...; DeepSeek-V3.2 rotates halves
+    shared: tuple[bool, ...]  # per layer: True = reuse the previous layer's top-k (GLM-5 "shared")
+
+
+@dataclass(frozen=True)
+class DeltaNetConfig:
+    """Qwen3.5's gated DeltaNet: causal short convolution, then the gated delta rule's recurrent state."""
+
+    layers: tuple[bool, ...]  # per layer: True = linear attention, False = gated full attention
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads (each q/k head serves num_v_heads // num_k_heads)
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int  # width of the depthwise causal convolution over q, k, v
+    chunk_size: int = 64  # prefill runs the chunked form of the delta rule, this many tokens a chunk
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+def _mlp_layer_types(raw: dict[str, Any], n: int, first_dense_default: int) -> tuple[bool, ...]:
+    types = raw.get("mlp_layer_types")
+    if types is None:
+        first = int(raw.get("first_k_dense_replace", first_dense_default))
+        return tuple(i >= first for i in range(n))
+    if len(types) < n or any(t not in ("dense", "sparse") for t in types):
+        raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of {n} layers")
+    return tuple(t == "sparse" for t in types[:n])
+
+
+def _indexer_shared(raw: dict[str, Any], n: int) -> tuple[bool, ...]:
+    """GLM-5 ``indexer_types`` (or the ``index_topk_pattern`` / ``index_topk_freq`` it derives from)."""
+    types = raw.get("indexer_types")
+    if types is None:
+        pattern = raw.get("index_topk_pattern")
+        if isinstance(pattern, str):
+            types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        elif pattern is not None:
+            types = list(pattern)
+        else:
+            freq = max(int(raw.get("index_topk_freq", 1)), 1)
+            offset = int(raw.get("index_skip_topk_offset", 2))
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if len(types) < n or any(t not in ("full", "shared") for t in types) or types[0] != "full":
+        raise ValueError("indexer_types must be 'full' or 'shared' per layer, starting with 'full'")
+    return tuple(t == "shared" for t in types[:n])
+
+
+def _dsa(raw: dict[str, Any], arch: str, model_id: str, first_dense_default: int) -> ModelConfig:
+    """DeepSeek-V3 MLA + MoE, plus the indexer; ``mlp_layer_types`` says which layers are MoE."""
+    if not raw.get("q_lora_rank"):
+        raise ValueError("q_lora_rank is required: the DSA indexer reads the query's low-rank latent")
+    base = _deepseek_v3({**raw, "rope_interleave": True}, model_id, None)
+    n = base.num_layers
+    rope_dim = base.qk_rope_head_dim
+    head_dim = int(raw.get("index_head_dim", 128))
+    if head_dim < rope_dim:
+        raise ValueError(f"index_head_dim {head_dim} is smaller than qk_rope_head_dim {rope_dim}")
+    dsa = DsaConfig(
+        topk=int(raw.get("index_topk", 2048)),
+        n_heads=int(raw.get("index_n_heads", 64 if arch == "deepseek_v32" else 32)),
+        head_dim=head_dim,
+        rope_interleaved=arch == "glm_moe_dsa",
+        shared=_indexer_shared(raw, n) if arch == "glm_moe_dsa" else (False,) * n,
+    )
+    return replace(base, arch=arch, attention="dsa", moe_layers=_mlp_layer_types(raw, n, first_dense_default),
+                   rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6 if arch == "deepseek_v32" else 1e-5)), dsa=dsa)
+
+
+def _deepseek_v32(raw: dict[str, Any], model_id: str, path: str | None) -> ModelConfig:
+    return _dsa(raw, "deepseek_v32", model_id, 3)
+
+
+def _glm_moe_dsa(raw: dict[str, Any], model_id: str, path: str | None) -> ModelConfig:
+    return _dsa({"n_group": 1, "topk_group": 1, **raw}, "glm_moe_dsa", model_id, 3)
+
+
+def _qwen3_5_moe(raw: dict[str, Any], model_id: str, path: str | None) -> ModelConfig:
+    """The language model of a Qwen3.5-MoE checkpoint (``text_config``); the vision tower is not read."""
+    text = {**raw.get("text_config", raw)}
+    text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+    c = _common(text, "qwen3_5_moe", model_id)
+    c["raw"] = raw
+    n = c["num_layers"]
+    types = text.get("layer_types") or [
+        "linear_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) else "full_attention"
+        for i in range(n)
+    ]
+    if len(types) < n or any(t not in ("linear_attention", "full_attention") for t in types):
+        raise ValueError(f"layer_types must name 'linear_attention' or 'full_attention' for each of {n} layers")
+    params = dict(text.get("rope_parameters") or {})
+    partial = float(params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+    deltanet = DeltaNetConfig(
+        layers=tuple(t == "linear_attention" for t in types[:n]),
+        num_k_heads=int(text.get("linear_num_key_heads", 16)),
+        num_v_heads=int(text.get("linear_num_value_heads", 32)),
+        k_head_dim=int(text.get("linear_key_head_dim", 128)),
+        v_head_dim=int(text.get("linear_value_head_dim", 128)),
+        conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+    )
+    if deltanet.num_v_heads % deltanet.num_k_heads:
+        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    shared = int(text.get("shared_expert_intermediate_size", 0) or 0)
+    return ModelConfig(
+        **c,
+        rope=_rope(text, "qwen3_5_moe", int(c["head_dim"] * partial)),
+        moe_layers=(True,) * n,
+        sliding_windows=(None,) * n,
+        attention="qwen3_5",
+        qkv_bias=bool(text.get("attention_bias", False)),
+        o_bias=bool(text.get("attention_bias", False)),
+        qk_norm="head",
+        num_experts=_n_experts(text),
+        top_k=int(text["num_experts_per_tok"]),
+        moe_intermediate_size=int(text["moe_intermediate_size"]),
+        norm_topk_prob=True,
+        shared_intermediate_size=shared,
+        shared_expert_gate=shared > 0,
+        deltanet=deltanet,
+    )
+
+
+ARCHITECTURES = ARCHITECTURES + ("deepseek_v32", "glm_moe_dsa", "qwen3_5_moe")
+_PARSERS.update(deepseek_v32=_deepseek_v32, glm_moe_dsa=_glm_moe_dsa, qwen3_5_moe=_qwen3_5_moe)

@@ -133,6 +133,75 @@ RULES: dict[str, tuple[Rule, ...]] = {
     arch: _BACKBONE + _PER_EXPERT + (_PACKED_GPT_OSS if arch == "gpt_oss" else _PACKED)
     for arch in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 }
+
+
+# ---------------------------------------------------------------- DSA and Qwen3.5-MoE
+
+
+def plus_one() -> Op:
+    """``1 + w`` in float32: Qwen3.5's RMSNorms scale by ``1 + weight`` (a small copy, not a view)."""
+
+    def op(items: Iterable[Item]) -> Iterator[Item]:
+        for fields, a in items:
+            yield fields, a.astype(np.float32) + np.float32(1.0)
+
+    return op
+
+
+def neg_exp() -> Op:
+    """``-exp(a)`` in float32 (Qwen3.5's ``A_log`` -> the decay rate ``A``; llama.cpp's ``ssm_a``)."""
+
+    def op(items: Iterable[Item]) -> Iterator[Item]:
+        for fields, a in items:
+            yield fields, -np.exp(a.astype(np.float32))
+
+    return op
+
+
+def squeeze(axis: int) -> Op:
+    """Drop a length-1 axis (a depthwise ``Conv1d`` weight ``[C, 1, K]`` -> ``[C, K]``)."""
+
+    def op(items: Iterable[Item]) -> Iterator[Item]:
+        for fields, a in items:
+            yield fields, np.squeeze(a, axis=axis)
+
+    return op
+
+
+_INDEXER = (  # DeepSeek-V3.2 / GLM-5 lightning indexer, beside the MLA tensors
+    Rule(_L + r"self_attn\.indexer\.wq_b\.weight", "{L}.attn.idx_q_b"),
+    Rule(_L + r"self_attn\.indexer\.wk\.weight", "{L}.attn.idx_k"),
+    Rule(_L + r"self_attn\.indexer\.k_norm\.weight", "{L}.attn.idx_k_norm"),
+    Rule(_L + r"self_attn\.indexer\.k_norm\.bias", "{L}.attn.idx_k_norm_bias"),
+    Rule(_L + r"self_attn\.indexer\.weights_proj\.weight", "{L}.attn.idx_w"),
+)
+
+
+def _language_model(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """The same rules, also under a vision-language checkpoint's ``model.language_model.`` prefix; the
+    vision tower's keys (``model.visual.*``) match nothing, so their bytes are never touched."""
+    return tuple(Rule(r.pattern.replace(r"model\.", r"model\.(?:language_model\.)?", 1), r.target, r.ops) for r in rules)
+
+
+_QWEN3_5 = _language_model((
+    # zero-centred RMSNorms (weight + 1); listed first so that they win over the generic rules
+    Rule(r"model\.norm\.weight", "final_norm", (plus_one(),)),
+    Rule(_L + r"input_layernorm\.weight", "{L}.attn_norm", (plus_one(),)),
+    Rule(_L + r"post_attention_layernorm\.weight", "{L}.mlp_norm", (plus_one(),)),
+    Rule(_L + r"self_attn\.(?P<p>[qk])_norm\.weight", "{L}.attn.{p}_norm", (plus_one(),)),
+    Rule(_L + r"linear_attn\.in_proj_(?P<p>qkv|z|b|a)\.weight", "{L}.attn.{p}"),
+    Rule(_L + r"linear_attn\.conv1d\.weight", "{L}.attn.conv", (squeeze(1),)),
+    Rule(_L + r"linear_attn\.dt_bias", "{L}.attn.dt_bias"),
+    Rule(_L + r"linear_attn\.A_log", "{L}.attn.A", (neg_exp(),)),  # the decay rate A = -exp(A_log), as llama.cpp
+    Rule(_L + r"linear_attn\.norm\.weight", "{L}.attn.norm"),
+    Rule(_L + r"linear_attn\.out_proj\.weight", "{L}.attn.out"),
+) + _BACKBONE + _PER_EXPERT + _PACKED)
+
+RULES.update(
+    deepseek_v32=_INDEXER + RULES["deepseek_v3"],
+    glm_moe_dsa=_INDEXER + RULES["deepseek_v3"],
+    qwen3_5_moe=_QWEN3_5,
+)
 _EXPERT_KEY = re.compile(r"^(\d+)\.experts\.(\d+)\.")
 
 

@@ -50,6 +50,9 @@ def generate_speculative(model: Model, prompt_ids: Sequence[int], params: Sampli
         raise ConfigError("speculative decoding is implemented for greedy decoding (temperature 0)")
     if not prompt_ids:
         raise ConfigError("the prompt is empty: give at least one token")
+    if model.config.deltanet is not None:  # its recurrent state cannot forget a rejected draft
+        raise ConfigError("speculative decoding is not supported for models with linear-attention (DeltaNet) "
+                          "layers: their state cannot be rolled back")
     stats = stats if stats is not None else SpeculativeStats()
     stop = set(params.stop_token_ids)
     cache = model.new_cache()

@@ -13,8 +13,10 @@ from typing import Protocol
 
 import numpy as np
 
+from ._attn_deltanet import DeltaNetState, deltanet, gated_attention
+from ._attn_dsa import DsaLayerCache, dsa_attention
 from ._attn_lightning import lightning, new_layer_cache
-from .attention import KVCache, Rope, gqa, mla, rms_norm
+from .attention import KVCache, LayerCache, Rope, gqa, mla, rms_norm
 from .config import ModelConfig
 from .experts import F32Cache, dense_ffn, f32, get_backend, oai_dense_ffn, sigmoid
 from .routing import route
@@ -89,7 +91,12 @@ class Model:
         ]
 
     def new_cache(self) -> KVCache:
-        return KVCache([new_layer_cache(self.config, L) for L in range(self.config.num_layers)])
+        cfg = self.config
+        if cfg.dsa is not None:
+            return KVCache([DsaLayerCache() for _ in range(cfg.num_layers)])
+        if cfg.deltanet is not None:
+            return KVCache([DeltaNetState() if linear else LayerCache() for linear in cfg.deltanet.layers])
+        return KVCache([new_layer_cache(cfg, L) for L in range(cfg.num_layers)])  # MiniMax M3: index keys too
 
     def forward(self, ids: np.ndarray, cache: KVCache, *, last_only: bool = False) -> np.ndarray:
         """ids (B, T) int -> logits (B, T, V) float32 (or (B, 1, V) with ``last_only``)."""
@@ -101,14 +108,17 @@ class Model:
         past = cache.length
         positions = np.arange(past, past + T)
         x = f32(w["embed"][ids])  # (B, T, H)
+        step: dict[str, np.ndarray] = {}  # what one layer hands the next within this pass (DSA top-k)
         for L in range(cfg.num_layers):
             h = rms_norm(x, w[f"{L}.attn_norm"], cfg.rms_norm_eps)
             if cfg.attention == "mla":
                 h = mla(self._attn[L], h, cfg, self.rope, cache.layers[L], positions)
             elif cfg.sparse_layers and cfg.sparse_layers[L]:  # MiniMax M3 lightning indexer
                 h = lightning(self._attn[L], h, cfg, self.rope, cache.layers[L], positions)
-            else:
+            elif cfg.attention == "gqa":
                 h = gqa(self._attn[L], h, cfg, self.rope, cache.layers[L], positions, cfg.sliding_windows[L])
+            else:
+                h = self._mix_tokens(L, h, cache.layers[L], positions, step)
             x = x + h
             for observe_state in self.state_observers:
                 observe_state(L, x.reshape(B * T, -1))
@@ -119,6 +129,20 @@ class Model:
             x = x[:, -1:]
         x = rms_norm(x, w["final_norm"], cfg.rms_norm_eps)
         return (x @ f32(w["lm_head"]).T).astype(np.float32)
+
+    def _mix_tokens(self, L: int, h: np.ndarray, layer_cache: object, positions: np.ndarray,
+                    step: dict[str, np.ndarray]) -> np.ndarray:
+        """The attention kinds beyond GQA and MLA: DSA (DeepSeek-V3.2, GLM-5), Qwen3.5's DeltaNet +
+        gated attention.  h (B, T, H) -> (B, T, H)."""
+        cfg = self.config
+        if cfg.attention == "dsa":
+            return dsa_attention(self._attn[L], h, cfg, self.rope, layer_cache, positions, L, step)  # type: ignore[arg-type]
+        if cfg.attention == "qwen3_5":
+            assert cfg.deltanet is not None
+            if cfg.deltanet.layers[L]:
+                return deltanet(self._attn[L], h, cfg, layer_cache)  # type: ignore[arg-type]
+            return gated_attention(self._attn[L], h, cfg, self.rope, layer_cache, positions)  # type: ignore[arg-type]
+        raise ValueError(f"unknown attention kind {cfg.attention!r}")
 
     def _mlp(self, L: int, h: np.ndarray) -> np.ndarray:
         """h (N, H) -> (N, H): a dense MLP, or router + routed experts + shared expert."""

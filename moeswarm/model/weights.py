@@ -63,7 +63,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for L in range(cfg.num_layers):
         p = f"{L}."
         s[p + "attn_norm"] = s[p + "mlp_norm"] = (H,)
-        if cfg.attention == "mla":
+        if cfg.attention == "qwen3_5":
+            s.update(_qwen3_5_attention_shapes(cfg, L))
+        elif cfg.attention in ("mla", "dsa"):
+            if cfg.dsa is not None and not cfg.dsa.shared[L]:
+                s.update(_indexer_shapes(cfg, L))
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             if cfg.q_lora_rank:
                 s[p + "attn.q_a"] = (cfg.q_lora_rank, H)
@@ -105,6 +109,33 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.shared_expert_gate:
             s[p + "shared_gate"] = (1, H)
     s.update(extra_shapes(cfg))  # MiniMax M3's lightning indexer
+    return s
+
+
+def _indexer_shapes(cfg: ModelConfig, L: int) -> dict[str, tuple[int, ...]]:
+    """The DSA lightning indexer of layer L (DeepSeek-V3.2, GLM-5)."""
+    assert cfg.dsa is not None and cfg.q_lora_rank
+    H, nh, D, p = cfg.hidden_size, cfg.dsa.n_heads, cfg.dsa.head_dim, f"{L}.attn."
+    return {p + "idx_q_b": (nh * D, cfg.q_lora_rank), p + "idx_k": (D, H), p + "idx_k_norm": (D,),
+            p + "idx_k_norm_bias": (D,), p + "idx_w": (nh, H)}
+
+
+def _qwen3_5_attention_shapes(cfg: ModelConfig, L: int) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5: gated DeltaNet on linear-attention layers, gated full attention on the others."""
+    dn, H, p = cfg.deltanet, cfg.hidden_size, f"{L}.attn."
+    assert dn is not None
+    if dn.layers[L]:
+        return {p + "qkv": (dn.conv_dim, H), p + "z": (dn.value_dim, H), p + "b": (dn.num_v_heads, H),
+                p + "a": (dn.num_v_heads, H), p + "conv": (dn.conv_dim, dn.conv_kernel),
+                p + "dt_bias": (dn.num_v_heads,), p + "A": (dn.num_v_heads,), p + "norm": (dn.v_head_dim,),
+                p + "out": (H, dn.value_dim)}
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    s = {p + "q": (2 * nh * hd, H), p + "k": (nkv * hd, H), p + "v": (nkv * hd, H), p + "o": (H, nh * hd),
+         p + "q_norm": (hd,), p + "k_norm": (hd,)}
+    if cfg.qkv_bias:
+        s.update({p + "q_bias": (2 * nh * hd,), p + "k_bias": (nkv * hd,), p + "v_bias": (nkv * hd,)})
+    if cfg.o_bias:
+        s[p + "o_bias"] = (H,)
     return s
 
 

@@ -23,6 +23,15 @@ from moeswarm.model.gguf import GGUF_ARCH, NAME_MAP, GGUFFile, QuantizedTensor, 
 from moeswarm.model import ExpertWeights, load_weights
 
 
+#: every architecture llama.cpp's gguf package names (not deepseek_v32: its deepseek2 has no DSA indexer)
+GGUF_ARCHITECTURES = tuple(a for a in ARCHITECTURES if a in GGUF_ARCH)
+
+
+def test_only_deepseek_v32_lacks_a_gguf_architecture() -> None:
+    assert set(ARCHITECTURES) - set(GGUF_ARCH) == {"deepseek_v32"}
+    assert "deepseek32" not in gguf.MODEL_ARCH_NAMES.values()  # revisit when gguf-py names it
+
+
 def hf_tensor(folder: Path, key: str) -> np.ndarray:
     with safe_open(folder / "model.safetensors", "np") as f:
         return f.get_tensor(key)
@@ -100,7 +109,7 @@ def test_mixtral_is_llama_arch_with_permuted_q_k(oracle_checkpoints, gguf_checkp
     assert np.array_equal(np.asarray(ours["1.attn.q"]), hf_tensor(folder, "model.layers.1.self_attn.q_proj.weight"))
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
 def test_name_map_covers_the_checkpoint_and_agrees_with_gguf_py(oracle_checkpoints, arch: str) -> None:
     folder, _ = oracle_checkpoints.get(arch, "per_expert")
     weights = load_weights(folder)
@@ -114,13 +123,16 @@ def test_name_map_covers_the_checkpoint_and_agrees_with_gguf_py(oracle_checkpoin
                 if canonical in weights.tensors or (row.stacked and held and getattr(held, canonical.split(".")[-1])
                                                     is not None):
                     rows[row.hf.format(L=L, E=E)] = row.gguf.format(L=L)
-    assert set(rows) == set(open_folder(folder))  # the table's HF column is exactly the hub layout
+    hub = {k for k in open_folder(folder) if not k.startswith("model.visual.")}  # vision towers are not converted
+    assert set(rows) == hub  # the table's HF column is exactly the hub layout
     known = gguf.get_tensor_name_map(model_arch(arch), cfg.num_layers)
     for row in NAME_MAP[arch]:  # every row, also those this tiny checkpoint does not use (e.g. o_proj.bias)
         if row.stacked:
             continue  # per-expert HF tensors are stacked by the converter; gguf-py maps only merged ones
         hf, name = row.hf.format(L=0), row.gguf.format(L=0)
-        theirs = known.get_name(hf.replace("e_score_correction_bias", "e_score_correction.bias"),
+        hf = hf.replace("model.language_model.", "model.")  # llama.cpp strips a VL checkpoint's prefix first
+        theirs = known.get_name(hf.replace("e_score_correction_bias", "e_score_correction.bias")
+                                .replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias"),  # llama.cpp renames it
                                 try_suffixes=(".weight", ".bias"))
         if theirs is None:
             assert row.invented, hf
@@ -129,7 +141,7 @@ def test_name_map_covers_the_checkpoint_and_agrees_with_gguf_py(oracle_checkpoin
     assert hf_to_gguf(arch)  # the public view of the table
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES + ("deepseek_v3_no_q_lora",))
+@pytest.mark.parametrize("arch", GGUF_ARCHITECTURES + ("deepseek_v3_no_q_lora",))
 def test_llama_cpp_keys_alone_rebuild_the_config(gguf_checkpoints, arch: str) -> None:
     f = GGUFFile(gguf_checkpoints.get(arch, "F16", "Q8_0"))
     exact = f.config()
