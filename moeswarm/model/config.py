@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError
+from ._stored import QuantFormat, quant_format
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
@@ -129,6 +130,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     max_position_embeddings: int = 0
     model_id: str = ""  # a human name for the model (folder name unless given)
+    quant: QuantFormat | None = None  # how quantised weights are stored (quantization_config), None: plain floats
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -155,7 +157,12 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}", path=path
             )
         try:
-            return _PARSERS[arch](raw, model_id, path)
+            quant = quant_format(raw)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"config.json quantization_config: {e}", path=path) from None
+        try:
+            cfg = _PARSERS[arch](raw, model_id, path)
+            return cfg if quant is None else replace(cfg, quant=quant)
         except KeyError as e:
             raise CheckpointError(f"config.json lacks required field {e.args[0]!r}", path=path) from None
         except (TypeError, ValueError) as e:

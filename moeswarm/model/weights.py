@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ._safetensors import TensorRef, open_folder
+from ._stored import StoredTensor, combine_stored
 from .config import ModelConfig
 from .convert import convert
 
@@ -126,6 +127,8 @@ def load_safetensors(
         raise CheckpointError("model folder not found", path=folder)
     cfg = config or ModelConfig.from_folder(folder)
     keys = open_folder(folder)
+    if cfg.quant is not None:  # (codes, scale) pairs -> one StoredTensor each, kept in the stored format
+        keys = combine_stored(keys, cfg.quant)
     conv = convert(cfg.arch, keys, keep=keep_expert, num_layers=cfg.num_layers)
     w = Weights(cfg, folder, {}, conv.sources)
 
@@ -140,7 +143,7 @@ def load_safetensors(
                 path=src.path,
                 tensor=src.key,
             )
-        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+        if not isinstance(a, StoredTensor) and a.dtype.kind != "f" and a.dtype.name != "bfloat16":
             src = conv.sources[name]
             raise CheckpointError(f"unsupported dtype {a.dtype} for a weight", path=src.path, tensor=src.key)
         return a
