@@ -40,7 +40,7 @@ FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _FP8_TARGETS = re.compile(
     r"model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
     r"|mlp\.(gate_proj|up_proj|down_proj)|mlp\.shared_experts\.(gate|up|down)_proj"
-    r"|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight")
+    r"|(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3))\.weight")
 _EXPERT_WEIGHT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
 
 
@@ -153,3 +153,18 @@ def write_int4(src: Path, dst: Path, group: int = 16) -> Path:
     }
     _write(Path(dst), out, config)
     return Path(dst)
+
+
+def transformers_reference(model_dir: Path, prompt: list[int], n_decode: int = 8):  # type: ignore[no-untyped-def]
+    """``oracle.Reference`` of transformers 5.24 loading the quantised checkpoint on the CPU, where it
+    dequantises every weight at load (FP8 and MXFP4 to the float32 asked for; compressed-tensors to
+    its bf16 scale dtype, which is then widened to float32 exactly: q * scale is exact in bf16 here)."""
+    import oracle  # type: ignore[import-not-found]
+
+    model = oracle.load_model(model_dir)
+    with torch.no_grad():
+        for module in model.modules():
+            for _, p in module.named_parameters(recurse=False):
+                if p.dtype != torch.float32:
+                    p.data = p.data.float()
+    return oracle.run_model(model, prompt, n_decode)

@@ -120,12 +120,19 @@ def _origin(mm: mmap.mmap) -> int:
     return _ORIGINS[id(mm)]
 
 
+def _stored_arrays(a: object) -> list[np.ndarray]:
+    """The arrays that hold a tensor's bytes: a GGUF-quantised tensor's blocks, a published-format
+    tensor's codes and scales (``_stored.StoredTensor``), else the array itself."""
+    if hasattr(a, "arrays"):
+        return list(a.arrays())  # type: ignore[attr-defined]
+    return [getattr(a, "raw", a)]
+
+
 def _regions(w: ExpertWeights) -> list[_Region]:
     """The page-aligned file ranges holding an expert's tensors (empty for in-memory arrays)."""
     page = mmap.PAGESIZE
     out = []
-    for a in w.arrays():
-        a = getattr(a, "raw", a)  # a quantised GGUF tensor: its bytes in the map
+    for a in (b for t in w.arrays() for b in _stored_arrays(t)):
         mapped = _mapping_of(a)
         mm = getattr(mapped, "_mmap", None)
         if mapped is None or mm is None or getattr(mapped, "offset", 0):
@@ -134,6 +141,20 @@ def _regions(w: ExpertWeights) -> list[_Region]:
         start = (low - _origin(mm)) // page * page
         end = min(-(-(high - _origin(mm)) // page) * page, len(mm))
         out.append(_Region(mm, str(mapped.filename), start, end - start))
+    return _merged(out)
+
+
+def _merged(regions: list[_Region]) -> list[_Region]:
+    """Overlapping ranges of one mapping as one (an MXFP4 expert's gate and up rows interleave in
+    one stored tensor; a small tensor shares a page with its neighbour): bytes counted once."""
+    out: list[_Region] = []
+    for r in sorted(regions, key=lambda r: (id(r.map), r.start)):
+        last = out[-1] if out else None
+        if last is not None and last.map is r.map and r.start <= last.start + last.length:
+            end = max(last.start + last.length, r.start + r.length)
+            out[-1] = _Region(last.map, last.fd_path, last.start, end - last.start)
+        else:
+            out.append(r)
     return out
 
 
@@ -198,8 +219,8 @@ class MemoryBudget:
             m.madvise(mmap.MADV_RANDOM)
         # The backbone (attention, norms, router, embeddings, LM head) stays resident: fault it in
         # now, so every later RSS reading already includes it and only experts come and go.
-        for a in weights.tensors.values():
-            flat = np.asarray(getattr(a, "raw", a)).reshape(-1)
+        for a in (b for t in weights.tensors.values() for b in _stored_arrays(t)):
+            flat = np.asarray(a).reshape(-1)
             if flat.size:
                 float(flat[:: max(1, mmap.PAGESIZE // flat.itemsize)].astype(np.float32).sum())
         baseline = MemoryStats.now().vm_rss

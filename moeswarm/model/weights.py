@@ -115,6 +115,18 @@ def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return s
 
 
+def stored_expert_bytes(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
+    """Bytes of one routed expert as the checkpoint stores it: codes plus scales when
+    ``quantization_config`` says how (biases stay 16-bit floats), else ``bytes_per_value`` per weight."""
+    total = 0
+    for name, shape in expert_shapes(cfg).items():
+        if cfg.quant is not None and len(shape) == 2:
+            total += cfg.quant.matrix_bytes(*shape)
+        else:
+            total += bytes_per_value * int(np.prod(shape))
+    return total
+
+
 def load_safetensors(
     folder: str | os.PathLike[str],
     *,
