@@ -22,6 +22,7 @@ class LazyGroup(click.Group):
         "market": "moeswarm.market.cli:market",
         "convert-gguf": "moeswarm.model.gguf_cli:convert_gguf",
         "expert-digests": "moeswarm.node.cli:expert_digests",
+        "plan": "moeswarm.model.plan_cli:plan",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
