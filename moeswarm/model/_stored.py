@@ -111,28 +111,40 @@ def quant_format(raw: dict[str, Any]) -> QuantFormat | None:
 def dequant_fp8_block(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
     """codes ``(.., R, C)`` e4m3 bytes, scale ``(.., ceil(R/br), ceil(C/bc))`` -> float32 ``(.., R, C)``."""
     w = codes.view(_FP8).astype(np.float32)
-    R, C = w.shape[-2:]
-    s = np.repeat(np.repeat(scale.astype(np.float32), block[0], axis=-2), block[1], axis=-1)[..., :R, :C]
-    return w * s
+    *lead, R, C = w.shape
+    br, bc = block
+    s = scale.astype(np.float32, copy=False)
+    if R % br == 0 and C % bc == 0:  # in place, block by block: no temporary as large as the matrix
+        blocks = w.reshape(*lead, R // br, br, C // bc, bc)
+        blocks *= s[..., :, None, :, None]
+        return w
+    w *= np.repeat(np.repeat(s, br, axis=-2), bc, axis=-1)[..., :R, :C]
+    return w
 
 
 def _nibbles(codes: np.ndarray) -> np.ndarray:
     """``(.., n)`` bytes -> ``(.., 2n)`` 4-bit codes, low nibble first."""
-    return np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+    out = np.empty((*codes.shape, 2), dtype=np.uint8)
+    np.bitwise_and(codes, 0x0F, out=out[..., 0])
+    np.right_shift(codes, 4, out=out[..., 1])
+    return out.reshape(*codes.shape[:-1], 2 * codes.shape[-1])
 
 
 def dequant_mxfp4(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """codes ``(.., R, C/2)`` e2m1 pairs, scale ``(.., R, C/32)`` e8m0 -> float32 ``(.., R, C)``."""
     values = _FP4_VALUES[_nibbles(codes)]  # (.., R, C)
     groups = values.reshape(*scale.shape, -1)  # (.., R, C/32, 32)
-    return np.ldexp(groups, scale.astype(np.int32)[..., None] - 127).reshape(values.shape)
+    np.ldexp(groups, scale.astype(np.int32)[..., None] - 127, out=groups)
+    return values
 
 
 def dequant_int4_group(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """codes ``(.., R, C/2)`` offset-8 nibbles, scale ``(.., R, C/g)`` -> float32 ``(.., R, C)``."""
-    q = _nibbles(codes).astype(np.float32) - np.float32(8)
+    q = _nibbles(codes).astype(np.float32)
+    q -= np.float32(8)
     groups = q.reshape(*scale.shape, -1)
-    return (groups * scale.astype(np.float32)[..., None]).reshape(q.shape)
+    groups *= scale.astype(np.float32)[..., None]
+    return q
 
 
 def dequantize(fmt: QuantFormat, codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
