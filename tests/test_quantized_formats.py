@@ -10,6 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -235,3 +236,32 @@ def test_config_names_the_stored_format_and_refuses_the_unknown(tmp_path: Path) 
                      ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "pack-quantized")]:
         with pytest.raises(CheckpointError, match=why):
             ModelConfig.from_hf({**base, "quantization_config": qc_}, path="x/config.json")
+
+
+def test_every_code_decodes_as_the_reference_decoders_do() -> None:
+    """All 256 byte values (FP8 incl. subnormals and NaN; every pair of FP4 / INT4 nibbles), with
+    scales from tiny to large, against torch's float8 and the formats' own libraries."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moeswarm.model._stored import dequant_fp8_block, dequant_int4_group, dequant_mxfp4
+
+    codes = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    fp8 = torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).float()
+    scale = np.array([[2.0**-20, 3.0], [0.015625, 1e3]], dtype=np.float32)  # 2 x 2 blocks of 8 x 8
+    want = (fp8 * torch.from_numpy(scale).repeat_interleave(8, 0).repeat_interleave(8, 1)).numpy()
+    assert np.array_equal(dequant_fp8_block(codes, scale, (8, 8)), want, equal_nan=True)
+    assert np.isnan(dequant_fp8_block(codes, scale, (8, 8))).sum() == 2  # 0x7F and 0xFF
+
+    blocks = np.arange(256, dtype=np.uint8).reshape(16, 1, 16)  # 16 rows, one group of 32 each
+    e8m0 = np.array([1, 60, 100, 120, 125, 126, 127, 128, 129, 130, 135, 140, 150, 160, 180, 200], dtype=np.uint8)
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks[None]), torch.from_numpy(e8m0.reshape(1, 16, 1)),
+                                      dtype=torch.float32)[0].T.numpy()  # [in, out] -> [out, in]
+    assert np.array_equal(dequant_mxfp4(blocks.reshape(16, 16), e8m0.reshape(16, 1)), want)
+
+    words = torch.from_numpy(np.arange(256, dtype=np.uint8).reshape(8, 32).copy()).view(torch.int32)  # (8, 8)
+    q = unpack_from_int32(words, 4, torch.Size([8, 64])).float()
+    s = torch.tensor(np.linspace(0.001, 3.0, 8 * 4, dtype=np.float32).reshape(8, 4)).to(torch.bfloat16)
+    want = (q * s.float().repeat_interleave(16, 1)).numpy()
+    got = dequant_int4_group(words.view(torch.uint8).numpy(), s.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    assert np.array_equal(got, want)

@@ -46,5 +46,5 @@ def find_gguf(path: str | os.PathLike[str]) -> Path | None:
     firsts = sorted({split_paths(f)[0] for f in found})
     if len(firsts) > 1:
         names = ", ".join(f.name for f in firsts)
-        raise CheckpointError(f"the folder holds {len(firsts)} GGUF models ({names}); pass one of them", path=str(p))
+        raise CheckpointError(f"the folder holds {len(firsts)} GGUF files ({names}); pass one of them", path=str(p))
     return firsts[0] if firsts else None

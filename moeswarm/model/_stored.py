@@ -108,17 +108,37 @@ def quant_format(raw: dict[str, Any]) -> QuantFormat | None:
 # ---------------------------------------------------------------- the decoders: one per format
 
 
+# Decoding tables: a code indexes its value directly
+_FP8_VALUES = np.arange(256, dtype=np.uint8).view(_FP8).astype(np.float32)  # e4m3 byte -> value
+with np.errstate(over="ignore"):  # e8m0 255 is NaN in the spec; ldexp (as transformers decodes) gives inf
+    _E8M0_VALUES = np.ldexp(np.float32(1), np.arange(256, dtype=np.int32) - 127).astype(np.float32)  # 2**(e - 127)
+
+
 def dequant_fp8_block(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """codes ``(.., R, C)`` e4m3 bytes, scale ``(.., ceil(R/br), ceil(C/bc))`` -> float32 ``(.., R, C)``."""
-    w = codes.view(_FP8).astype(np.float32)
+    """codes ``(.., R, C)`` e4m3 bytes, scale ``(.., ceil(R/br), ceil(C/bc))`` -> float32 ``(.., R, C)``.
+
+    An e4m3 byte moved into a float32's sign, low exponent and high mantissa bits is its value
+    times 2**-120, subnormals included; times 2**120 and the block's scale gives the weight."""
+    bits = codes.astype(np.uint32)  # (.., R, C): bits = sign << 31 | rest << 20, in place
+    sign = bits >> 7
+    sign <<= 31
+    bits &= 0x7F
+    bits <<= 20
+    bits |= sign
+    del sign
+    w = bits.view(np.float32)
+    w *= np.float32(2.0**120)
     *lead, R, C = w.shape
     br, bc = block
     s = scale.astype(np.float32, copy=False)
     if R % br == 0 and C % bc == 0:  # in place, block by block: no temporary as large as the matrix
         blocks = w.reshape(*lead, R // br, br, C // bc, bc)
         blocks *= s[..., :, None, :, None]
-        return w
-    w *= np.repeat(np.repeat(s, br, axis=-2), bc, axis=-1)[..., :R, :C]
+    else:
+        w *= np.repeat(np.repeat(s, br, axis=-2), bc, axis=-1)[..., :R, :C]
+    nan = (codes & 0x7F) == 0x7F  # e4m3fn has no infinities; S.1111.111 is NaN
+    if nan.any():
+        w[nan] = np.nan
     return w
 
 
@@ -131,10 +151,21 @@ def _nibbles(codes: np.ndarray) -> np.ndarray:
 
 
 def dequant_mxfp4(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """codes ``(.., R, C/2)`` e2m1 pairs, scale ``(.., R, C/32)`` e8m0 -> float32 ``(.., R, C)``."""
-    values = _FP4_VALUES[_nibbles(codes)]  # (.., R, C)
+    """codes ``(.., R, C/2)`` e2m1 pairs, scale ``(.., R, C/32)`` e8m0 -> float32 ``(.., R, C)``.
+
+    Like FP8: an e2m1 code in a float32's sign, low exponent and high mantissa bit is its value
+    times 2**-126; then times 2**126 and the group's power of two (both exact, as ldexp)."""
+    bits = _nibbles(codes).astype(np.uint32)  # sign << 31 | rest << 22, in place
+    sign = bits >> 3
+    sign <<= 31
+    bits &= 7
+    bits <<= 22
+    bits |= sign
+    del sign
+    values = bits.view(np.float32)  # (.., R, C)
+    values *= np.float32(2.0**126)
     groups = values.reshape(*scale.shape, -1)  # (.., R, C/32, 32)
-    np.ldexp(groups, scale.astype(np.int32)[..., None] - 127, out=groups)
+    groups *= np.take(_E8M0_VALUES, scale)[..., None]
     return values
 
 
