@@ -265,3 +265,21 @@ def test_every_code_decodes_as_the_reference_decoders_do() -> None:
     want = (q * s.float().repeat_interleave(16, 1)).numpy()
     got = dequant_int4_group(words.view(torch.uint8).numpy(), s.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
     assert np.array_equal(got, want)
+
+
+def test_a_quantised_checkpoint_converts_to_gguf(quantised, tmp_path: Path) -> None:
+    """convert-gguf reads the stored experts through their decoders: an F32 GGUF of the FP8
+    checkpoint computes the same logits; its embedded config.json keeps the quantization_config,
+    which no longer applies to its GGML-typed tensors."""
+    from moeswarm.model import load_config
+    from moeswarm.model.gguf import convert_to_gguf
+
+    folder, ref, _ = quantised.get("fp8")
+    report = convert_to_gguf(folder, tmp_path / "g" / "m.gguf", weight_type="F32", sidecar=True)
+    assert (tmp_path / "g" / "config.json").read_bytes() == (folder / "config.json").read_bytes()
+    for name in (report.path, tmp_path / "g"):
+        assert load_config(name).quant is None
+        model = load_model(name)
+        assert not isinstance(model.weights.experts[1][0].gate, StoredTensor)
+        got = model.forward(np.asarray([ref.prompt_ids]), model.new_cache())[0]
+        assert np.abs(got - ref.prefill_logits).max() <= TOL

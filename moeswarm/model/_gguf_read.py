@@ -12,6 +12,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
@@ -161,7 +162,9 @@ class GGUFFile:
                 raise CheckpointError(f"malformed GGUF metadata: {e}", path=self.path) from None
             if raw.get("vocab_size") is None and "token_embd.weight" in self.tensors:
                 raw["vocab_size"] = int(self.tensors["token_embd.weight"].shape[-1])  # older files lack the key
-        return ModelConfig.from_hf(raw, model_id=model_id, path=self.path)
+        cfg = ModelConfig.from_hf(raw, model_id=model_id, path=self.path)
+        # the tensors' GGML types say how they are encoded, not the source's quantization_config
+        return replace(cfg, quant=None) if cfg.quant is not None else cfg
 
     def config_text(self) -> str:
         """The config.json this file embeds, verbatim (so it hashes like the safetensors folder's), else
@@ -269,6 +272,8 @@ def load_gguf_weights(
     """Map a GGUF checkpoint as the same ``Weights`` a safetensors folder gives."""
     f = GGUFFile(path)
     cfg = config or f.config()
+    if cfg.quant is not None:  # a config.json beside the GGUF, from an FP8 / MXFP4 / INT4 source
+        cfg = replace(cfg, quant=None)
     if f.architecture != GGUF_ARCH[cfg.arch]:
         raise CheckpointError(f"GGUF architecture {f.architecture!r} is not {GGUF_ARCH[cfg.arch]!r} "
                               f"({cfg.arch})", path=f.path)
