@@ -5,7 +5,8 @@ token, pull the expert once and compute it here.  The holder answers ``weights_r
 row ranges of one tensor (``serve_weights``); the fetcher asks for all of an expert's rows in
 chunks that stay far below the frame limit, several in flight at once, and assembles them
 (``fetch_expert``).  ``FetchedExperts`` keeps what was fetched, bounded in bytes, least recently
-used out first.
+used out first.  A checkpoint quantised as published (FP8, MXFP4, INT4: ``moeswarm.model._stored``)
+travels as stored, codes and scales (``wire_layout``), and stays so in that cache.
 
 A holder could send any numbers, and the audits (``moeswarm.ledger``) check outputs, not
 weights.  So the model's publisher writes ``expert_digests.json`` beside the checkpoint
