@@ -105,10 +105,13 @@ def test_swarm_and_budget_figures_and_a_clear_error(tmp_path: Path) -> None:
         got["experts_per_node"] * one
     assert got["resident_experts_one_machine"] == (256 * 2**30 - got["backbone_bytes"]) // one
     assert got["machines_for_all_experts"] == math.ceil(size.routed_experts * one / (256 * 2**30))
-    text = subprocess.run([sys.executable, "-m", "moeswarm.cli", "plan", "--model", str(path), "--swarm", "64"],
+    text = subprocess.run([sys.executable, "-m", "moeswarm.cli", "plan", "--model", "deepseek-v3.2", "--swarm", "64"],
                           capture_output=True, text=True, timeout=120).stdout
     assert "14,848 in the model, 464 active per token" in text and "swarm of 64" in text
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", "hidden_size": 8}))
     done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "plan", "--model", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "lacks 'num_hidden_layers'" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "plan", "--model", "no-such-model"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "deepseek-v3.2, kimi-k2.5, minimax-m3" in done.stderr

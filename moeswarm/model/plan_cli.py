@@ -21,8 +21,9 @@ def _gib(n: float) -> str:
 
 
 @click.command("plan")
-@click.option("--model", "model", required=True, type=click.Path(exists=True),
-              help="A config.json, or a model folder holding one (nothing else is read: no weights needed).")
+@click.option("--model", "model", required=True, metavar="CONFIG_OR_DIR",
+              help="A config.json, a model folder holding one (nothing else is read: no weights needed), or "
+                   "the name of a config shipped with moeswarm: minimax-m3, deepseek-v3.2, kimi-k2.5.")
 @click.option("--format", "fmt", default=None, type=click.Choice(_FORMATS, case_sensitive=False),
               help="Stored format for the swarm and budget figures (default: what the config's "
                    "quantization_config says, else BF16).")
@@ -44,12 +45,21 @@ def plan(model: str, fmt: str | None, nodes: int, memory_budget: str | None, as_
 
     \b
     Examples:
-      moeswarm plan --model moeswarm/model/configs/minimax-m3.json
-      moeswarm plan --model models/deepseek-v3.2 --swarm 32
-      moeswarm plan --model moeswarm/model/configs/kimi-k2.5.json --memory-budget 128GB --format Q4_K
+      moeswarm plan --model minimax-m3
+      moeswarm plan --model models/DeepSeek-V3.2 --swarm 32
+      moeswarm plan --model kimi-k2.5 --memory-budget 128GB --format Q4_K
     """
+    from pathlib import Path
+
     from .memory import parse_size
     from .plan import FORMATS, model_size, read_config, swarm_figures
+
+    shipped = Path(__file__).parent / "configs" / f"{model}.json"
+    if not Path(model).exists() and shipped.is_file():
+        model = str(shipped)
+    elif not Path(model).exists():
+        names = ", ".join(sorted(p.stem for p in shipped.parent.glob("*.json")))
+        raise click.ClickException(f"{model}: no such file or folder, nor a shipped config ({names})")
 
     try:
         size = model_size(read_config(model))
