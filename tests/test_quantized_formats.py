@@ -252,6 +252,12 @@ def test_every_code_decodes_as_the_reference_decoders_do() -> None:
     want = (fp8 * torch.from_numpy(scale).repeat_interleave(8, 0).repeat_interleave(8, 1)).numpy()
     assert np.array_equal(dequant_fp8_block(codes, scale, (8, 8)), want, equal_nan=True)
     assert np.isnan(dequant_fp8_block(codes, scale, (8, 8))).sum() == 2  # 0x7F and 0xFF
+    # shapes that are not whole blocks (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows of 128-row blocks)
+    part = codes[:, :12][:, :].repeat(2, axis=0)[:20]  # (20, 12): scale grid ceil(20/8) x ceil(12/8) = 3 x 2
+    grid = np.array([[0.5, 2.0], [4.0, 0.25], [8.0, 1.0]], dtype=np.float32)
+    ref = torch.from_numpy(part.copy()).view(torch.float8_e4m3fn).float()
+    ref = ref * torch.from_numpy(grid).repeat_interleave(8, 0)[:20].repeat_interleave(8, 1)[:, :12]
+    assert np.array_equal(dequant_fp8_block(part, grid, (8, 8)), ref.numpy(), equal_nan=True)
 
     blocks = np.arange(256, dtype=np.uint8).reshape(16, 1, 16)  # 16 rows, one group of 32 each
     e8m0 = np.array([1, 60, 100, 120, 125, 126, 127, 128, 129, 130, 135, 140, 150, 160, 180, 200], dtype=np.uint8)
