@@ -289,3 +289,15 @@ def test_a_quantised_checkpoint_converts_to_gguf(quantised, tmp_path: Path) -> N
         assert not isinstance(model.weights.experts[1][0].gate, StoredTensor)
         got = model.forward(np.asarray([ref.prompt_ids]), model.new_cache())[0]
         assert np.abs(got - ref.prefill_logits).max() <= TOL
+
+
+def test_generate_cli_on_a_published_fp8_folder(quantised) -> None:
+    import subprocess
+    import sys
+
+    folder, ref, _ = quantised.get("fp8")
+    done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "generate", "--model", str(folder), "--prompt-ids",
+                           json.dumps(ref.prompt_ids), "--max-new-tokens", str(len(ref.greedy_tokens)),
+                           "--print-token-ids"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ref.greedy_tokens

@@ -29,6 +29,7 @@ import resource
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
@@ -131,30 +132,32 @@ def _stored_arrays(a: object) -> list[np.ndarray]:
 def _regions(w: ExpertWeights) -> list[_Region]:
     """The page-aligned file ranges holding an expert's tensors (empty for in-memory arrays)."""
     page = mmap.PAGESIZE
-    out = []
+    spans: list[tuple[int, int, np.memmap, mmap.mmap]] = []  # exact byte bounds in the mapping
     for a in (b for t in w.arrays() for b in _stored_arrays(t)):
         mapped = _mapping_of(a)
         mm = getattr(mapped, "_mmap", None)
         if mapped is None or mm is None or getattr(mapped, "offset", 0):
             continue
         low, high = byte_bounds(a)
-        start = (low - _origin(mm)) // page * page
-        end = min(-(-(high - _origin(mm)) // page) * page, len(mm))
+        spans.append((low - _origin(mm), high - _origin(mm), mapped, mm))
+    out = []
+    for low, high, mapped, mm in _merged(spans):
+        start = low // page * page
+        end = min(-(-high // page) * page, len(mm))
         out.append(_Region(mm, str(mapped.filename), start, end - start))
-    return _merged(out)
+    return out
 
 
-def _merged(regions: list[_Region]) -> list[_Region]:
-    """Overlapping ranges of one mapping as one (an MXFP4 expert's gate and up rows interleave in
-    one stored tensor; a small tensor shares a page with its neighbour): bytes counted once."""
-    out: list[_Region] = []
-    for r in sorted(regions, key=lambda r: (id(r.map), r.start)):
-        last = out[-1] if out else None
-        if last is not None and last.map is r.map and r.start <= last.start + last.length:
-            end = max(last.start + last.length, r.start + r.length)
-            out[-1] = _Region(last.map, last.fd_path, last.start, end - last.start)
+def _merged(spans: list[tuple[int, int, Any, mmap.mmap]]) -> list[tuple[int, int, Any, mmap.mmap]]:
+    """Byte ranges of one mapping that overlap, as one: an MXFP4 expert's gate and up are every
+    other row of one stored tensor, so their bounds coincide; their bytes count once."""
+    out: list[tuple[int, int, Any, mmap.mmap]] = []
+    for span in sorted(spans, key=lambda s: (id(s[3]), s[0])):
+        if out and out[-1][3] is span[3] and span[0] < out[-1][1]:
+            last = out[-1]
+            out[-1] = (last[0], max(last[1], span[1]), last[2], last[3])
         else:
-            out.append(r)
+            out.append(span)
     return out
 
 
