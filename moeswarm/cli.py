@@ -24,6 +24,7 @@ class LazyGroup(click.Group):
         "convert-gguf": "moeswarm.model.gguf_cli:convert_gguf",
         "expert-digests": "moeswarm.node.cli:expert_digests",
         "monitor": "moeswarm.monitor.cli:monitor",
+        "plan": "moeswarm.model.plan_cli:plan",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:

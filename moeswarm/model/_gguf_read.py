@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
@@ -23,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..errors import CheckpointError
 from ._gguf_meta import FORMAT_VERSION, HF_CONFIG, VERSION, hf_config_from_metadata
 from ._gguf_names import GGUF_ARCH, NameRow, gguf_name, rope_permutation, v_head_order
+from ._gguf_path import split_paths
 from ._gguf_tensor import QuantizedTensor
 from ._safetensors import TensorRef
 from .config import ModelConfig
@@ -77,23 +80,62 @@ class _Reader(gguf.GGUFReader):
 
 
 class GGUFFile:
-    """One memory-mapped GGUF file: metadata by key, tensors as views of the map."""
+    """One memory-mapped GGUF model: metadata by key, tensors as views of the map.
+
+    A model split by llama.cpp's ``gguf-split`` (``name-00001-of-0000N.gguf``; any shard may be
+    named) is opened as one: every shard is mapped, the metadata is the first shard's, and the
+    ``split.*`` keys are checked (each shard's number and count, the total tensor count)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = str(path)
-        try:
-            self.reader = _Reader(self.path)
-        except CheckpointError:
-            raise
-        except FileNotFoundError:
-            raise CheckpointError("file not found", path=self.path) from None
-        except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"not a readable GGUF file ({type(e).__name__}: {e})", path=self.path) from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        shards = split_paths(path) if Path(path).exists() else [Path(path)]
+        self.path = str(shards[0])  # the first shard: the one holding the metadata
+        self.paths = [str(p) for p in shards]
+        readers = [self._open(p) for p in self.paths]
+        self.reader = readers[0]
+        self.tensors: dict[str, Any] = {}
+        self._files: dict[str, str] = {}  # tensor name -> the shard holding it
+        for reader, shard in zip(readers, self.paths):
+            for t in reader.tensors:
+                if t.name in self.tensors:
+                    raise CheckpointError("tensor appears in two shards", path=shard, tensor=t.name)
+                self.tensors[t.name] = t
+                self._files[t.name] = shard
         self.meta: Mapping[str, Any] = _Metadata(self.reader.fields, self.path)
+        self._check_split(readers)
         version = self.meta.get(VERSION)
         if isinstance(version, int) and version > FORMAT_VERSION:
             raise CheckpointError(f"written by a newer moeswarm (format {version} > {FORMAT_VERSION})", path=self.path)
+
+    @staticmethod
+    def _open(path: str) -> "_Reader":
+        try:
+            return _Reader(path)
+        except CheckpointError:
+            raise
+        except FileNotFoundError:
+            raise CheckpointError("file not found", path=path) from None
+        except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"not a readable GGUF file ({type(e).__name__}: {e})", path=path) from None
+
+    def _check_split(self, readers: list["_Reader"]) -> None:
+        """A split model's shards must say they are shards 0..n-1 of n, holding the tensors counted."""
+        split = gguf.Keys.Split
+        for i, (reader, shard) in enumerate(zip(readers, self.paths)):
+            meta = _Metadata(reader.fields, shard)
+            count, no = meta.get(split.LLM_KV_SPLIT_COUNT), meta.get(split.LLM_KV_SPLIT_NO)
+            if len(readers) == 1 and count in (None, 1):
+                return
+            if (count, no) != (len(readers), i):
+                raise CheckpointError(f"shard {i + 1} of {len(readers)} says it is split.no {no} of split.count "
+                                      f"{count}", path=shard)
+        total = self.meta.get(split.LLM_KV_SPLIT_TENSORS_COUNT)
+        if total != len(self.tensors):
+            raise CheckpointError(f"the shards hold {len(self.tensors)} tensors; split.tensors.count says {total}",
+                                  path=self.path)
+
+    def file_of(self, name: str) -> str:
+        """The shard file holding tensor ``name``."""
+        return self._files.get(name, self.path)
 
     @property
     def architecture(self) -> str:
@@ -101,7 +143,7 @@ class GGUFFile:
 
     def config(self) -> ModelConfig:
         """The exact ``ModelConfig`` (from the embedded config.json), else one rebuilt from llama.cpp keys."""
-        model_id = str(self.meta.get("general.name") or Path(self.path).stem)
+        model_id = str(self.meta.get("general.name") or re.sub(r"-\d{5}-of-\d{5}$", "", Path(self.path).stem))
         text = self.meta.get(HF_CONFIG)
         if text is not None:
             try:
@@ -120,7 +162,9 @@ class GGUFFile:
                 raise CheckpointError(f"malformed GGUF metadata: {e}", path=self.path) from None
             if raw.get("vocab_size") is None and "token_embd.weight" in self.tensors:
                 raw["vocab_size"] = int(self.tensors["token_embd.weight"].shape[-1])  # older files lack the key
-        return ModelConfig.from_hf(raw, model_id=model_id, path=self.path)
+        cfg = ModelConfig.from_hf(raw, model_id=model_id, path=self.path)
+        # the tensors' GGML types say how they are encoded, not the source's quantization_config
+        return replace(cfg, quant=None) if cfg.quant is not None else cfg
 
     def config_text(self) -> str:
         """The config.json this file embeds, verbatim (so it hashes like the safetensors folder's), else
@@ -149,14 +193,14 @@ class GGUFFile:
             raise CheckpointError("missing tensor required by the model config", path=self.path, tensor=name)
         if not (t.tensor_type in _VIEWS or decodable(t.tensor_type)):
             raise CheckpointError(f"unsupported tensor type {t.tensor_type.name} (gguf cannot dequantise it)",
-                                  path=self.path, tensor=name)
+                                  path=self.file_of(name), tensor=name)
         return t
 
     def _check_shape(self, t: Any, shape: tuple[int, ...]) -> None:
         have = tuple(reversed([int(d) for d in t.shape]))
         if have != shape:
             raise CheckpointError(f"shape {list(have)} does not match the model config, which implies {list(shape)}",
-                                  path=self.path, tensor=t.name)
+                                  path=self.file_of(t.name), tensor=t.name)
 
     def tensor(self, name: str, shape: tuple[int, ...], rows: np.ndarray | None = None,
                cols: np.ndarray | None = None) -> Any:
@@ -173,7 +217,7 @@ class GGUFFile:
 
     def byte_range(self, name: str, expert: int | None = None) -> tuple[int, int]:
         """Absolute file offsets ``[start, end)`` of a tensor (or one expert of a stack): for madvise."""
-        t = self.tensors[name]
+        t = self.tensors[name]  # offsets are within self.file_of(name)
         if expert is None:
             return t.data_offset, t.data_offset + t.n_bytes
         per = t.n_bytes // int(t.shape[-1])
@@ -234,6 +278,8 @@ def load_gguf_weights(
     """Map a GGUF checkpoint as the same ``Weights`` a safetensors folder gives."""
     f = GGUFFile(path)
     cfg = config or f.config()
+    if cfg.quant is not None:  # a config.json beside the GGUF, from an FP8 / MXFP4 / INT4 source
+        cfg = replace(cfg, quant=None)
     if f.architecture != GGUF_ARCH[cfg.arch]:
         raise CheckpointError(f"GGUF architecture {f.architecture!r} is not {GGUF_ARCH[cfg.arch]!r} "
                               f"({cfg.arch})", path=f.path)
@@ -241,7 +287,7 @@ def load_gguf_weights(
     for name, shape in expected_shapes(cfg).items():
         row, gname = gguf_name(cfg.arch, name)
         w.tensors[name] = f.tensor(gname, shape, *_unpermute(row, cfg, shape))
-        w.sources[name] = TensorRef(f.path, gname)
+        w.sources[name] = TensorRef(f.file_of(gname), gname)
     if cfg.tie_word_embeddings:
         w.tensors["lm_head"] = w.tensors["embed"]
     eshapes = expert_shapes(cfg)
@@ -255,7 +301,7 @@ def load_gguf_weights(
         for e in held:
             layer[e] = ExpertWeights(**{k: cast(np.ndarray, stack(e)) for k, stack in stacks.items()})
             for k in eshapes:
-                w.sources[f"{L}.experts.{e}.{k}"] = TensorRef(f.path, f"{names[k]}[{e}]")
+                w.sources[f"{L}.experts.{e}.{k}"] = TensorRef(f.file_of(names[k]), f"{names[k]}[{e}]")
         w.experts[L] = layer
     return w
 

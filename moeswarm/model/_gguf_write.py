@@ -83,6 +83,7 @@ class ConvertReport:
     file_bytes: int
     tensors: list[TensorPlan]
     sidecars: list[str] = field(default_factory=list)  # files written beside the GGUF
+    shards: list[Path] = field(default_factory=list)  # every file of the model (several when split)
 
     def bytes_per_expert(self) -> dict[str, int]:
         """Encoded bytes of one routed expert (gate + up + down [+ biases]) -> keyed by the types
@@ -149,11 +150,16 @@ def _file_type(qtype: GGMLQuantizationType) -> int:
 
 
 def write_gguf(out: Path, w: Weights, plans: list[TensorPlan], files: dict[str, str],
-               on_tensor: Callable[[TensorPlan], None] | None = None) -> None:
-    """Header, metadata and tensor table first, then each tensor's bytes; atomic via ``.part``.
-    ``files``: name -> text of config.json and the tokenizer files, embedded verbatim."""
+               on_tensor: Callable[[TensorPlan], None] | None = None, split_max_size: int = 0) -> list[Path]:
+    """Header, metadata and tensor table first, then each tensor's bytes; returns the files written.
+    ``files``: name -> text of config.json and the tokenizer files, embedded verbatim.
+
+    ``split_max_size`` > 0 splits the model as llama.cpp's ``gguf-split --split-max-size`` does:
+    ``out``'s stem + ``-00001-of-0000N.gguf``..., no shard's tensors above that many bytes (unless
+    one tensor alone is), the metadata in the first, ``split.no`` / ``split.count`` /
+    ``split.tensors.count`` in each.  Atomic: written in a ``.part`` folder beside ``out``, then moved."""
     cfg = w.config
-    writer = gguf.GGUFWriter(None, GGUF_ARCH[cfg.arch])
+    writer = gguf.GGUFWriter(None, GGUF_ARCH[cfg.arch], split_max_size=split_max_size)
     expert_types = [p.qtype for p in plans if "_exps.weight" in p.name]
     write_metadata(writer, cfg, files.get("config.json") or json.dumps(cfg.raw, indent=2), files,
                    _file_type(expert_types[0] if expert_types else plans[0].qtype))
@@ -164,9 +170,11 @@ def write_gguf(out: Path, w: Weights, plans: list[TensorPlan], files: dict[str, 
         else:
             byte_shape = quant_shape_to_byte_shape(p.shape, p.qtype)
             writer.add_tensor_info(p.name, byte_shape, np.dtype(np.uint8), p.nbytes, raw_dtype=p.qtype)
-    part = out.with_name(out.name + ".part")
+    part = out.with_name(f".{out.name}.part")
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir(parents=True)
     try:
-        writer.write_header_to_file(path=part)
+        writer.write_header_to_file(path=part / out.name)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for p in plans:
@@ -175,10 +183,14 @@ def write_gguf(out: Path, w: Weights, plans: list[TensorPlan], files: dict[str, 
             if on_tensor is not None:
                 on_tensor(p)
         writer.close()
-        os.replace(part, out)
+        written = []
+        for f in sorted(part.iterdir()):
+            os.replace(f, out.with_name(f.name))
+            written.append(out.with_name(f.name))
+        return written
     finally:
         writer.close()
-        part.unlink(missing_ok=True)
+        shutil.rmtree(part, ignore_errors=True)
 
 
 def _source_files(model: str | os.PathLike[str], w: Weights) -> dict[str, str]:
@@ -205,10 +217,12 @@ def convert_to_gguf(
     experts_type: str | None = None,
     sidecar: bool = True,
     on_tensor: Callable[[TensorPlan], None] | None = None,
+    split_max_size: int = 0,
 ) -> ConvertReport:
     """Convert a model folder (or a GGUF file) to a GGUF file.
 
-    ``sidecar`` also writes config.json and the tokenizer files beside it, byte for byte (never
+    ``split_max_size`` > 0 writes llama.cpp's split layout (``write_gguf``); ``path`` is then the
+    first shard.  ``sidecar`` also writes config.json and the tokenizer files beside it, byte for byte (never
     overwriting), so its folder works as a model folder everywhere.  The swarm still tells the GGUF
     apart from the safetensors checkpoint: its model id adds the experts' encoding to the hash of
     config.json (``mixtral-76b2c92d8168-q8_0``, see ``moeswarm.model.model_id.model_id_for``).
@@ -224,7 +238,7 @@ def convert_to_gguf(
     files = _source_files(model, w)
     files.setdefault("config.json", json.dumps(w.config.raw, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_gguf(out, w, plans, files, on_tensor)
+    shards = write_gguf(out, w, plans, files, on_tensor, split_max_size)
     written = []
     if sidecar:
         for name, text in files.items():
@@ -235,4 +249,4 @@ def convert_to_gguf(
         if find_gguf(model) is None and spm.is_file() and not (out.parent / spm.name).exists():
             shutil.copyfile(spm, out.parent / spm.name)
             written.append(spm.name)
-    return ConvertReport(out, out.stat().st_size, plans, written)
+    return ConvertReport(shards[0], sum(f.stat().st_size for f in shards), plans, written, shards)

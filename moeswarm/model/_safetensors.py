@@ -32,6 +32,7 @@ _DTYPES: dict[str, np.dtype] = {
     "I8": np.dtype("i1"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # FP8 checkpoints (moeswarm.model._stored)
 }
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit on the JSON header
 

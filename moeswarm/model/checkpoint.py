@@ -8,6 +8,7 @@ This is the one place that knows both formats, so neither reader imports the oth
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from collections.abc import Callable
 
 import numpy as np
@@ -18,13 +19,16 @@ from .weights import Weights, load_safetensors
 
 
 def load_config(folder: str | os.PathLike[str]) -> ModelConfig:
-    """From ``folder/config.json``; a ``.gguf`` file (or a folder holding only one) reads its metadata."""
+    """From ``folder/config.json``; a ``.gguf`` file (or a folder holding only one) reads its metadata.
+    A GGUF's weights are encoded as its tensor types say: a ``quantization_config`` in the
+    config.json it was converted from (an FP8 checkpoint's) does not apply to them."""
     gguf_file = find_gguf(folder)
     if gguf_file is not None and not (os.path.isdir(folder) and os.path.exists(os.path.join(folder, "config.json"))):
         from ._gguf_read import read_config
 
         return read_config(gguf_file)
-    return ModelConfig.from_folder(folder)
+    cfg = ModelConfig.from_folder(folder)
+    return replace(cfg, quant=None) if gguf_file is not None and cfg.quant is not None else cfg
 
 
 def load_weights(

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
+from ._stored import QuantFormat, quant_format
 
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
@@ -140,6 +141,7 @@ class ModelConfig:
     index_block_size: int = 0  # keys per scored block
     index_topk_blocks: int = 0  # blocks each query keeps (best max-pooled indexer score)
     index_local_blocks: int = 0  # blocks ending at the query's own block, always kept
+    quant: QuantFormat | None = None  # how quantised weights are stored (quantization_config), None: plain floats
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -166,7 +168,12 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}; supported: {', '.join(_PARSERS)}", path=path
             )
         try:
-            return _PARSERS[arch](raw, model_id, path)
+            quant = quant_format(raw)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"config.json quantization_config: {e}", path=path) from None
+        try:
+            cfg = _PARSERS[arch](raw, model_id, path)
+            return cfg if quant is None else replace(cfg, quant=quant)
         except KeyError as e:
             raise CheckpointError(f"config.json lacks required field {e.args[0]!r}", path=path) from None
         except (TypeError, ValueError) as e:

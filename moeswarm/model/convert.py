@@ -129,8 +129,14 @@ _PACKED_GPT_OSS = (  # gate_up_proj [E, H, 2I] interleaved, down_proj [E, I, H],
     Rule(_E + r"down_proj_bias", "{L}.experts.{E}.down_bias", (unstack("E"),)),
 )
 
+_MXFP4_GPT_OSS = (  # gpt-oss as published: gate_up_proj_blocks [E, 2I, H/32, 16] rows interleaved, down [E, H, ..]
+    # (``_stored.combine_stored`` has made each _blocks + _scales pair one [E, out, in] StoredTensor)
+    Rule(_E + r"gate_up_proj_blocks", "{L}.experts.{E}.{p}", (unstack("E"), deinterleave("p", ("gate", "up")))),
+    Rule(_E + r"down_proj_blocks", "{L}.experts.{E}.down", (unstack("E"),)),
+)
+
 RULES: dict[str, tuple[Rule, ...]] = {
-    arch: _BACKBONE + _PER_EXPERT + (_PACKED_GPT_OSS if arch == "gpt_oss" else _PACKED)
+    arch: _BACKBONE + _PER_EXPERT + (_PACKED_GPT_OSS + _MXFP4_GPT_OSS if arch == "gpt_oss" else _PACKED)
     for arch in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 }
 

@@ -26,10 +26,13 @@ _TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
 @click.option("--sidecar/--no-sidecar", default=True, show_default=True,
               help="Copy config.json and the tokenizer files beside the GGUF when absent there, so that its "
                    "folder works as --model for every command.")
+@click.option("--split-max-size", default=None, metavar="SIZE",
+              help="Split into files of at most SIZE of tensors each (e.g. 2G, 500M), named as llama.cpp's "
+                   "gguf-split names them: OUT's stem + -00001-of-0000N.gguf. Any shard loads the whole model.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @friendly_errors
 def convert_gguf(model_dir: str, out: str, weight_type: str, experts_type: str | None, sidecar: bool,
-                 quiet: bool) -> None:
+                 split_max_size: str | None, quiet: bool) -> None:
     """Convert a MoE checkpoint to GGUF with llama.cpp's tensor names.
 
     Experts are stacked per layer into blk.N.ffn_{gate,up,down}_exps and encoded expert by expert,
@@ -40,21 +43,26 @@ def convert_gguf(model_dir: str, out: str, weight_type: str, experts_type: str |
     Examples:
       moeswarm convert-gguf --model models/mixtral --out gguf/mixtral.f16.gguf
       moeswarm convert-gguf --model models/qwen3-moe --out gguf/qwen3.gguf --type F16 --experts-type Q8_0
+      moeswarm convert-gguf --model models/mixtral --out gguf/mixtral.gguf --split-max-size 2G
       moeswarm generate --model gguf/qwen3.gguf --prompt "Hello"
     """
     from tqdm import tqdm
 
     from .gguf import convert_to_gguf
+    from .memory import parse_size
+
+    split = parse_size(split_max_size) if split_max_size else 0
 
     with tqdm(unit="B", unit_scale=True, desc="writing", disable=quiet, leave=False, delay=1.0) as bar:
         report = convert_to_gguf(model_dir, out, weight_type=weight_type.upper(),
                                  experts_type=experts_type.upper() if experts_type else None, sidecar=sidecar,
-                                 on_tensor=lambda p: bar.update(p.nbytes))
+                                 on_tensor=lambda p: bar.update(p.nbytes), split_max_size=split)
     counts = Counter(p.qtype.name for p in report.tensors)
     sizes: Counter[str] = Counter()
     for p in report.tensors:
         sizes[p.qtype.name] += p.nbytes
-    click.echo(f"wrote {report.path} ({report.file_bytes / 2**20:.1f} MiB, {len(report.tensors)} tensors)")
+    click.echo(f"wrote {report.path} ({report.file_bytes / 2**20:.1f} MiB, {len(report.tensors)} tensors"
+               + (f", in {len(report.shards)} files" if len(report.shards) > 1 else "") + ")")
     for name, n in counts.most_common():
         click.echo(f"  {name:5s} {n:5d} tensors  {sizes[name] / 2**20:10.1f} MiB")
     for qtype, size in report.bytes_per_expert().items():

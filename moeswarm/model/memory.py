@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
@@ -120,20 +121,43 @@ def _origin(mm: mmap.mmap) -> int:
     return _ORIGINS[id(mm)]
 
 
+def _stored_arrays(a: object) -> list[np.ndarray]:
+    """The arrays that hold a tensor's bytes: a GGUF-quantised tensor's blocks, a published-format
+    tensor's codes and scales (``_stored.StoredTensor``), else the array itself."""
+    if hasattr(a, "arrays"):
+        return list(a.arrays())  # type: ignore[attr-defined]
+    return [getattr(a, "raw", a)]
+
+
 def _regions(w: ExpertWeights) -> list[_Region]:
     """The page-aligned file ranges holding an expert's tensors (empty for in-memory arrays)."""
     page = mmap.PAGESIZE
-    out = []
-    for a in w.arrays():
-        a = getattr(a, "raw", a)  # a quantised GGUF tensor: its bytes in the map
+    spans: list[tuple[int, int, np.memmap, mmap.mmap]] = []  # exact byte bounds in the mapping
+    for a in (b for t in w.arrays() for b in _stored_arrays(t)):
         mapped = _mapping_of(a)
         mm = getattr(mapped, "_mmap", None)
         if mapped is None or mm is None or getattr(mapped, "offset", 0):
             continue
         low, high = byte_bounds(a)
-        start = (low - _origin(mm)) // page * page
-        end = min(-(-(high - _origin(mm)) // page) * page, len(mm))
+        spans.append((low - _origin(mm), high - _origin(mm), mapped, mm))
+    out = []
+    for low, high, mapped, mm in _merged(spans):
+        start = low // page * page
+        end = min(-(-high // page) * page, len(mm))
         out.append(_Region(mm, str(mapped.filename), start, end - start))
+    return out
+
+
+def _merged(spans: list[tuple[int, int, Any, mmap.mmap]]) -> list[tuple[int, int, Any, mmap.mmap]]:
+    """Byte ranges of one mapping that overlap, as one: an MXFP4 expert's gate and up are every
+    other row of one stored tensor, so their bounds coincide; their bytes count once."""
+    out: list[tuple[int, int, Any, mmap.mmap]] = []
+    for span in sorted(spans, key=lambda s: (id(s[3]), s[0])):
+        if out and out[-1][3] is span[3] and span[0] < out[-1][1]:
+            last = out[-1]
+            out[-1] = (last[0], max(last[1], span[1]), last[2], last[3])
+        else:
+            out.append(span)
     return out
 
 
@@ -198,8 +222,8 @@ class MemoryBudget:
             m.madvise(mmap.MADV_RANDOM)
         # The backbone (attention, norms, router, embeddings, LM head) stays resident: fault it in
         # now, so every later RSS reading already includes it and only experts come and go.
-        for a in weights.tensors.values():
-            flat = np.asarray(getattr(a, "raw", a)).reshape(-1)
+        for a in (b for t in weights.tensors.values() for b in _stored_arrays(t)):
+            flat = np.asarray(a).reshape(-1)
             if flat.size:
                 float(flat[:: max(1, mmap.PAGESIZE // flat.itemsize)].astype(np.float32).sum())
         baseline = MemoryStats.now().vm_rss

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ._config_minimax_kimi import extra_shapes
 from ._safetensors import TensorRef, open_folder
+from ._stored import StoredTensor, combine_stored
 from .config import ModelConfig
 from .convert import convert
 
@@ -147,6 +148,18 @@ def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return s
 
 
+def stored_expert_bytes(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
+    """Bytes of one routed expert as the checkpoint stores it: codes plus scales when
+    ``quantization_config`` says how (biases stay 16-bit floats), else ``bytes_per_value`` per weight."""
+    total = 0
+    for name, shape in expert_shapes(cfg).items():
+        if cfg.quant is not None and len(shape) == 2:
+            total += cfg.quant.matrix_bytes(*shape)
+        else:
+            total += bytes_per_value * int(np.prod(shape))
+    return total
+
+
 def load_safetensors(
     folder: str | os.PathLike[str],
     *,
@@ -159,6 +172,8 @@ def load_safetensors(
         raise CheckpointError("model folder not found", path=folder)
     cfg = config or ModelConfig.from_folder(folder)
     keys = open_folder(folder)
+    if cfg.quant is not None:  # (codes, scale) pairs -> one StoredTensor each, kept in the stored format
+        keys = combine_stored(keys, cfg.quant)
     conv = convert(cfg.arch, keys, keep=keep_expert, num_layers=cfg.num_layers)
     w = Weights(cfg, folder, {}, conv.sources)
 
@@ -173,7 +188,7 @@ def load_safetensors(
                 path=src.path,
                 tensor=src.key,
             )
-        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+        if not isinstance(a, StoredTensor) and a.dtype.kind != "f" and a.dtype.name != "bfloat16":
             src = conv.sources[name]
             raise CheckpointError(f"unsupported dtype {a.dtype} for a weight", path=src.path, tensor=src.key)
         return a

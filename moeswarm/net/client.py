@@ -40,12 +40,11 @@ from ..protocol import (
     read_message,
     write_message,
 )
+from .dataplane import close_writer, parse_endpoint
 from .tls import channel_binding, client_context
 
 if TYPE_CHECKING:
     from .routing_table import Holder
-
-from .dataplane import close_writer, parse_endpoint
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ token, pull the expert once and compute it here.  The holder answers ``weights_r
 row ranges of one tensor (``serve_weights``); the fetcher asks for all of an expert's rows in
 chunks that stay far below the frame limit, several in flight at once, and assembles them
 (``fetch_expert``).  ``FetchedExperts`` keeps what was fetched, bounded in bytes, least recently
-used out first.
+used out first.  A checkpoint quantised as published (FP8, MXFP4, INT4: ``moeswarm.model._stored``)
+travels as stored, codes and scales (``wire_layout``), and stays so in that cache.
 
 A holder could send any numbers, and the audits (``moeswarm.ledger``) check outputs, not
 weights.  So the model's publisher writes ``expert_digests.json`` beside the checkpoint
@@ -23,11 +24,13 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import BadResponse, ConfigError, ProtocolError
 from ..model import ExpertWeights, ModelConfig, Weights
+from ..model._stored import StoredTensor
 from ..model.experts import ExpertLRU
 from ..model.weights import expert_shapes
 from ..net.client import ExpertClient
@@ -37,18 +40,47 @@ CHUNK_BYTES = 4 << 20  # rows per weights_request: about this many bytes
 PARALLEL_CHUNKS = 4  # weights_requests in flight per fetch
 
 
+def wire_layout(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What a holder sends of one expert: wire tensor name -> (shape, kind), kind ``"float"``
+    (f32/f16/bf16) or ``"bytes"`` (u8).  A model whose config.json has a ``quantization_config``
+    sends each matrix as stored: its codes under ``gate``/``up``/``down`` and its scales under
+    ``gate_scale``... (see ``moeswarm.model._stored``); biases and other models' tensors as floats."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, shape in expert_shapes(cfg).items():
+        if cfg.quant is not None and len(shape) == 2:
+            codes, scale = cfg.quant.part_shapes(*shape)
+            out[name] = (codes, "bytes")
+            out[name + "_scale"] = (scale, "bytes" if cfg.quant.scale_bytes == 1 else "float")
+        else:
+            out[name] = (shape, "float")
+    return out
+
+
+def held_parts(w: ExpertWeights, cfg: ModelConfig) -> dict[str, Any]:
+    """An expert held here by wire tensor name: a stored matrix's codes and scales, else the tensor."""
+    out: dict[str, Any] = {}
+    for name in expert_shapes(cfg):
+        t = getattr(w, name)
+        if isinstance(t, StoredTensor):
+            out[name], out[name + "_scale"] = t.codes, t.scale
+        else:
+            out[name] = t
+    return out
+
+
 def serve_weights(weights: Weights, model_id: str, request: WeightsRequest) -> WeightsResponse:
     """The holder's side: rows ``[start, stop)`` of a tensor of an expert held in ``weights``.
 
-    float32/float16/bfloat16 tensors travel as stored (bytes from the map); quantised ones
-    (GGUF) are decoded, only the rows asked for, to float32."""
+    float32/float16/bfloat16 tensors travel as stored (bytes from the map), and so do quantised
+    checkpoints' codes and scales (``wire_layout``); GGUF-quantised ones are decoded, only the
+    rows asked for, to float32."""
     if request.model_id != model_id:
         raise ProtocolError(f"model {request.model_id!r} is not served here", code=ErrorCode.UNKNOWN_EXPERT)
     expert = weights.experts.get(request.layer, {}).get(request.expert)
     if expert is None:
         raise ProtocolError(f"expert {request.expert} of layer {request.layer} is not held here",
                             code=ErrorCode.UNKNOWN_EXPERT)
-    tensor = getattr(expert, request.tensor)
+    tensor = held_parts(expert, weights.config).get(request.tensor)
     if tensor is None:
         raise ProtocolError(f"this model's experts have no {request.tensor}", code=ErrorCode.BAD_FIELD)
     if request.stop > tensor.shape[0]:
@@ -58,9 +90,10 @@ def serve_weights(weights: Weights, model_id: str, request: WeightsRequest) -> W
 
 
 def wire_rows(tensor: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """Rows ``[start, stop)`` of a held expert tensor as they travel: float32/float16/bfloat16 as
-    stored (bytes from the map); quantised ones (GGUF) decoded, only these rows, to float32."""
-    if isinstance(tensor, np.ndarray) and tensor.dtype in WIRE_DTYPES.values():
+    """Rows ``[start, stop)`` of a held expert tensor as they travel: float32/float16/bfloat16 and
+    stored bytes (uint8) as they are (bytes from the map); GGUF-quantised ones decoded, only these
+    rows, to float32."""
+    if isinstance(tensor, np.ndarray) and (tensor.dtype in WIRE_DTYPES.values() or tensor.dtype == np.uint8):
         return np.ascontiguousarray(tensor[start:stop])
     return np.asarray(tensor[np.arange(start, stop)], dtype=np.float32)
 
@@ -76,10 +109,12 @@ async def fetch_expert(client: ExpertClient, cfg: ModelConfig, model_id: str, la
                        timeout: float = 60.0) -> ExpertWeights:
     """All tensors of one expert from ``client``'s server, checked against ``cfg``'s shapes.
 
-    Raises ``BadResponse`` if the holder sends rows of the wrong shape, or different dtypes for
+    Quantised checkpoints' experts arrive as stored (codes and scales) and stay so.  Raises
+    ``BadResponse`` if the holder sends rows of the wrong shape or kind, or different dtypes for
     the chunks of one tensor; network and protocol errors as ``ExpertClient`` raises them."""
-    shapes = expert_shapes(cfg)
-    jobs = [(name, start, stop) for name, shape in shapes.items() for start, stop in _chunks(shape, 2)]
+    layout = wire_layout(cfg)
+    jobs = [(name, start, stop) for name, (shape, kind) in layout.items()
+            for start, stop in _chunks(shape, 1 if kind == "bytes" else 2)]
     parts: dict[tuple[str, int], np.ndarray] = {}
     gate = asyncio.Semaphore(PARALLEL_CHUNKS)
 
@@ -87,41 +122,57 @@ async def fetch_expert(client: ExpertClient, cfg: ModelConfig, model_id: str, la
         async with gate:
             request = WeightsRequest(os.urandom(16), model_id, layer, expert, name, start, stop)
             response = await client.fetch(request, timeout)
-        want = (stop - start, *shapes[name][1:])
+        shape, kind = layout[name]
+        want = (stop - start, *shape[1:])
         if response.data.shape != want:
             raise BadResponse(f"{name}[{start}:{stop}] of expert ({layer}, {expert}) came as "
                               f"{list(response.data.shape)}, expected {list(want)}", code=ErrorCode.BAD_TENSOR)
+        if (response.data.dtype == np.uint8) != (kind == "bytes"):
+            raise BadResponse(f"{name} of expert ({layer}, {expert}) came as {response.data.dtype}, expected "
+                              f"{'stored bytes' if kind == 'bytes' else 'floats'}", code=ErrorCode.BAD_TENSOR)
         parts[(name, start)] = response.data
 
     await asyncio.gather(*(one(*job) for job in jobs))
     arrays: dict[str, np.ndarray] = {}
-    for name in shapes:
+    for name in layout:
         pieces = [parts[(n, s)] for n, s, _ in jobs if n == name]
         if len({p.dtype for p in pieces}) != 1:
             raise BadResponse(f"the chunks of {name} came in different dtypes", code=ErrorCode.BAD_TENSOR)
         arrays[name] = np.concatenate(pieces) if len(pieces) > 1 else np.array(pieces[0])
-    return ExpertWeights(**arrays)
+    out: dict[str, Any] = {}
+    for name, shape in expert_shapes(cfg).items():
+        scale = arrays.get(name + "_scale")
+        if scale is None:
+            out[name] = arrays[name]
+            continue
+        assert cfg.quant is not None  # wire_layout names scales only then
+        out[name] = StoredTensor(cfg.quant, shape, arrays[name], scale)
+    return ExpertWeights(**out)
 
 
 DIGESTS_FILE = "expert_digests.json"
 DIGESTS_FORMAT = "moeswarm-expert-digests/1"
 
 
-def expert_digest(w: ExpertWeights, cfg: ModelConfig) -> str:
-    """SHA-256 over an expert's tensors as ``fetch_expert`` returns them: each tensor's name,
-    dtype and shape, then its bytes, in ``expert_shapes`` order."""
+def _digest(parts: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256(DIGESTS_FORMAT.encode())
-    for name in expert_shapes(cfg):
-        a = np.ascontiguousarray(getattr(w, name))
+    for name, a in parts.items():
+        a = np.ascontiguousarray(a)
         h.update(f"|{name}|{a.dtype}|{','.join(map(str, a.shape))}|".encode())
         h.update(a.view(np.uint8).data)
     return h.hexdigest()
 
 
+def expert_digest(w: ExpertWeights, cfg: ModelConfig) -> str:
+    """SHA-256 over an expert's tensors as ``fetch_expert`` returns them: each wire tensor's name,
+    dtype and shape, then its bytes, in ``wire_layout`` order (a quantised checkpoint's matrices:
+    their stored codes, then their scales)."""
+    return _digest(held_parts(w, cfg))
+
+
 def held_digest(w: ExpertWeights, cfg: ModelConfig) -> str:
     """The digest of an expert held here, over what ``serve_weights`` would send of it."""
-    sent = {name: wire_rows(getattr(w, name), 0, shape[0]) for name, shape in expert_shapes(cfg).items()}
-    return expert_digest(ExpertWeights(**sent), cfg)
+    return _digest({name: wire_rows(a, 0, a.shape[0]) for name, a in held_parts(w, cfg).items()})
 
 
 def write_expert_digests(weights: Weights, path: str | os.PathLike[str], *, model_id: str,
@@ -175,5 +226,5 @@ class FetchedExperts(ExpertLRU):
         return super().put(key, w)
 
 
-__all__ = ["DIGESTS_FILE", "FetchedExperts", "expert_digest", "fetch_expert", "held_digest", "load_expert_digests",
-           "serve_weights", "wire_rows", "write_expert_digests"]
+__all__ = ["DIGESTS_FILE", "FetchedExperts", "expert_digest", "fetch_expert", "held_digest", "held_parts",
+           "load_expert_digests", "serve_weights", "wire_layout", "wire_rows", "write_expert_digests"]

@@ -34,7 +34,7 @@ from .._tasks import cancel_and_wait
 from ..errors import BadResponse, NetworkError, ProtocolError, SwarmError
 from ..model import ExpertWeights, ModelConfig, Weights
 from ..model.memory import resident_fraction
-from ..model.weights import expert_shapes
+from ..model.weights import stored_expert_bytes
 from ..net.routing_table import Holder, SwarmTable
 from ..protocol import ErrorCode, peer_id_to_str
 from . import planner
@@ -106,7 +106,7 @@ class TierPlanner:
     def expert_bytes(self, layer: int, expert: int) -> int:
         if self._in_local_map(layer, expert):
             return self.local.experts[layer][expert].nbytes  # type: ignore[union-attr]
-        return 2 * sum(int(np.prod(s)) for s in expert_shapes(self.cfg).values())  # assume 16-bit weights
+        return stored_expert_bytes(self.cfg)  # as quantization_config says they are stored, else 16-bit
 
     def _uses_per_token(self) -> np.ndarray:
         """(L, E): expected uses of each expert per token, from the routers' counts if any."""

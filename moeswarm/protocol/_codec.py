@@ -191,7 +191,7 @@ def _enc_weights_response(m: WeightsResponse) -> dict[str, Any]:
 
 def _dec_weights_response(f: Fields) -> WeightsResponse:
     request_id = f.bin("request_id", size=REQUEST_ID_SIZE)
-    data = tensor_from_wire(f.raw("data"), "data")
+    data = tensor_from_wire(f.raw("data"), "data", allow_bytes=True)  # u8: quantised weights as stored
     if data.ndim > 2 or data.shape[0] < 1:
         bad("data must be rows of a matrix or of a bias vector", ErrorCode.BAD_TENSOR)
     return WeightsResponse(request_id, data)

@@ -49,7 +49,9 @@ CLOCK_SKEW_MS: Final = 5 * 60 * 1000
 """Tolerance added to ``MAX_RECORD_TTL_MS`` for clocks that disagree."""
 MAX_PROBE_BYTES: Final = 8 * 1024 * 1024
 """Largest ``ping.pad`` and ``ping.want``: link probes stay well inside the minimum frame limit's 8x."""
-EXPERT_TENSORS: Final = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+# weights_request tensors: an expert's matrices and biases, and (v1.2) the scales of quantised matrices
+EXPERT_TENSORS: Final = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias", "gate_scale", "up_scale",
+                         "down_scale")
 """The tensor names of one routed expert, as ``weights_request.tensor`` names them."""
 LOAD_SCALE: Final = 1000
 """``load_permille`` runs from 0 (idle) to 1000 (saturated)."""

@@ -3,6 +3,9 @@
 ``data`` holds the elements in C (row-major) order as little-endian IEEE-754 binary32,
 binary16 or bfloat16. Every v1 tensor must be finite: any element whose exponent bits are
 all ones (NaN, +-Inf) is rejected with code 6.
+
+One more dtype, ``"u8"`` (raw bytes, no finiteness rule), travels only where a message allows it:
+a ``weights_response`` carrying quantised weights in their stored encoding (v1.2).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ WIRE_DTYPES: Final[dict[str, np.dtype[Any]]] = {
 }
 """Wire dtype name -> numpy dtype of the decoded array."""
 
+BYTES_DTYPE: Final = "u8"  # stored bytes of quantised weights; only in weights_response
+
 # (unsigned view with the same width, mask of the exponent bits)
 _BITS: Final[dict[str, tuple[np.dtype[Any], int]]] = {
     "f32": (np.dtype("<u4"), 0x7F800000),
@@ -48,11 +53,15 @@ def wire_dtype(array: np.ndarray) -> str:
         return "f16"
     if dt == WIRE_DTYPES["bf16"]:
         return "bf16"
+    if dt == np.uint8:
+        return BYTES_DTYPE
     raise ConfigError(f"dtype {dt} cannot travel in protocol v1 (f32, f16, bf16 only)")
 
 
 def _raw_bytes(array: np.ndarray, name: str) -> memoryview:
     """The little-endian element bytes of ``array`` in C order, without a copy if possible."""
+    if name == BYTES_DTYPE:
+        return memoryview(np.ascontiguousarray(array).reshape(-1).data)
     bits = _BITS[name][0]
     flat = np.ascontiguousarray(array).view(bits.newbyteorder("="))
     if not _LITTLE:  # pragma: no cover - big-endian hosts only
@@ -104,17 +113,20 @@ def check_finite(array: np.ndarray, name: str, field: str = "tensor") -> None:
         raise _bad(f"{field} holds NaN or Inf", ErrorCode.NON_FINITE)
 
 
-def tensor_from_wire(obj: Any, field: str = "tensor", *, rank: int | None = None) -> np.ndarray:
+def tensor_from_wire(obj: Any, field: str = "tensor", *, rank: int | None = None,
+                     allow_bytes: bool = False) -> np.ndarray:
     """Decode and validate a wire tensor map into a read-only numpy array.
 
-    The array is a zero-copy view of the ``data`` bytes on little-endian hosts.
+    The array is a zero-copy view of the ``data`` bytes on little-endian hosts.  ``allow_bytes``
+    also accepts ``"u8"`` (stored bytes of quantised weights: any value).
     Errors: code 5 for a malformed map, dtype, rank, shape or data length; 6 for NaN/Inf.
     """
     if type(obj) is not dict:
         raise _bad(f"{field} is not a tensor map")
     name = obj.get("dtype")
-    if type(name) is not str or name not in WIRE_DTYPES:
-        raise _bad(f"{field}.dtype must be one of {sorted(WIRE_DTYPES)}")
+    dtypes = {**WIRE_DTYPES, BYTES_DTYPE: np.dtype(np.uint8)} if allow_bytes else WIRE_DTYPES
+    if type(name) is not str or name not in dtypes:
+        raise _bad(f"{field}.dtype must be one of {sorted(dtypes)}")
     shape = obj.get("shape")
     if type(shape) is not list or not 1 <= len(shape) <= MAX_TENSOR_RANK:
         raise _bad(f"{field}.shape must be an array of 1..{MAX_TENSOR_RANK} dimensions")
@@ -128,10 +140,12 @@ def tensor_from_wire(obj: Any, field: str = "tensor", *, rank: int | None = None
     data = obj.get("data")
     if type(data) is not bytes:
         raise _bad(f"{field}.data is not bin")
-    dtype = WIRE_DTYPES[name]
+    dtype = dtypes[name]
     if len(data) != count * dtype.itemsize:
         raise _bad(f"{field}.data has {len(data)} bytes; shape {shape} of {name} needs "
                    f"{count * dtype.itemsize}")
+    if name == BYTES_DTYPE:
+        return np.frombuffer(data, dtype=np.uint8).reshape(shape)
     if _LITTLE:
         array = np.frombuffer(data, dtype=dtype)
     else:  # pragma: no cover - big-endian hosts only

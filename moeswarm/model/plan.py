@@ -1,0 +1,234 @@
+"""Shapes at real scale without real weights: what a MoE model's config.json implies.
+
+``model_size(config)`` counts parameters from the fields of a Hugging Face ``config.json`` alone,
+read generically (so it works for model types the engine does not run yet): total and active
+parameters, one routed expert's parameters, and from those the bytes per expert in each stored
+format, the working set per token and what a swarm or a memory budget implies.  It reads the
+``text_config`` of a vision-language checkpoint (the vision tower is not counted: it is not served).
+
+Counted exactly: embeddings, LM head, attention (GQA with per-head QK norm and Qwen3.5's output
+gate, MLA, gated DeltaNet linear attention; DeepSeek's DSA indexer and MiniMax M3's lightning
+indexer where the config has them), dense MLPs, routers,
+shared and routed experts, RMSNorms.  Not counted: multi-token-prediction layers (not used to generate).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from ._stored import QuantFormat, quant_format
+
+# GGML types (block of weights, bytes per block), as gguf.GGML_QUANT_SIZES has them (a test checks)
+GGML_BLOCKS = {"Q8_0": (32, 34), "Q6_K": (256, 210), "Q5_K": (256, 176), "Q4_K": (256, 144),
+               "IQ4_XS": (256, 136), "Q4_0": (32, 18), "Q3_K": (256, 110), "Q2_K": (256, 84)}
+# stored formats plan prints: name -> QuantFormat (published formats) or None (16-bit) or a GGML type
+PUBLISHED = {"FP8": QuantFormat("fp8_block", block=(128, 128), scale_bytes=4),
+             "MXFP4": QuantFormat("mxfp4", group=32, scale_bytes=1),
+             "INT4": QuantFormat("int4_group", group=32, scale_bytes=2)}
+FORMATS = ("BF16", *PUBLISHED, *GGML_BLOCKS)
+_QK_NORM = ("minimax_m3_vl_text", "minimax_m3_vl", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe",
+            "glm4_moe", "glm_moe_dsa")  # per-head q/k RMSNorm (unless the config says use_qk_norm)
+_QK_NORM_FULL = ("minimax_m2", "olmoe", "flex_olmo")  # q/k RMSNorm over the whole projection
+
+
+def _first(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    if default is None:
+        raise KeyError(names[0])
+    return default
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter counts of one model, from its config.json."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    moe_layers: int
+    num_experts: int  # routed experts per MoE layer
+    top_k: int
+    expert_matrices: tuple[tuple[int, int], ...]  # one routed expert's [out, in] matrices
+    expert_extra: int  # one routed expert's other parameters (biases)
+    total: int  # every parameter
+    embeddings: int  # the input embedding and the LM head (counted once when tied)
+    quant: QuantFormat | None  # how the checkpoint stores its experts (quantization_config), if it says
+
+    @property
+    def expert_params(self) -> int:
+        return sum(r * c for r, c in self.expert_matrices) + self.expert_extra
+
+    @property
+    def routed_experts(self) -> int:
+        return self.moe_layers * self.num_experts
+
+    @property
+    def active_experts(self) -> int:
+        return self.moe_layers * self.top_k
+
+    @property
+    def backbone(self) -> int:
+        """Everything but the routed experts (attention, norms, routers, shared experts, embeddings)."""
+        return self.total - self.routed_experts * self.expert_params
+
+    @property
+    def active(self) -> int:
+        """Parameters one token touches: the backbone plus its top-k experts in every MoE layer."""
+        return self.backbone + self.active_experts * self.expert_params
+
+    def expert_bytes(self, fmt: str) -> int:
+        """Bytes of one routed expert stored as ``fmt`` (one of ``FORMATS``); biases as 16-bit."""
+        extra = 2 * self.expert_extra
+        if fmt == "BF16":
+            return 2 * self.expert_params
+        if fmt in PUBLISHED:
+            return sum(PUBLISHED[fmt].matrix_bytes(r, c) for r, c in self.expert_matrices) + extra
+        block, size = GGML_BLOCKS[fmt]
+        return sum(r * c // block * size for r, c in self.expert_matrices) + extra
+
+    def stored_format(self) -> str:
+        """The format the checkpoint's config says its experts are stored in (BF16 if it says none)."""
+        if self.quant is None:
+            return "BF16"
+        return {"fp8_block": "FP8", "mxfp4": "MXFP4", "int4_group": "INT4"}[self.quant.method]
+
+    def backbone_bytes(self, fmt: str) -> int:
+        """The backbone at 16 bits, or in FP8 when the checkpoint stores its linear layers so."""
+        if fmt == "FP8":  # DeepSeek/GLM/MiniMax FP8 checkpoints quantise attention and shared experts too
+            return self.embeddings * 2 + (self.backbone - self.embeddings)
+        return 2 * self.backbone
+
+
+def _moe_layer_flags(t: dict[str, Any], n: int, experts: int) -> list[bool]:
+    if t.get("mlp_layer_types"):
+        return [kind == "sparse" for kind in t["mlp_layer_types"][:n]]
+    if experts == 0:
+        return [False] * n
+    if t.get("moe_layer_freq") and isinstance(t["moe_layer_freq"], list):
+        return [bool(f) for f in t["moe_layer_freq"][:n]]
+    first_dense = int(t.get("first_k_dense_replace") or 0)
+    only = set(t.get("mlp_only_layers") or [])
+    step = int(t.get("decoder_sparse_step") or 1)
+    return [i >= first_dense and i not in only and (i + 1) % step == 0 for i in range(n)]
+
+
+_GATED_ATTENTION = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")  # q_proj also yields the output gate
+
+
+def _linear_attention(t: dict[str, Any], H: int) -> int:
+    """A gated DeltaNet layer (Qwen3.5 / Qwen3-Next ``linear_attention``)."""
+    nk, dk = int(t["linear_num_key_heads"]), int(t["linear_key_head_dim"])
+    nv, dv = int(t["linear_num_value_heads"]), int(t["linear_value_head_dim"])
+    qkv = 2 * nk * dk + nv * dv
+    return H * qkv + H * nv * dv + 2 * H * nv + qkv * int(t["linear_conv_kernel_dim"]) + 2 * nv + dv + nv * dv * H
+
+
+def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
+    if layer_type == "linear_attention":
+        return _linear_attention(t, H)
+    nh = int(t["num_attention_heads"])
+    norms = 0
+    if t.get("kv_lora_rank"):  # MLA
+        nope, rope, v, kvr = (int(t["qk_nope_head_dim"]), int(t["qk_rope_head_dim"]),
+                              int(t.get("v_head_dim") or t["qk_nope_head_dim"]), int(t["kv_lora_rank"]))
+        qr = int(t.get("q_lora_rank") or 0)
+        q = H * qr + qr + qr * nh * (nope + rope) if qr else H * nh * (nope + rope)
+        p = q + H * (kvr + rope) + kvr + kvr * nh * (nope + v) + nh * v * H
+        if t.get("index_topk") and t.get("index_n_heads"):  # DSA indexer (DeepSeek-V3.2, GLM-5)
+            inh, ihd = int(t["index_n_heads"]), int(t["index_head_dim"])
+            p += (qr or H) * inh * ihd + H * ihd + 2 * ihd + H * inh
+        return p
+    hd = int(t.get("head_dim") or H // nh)
+    nkv = int(t.get("num_key_value_heads") or nh)
+    p = H * nh * hd * (2 if t.get("model_type") in _GATED_ATTENTION else 1) + 2 * H * nkv * hd + nh * hd * H
+    if t.get("attention_bias"):
+        p += nh * hd + 2 * nkv * hd + H
+    if t.get("qk_norm_type") == "per_layer" or t.get("model_type") in _QK_NORM_FULL:
+        norms = nh * hd + nkv * hd
+    elif t.get("use_qk_norm", t.get("model_type") in _QK_NORM):
+        norms = 2 * hd
+    if layer_type == "minimax_m3_sparse":  # the lightning indexer
+        inh, ihd = int(t["index_n_heads"]), int(t["index_head_dim"])
+        p += H * inh * ihd + H * ihd + 2 * ihd
+    return p + norms
+
+
+def model_size(raw: dict[str, Any]) -> ModelSize:
+    """Count a config.json's parameters (``KeyError`` names a field it lacks)."""
+    t = raw.get("text_config") or raw
+    t = {**t, "model_type": t.get("model_type") or raw.get("model_type")}
+    H, n, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
+    E = int(_first(t, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0))
+    k = int(_first(t, "num_experts_per_tok", "moe_topk", "top_k", default=0))
+    I_e = int(_first(t, "moe_intermediate_size", "intermediate_size"))
+    I_d = int(_first(t, "dense_intermediate_size", "intermediate_size", default=0))  # needed only by dense layers
+    shared = int(t.get("n_shared_experts") or 0) * I_e or int(
+        _first(t, "shared_intermediate_size", "shared_expert_intermediate_size", default=0))
+    gpt_oss = t["model_type"] == "gpt_oss"
+    moe = _moe_layer_flags(t, n, E)
+    interval = t.get("full_attention_interval")
+    default_types = [("full_attention" if (i + 1) % int(interval) == 0 else "linear_attention") if interval
+                     else "full_attention" for i in range(n)]
+    layer_types = list(t.get("layer_types") or default_types)
+    total = 0
+    for L in range(n):
+        total += _attention(t, H, layer_types[L]) + 2 * H  # + input and post-attention RMSNorm
+        if moe[L]:
+            total += E * H + (E if gpt_oss else 0)  # router (+ its bias)
+            total += 3 * H * shared + (H if t.get("shared_expert_intermediate_size") else 0)  # (+ Qwen's gate)
+        elif I_d:
+            total += 3 * H * I_d
+        else:
+            raise KeyError("intermediate_size")
+    matrices = ((I_e, H), (I_e, H), (H, I_e))
+    extra = 2 * I_e + H if gpt_oss else 0
+    total += sum(moe) * E * (3 * H * I_e + extra)
+    tied = bool(t.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
+    embeddings = V * H * (1 if tied else 2)
+    total += embeddings + H  # + the final norm
+    name = str(raw.get("model_type") or t["model_type"])
+    if raw.get("text_config"):
+        name += f" (text model: {t['model_type']})"
+    return ModelSize(name, H, n, sum(moe), E, k, matrices, extra, total, embeddings,
+                     quant_format(raw))
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """config.json from a file or a model folder."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CheckpointError("config.json not found", path=str(p)) from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"not valid JSON: {e}", path=str(p)) from None
+    if not isinstance(raw, dict):
+        raise CheckpointError("config.json is not a JSON object", path=str(p))
+    return raw
+
+
+def swarm_figures(size: ModelSize, fmt: str, *, nodes: int = 0, budget: int = 0) -> dict[str, float]:
+    """What ``nodes`` expert nodes, or ``budget`` bytes of memory per machine, imply in ``fmt``."""
+    one = size.expert_bytes(fmt)
+    experts_total = size.routed_experts * one
+    out: dict[str, float] = {"expert_bytes": one, "experts_total_bytes": experts_total,
+                             "backbone_bytes": size.backbone_bytes(fmt),
+                             "working_set_bytes": size.backbone_bytes(fmt) + size.active_experts * one}
+    if nodes:
+        per = math.ceil(size.routed_experts / nodes)
+        out.update(nodes=nodes, experts_per_node=per, bytes_per_node=per * one)
+    if budget:
+        room = budget - out["backbone_bytes"]
+        out.update(budget=budget, resident_experts_one_machine=max(0, min(size.routed_experts, room // one)),
+                   machines_for_all_experts=math.ceil(experts_total / budget))
+    return out
