@@ -93,7 +93,7 @@ def check_entry(row: Row[Any], *, position: int, prev_hash: bytes, prev_received
     for name in _COLUMNS:
         if getattr(row, name) != getattr(cr.receipt, name):
             return f"column {name} = {getattr(row, name)!r} differs from its signed record"
-    problem = content_problem(cr.receipt, shapes)
+    problem = content_problem(cr.receipt, shapes, limits=False)
     if problem is not None and problem[0] == "rejected":
         return f"{problem[1].replace('_', ' ')}: {problem[2]}"
     return None

@@ -17,12 +17,12 @@ from moeswarm.ledger._store import ENTRIES, HEAD
 from moeswarm.ledger.cli import main
 from moeswarm.protocol import CountersignedReceipt, Identity, SignatureKind, canonical, countersign, encode, receipt_body
 
-from ledger_support import Peers, receipt
+from ledger_support import Peers, fund, receipt
 
 
 @pytest.fixture
 def filled(ledger: Ledger) -> Ledger:
-    ledger.ingest(Peers().receipts(6))
+    ledger.ingest(Peers().funded(ledger).receipts(6))
     assert verify_chain(ledger).ok
     return ledger
 
@@ -116,7 +116,7 @@ def test_forged_server_signature(ledger: Ledger) -> None:
         SignatureKind.RECEIPT, canonical(receipt_body(good.receipt)))))
     [result] = ledger.ingest([forged])
     assert (result.status, result.reason) == ("rejected", Reason.BAD_SERVER_SIGNATURE)
-    ledger.ingest(Peers().receipts(3))
+    ledger.ingest(Peers().funded(ledger).receipts(3))
     # written into the table directly, chain hashes recomputed: verify names it
     _overwrite(ledger, 2, forged)
     problem = _problem(ledger)
@@ -125,6 +125,7 @@ def test_forged_server_signature(ledger: Ledger) -> None:
 
 def test_inflated_flops(ledger: Ledger) -> None:
     client, server = Identity.generate(), Identity.generate()
+    fund(ledger, client)
     honest = receipt(client, server, seq=1)
     # a colluding client and server both sign a receipt that claims ten times the work
     inflated = receipt(client, server, seq=2, flops=honest.receipt.expert_flops * 10)
