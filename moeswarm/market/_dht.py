@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from moeswarm.errors import ProtocolError, SwarmError
 from moeswarm.protocol import (
@@ -109,18 +109,32 @@ async def fetch_state(dht: DHT, shape: ModelShape, *, now_ms: int | None = None,
                       previous_prices: PriceTable | None = None,
                       merge_config: MergeConfig = MergeConfig(),
                       price_config: PriceConfig = PriceConfig(),
-                      exclude_peers: Collection[bytes] = ()) -> MarketState:
+                      exclude_peers: Collection[bytes] = (),
+                      standing: Mapping[bytes, float] | None = None,
+                      ledger_url: str | None = None) -> MarketState:
     """The market's state of ``shape``'s model, read live from the DHT.
 
     Supply from the validated announcements of every MoE layer, except those of
     ``exclude_peers`` (a node re-evaluating its own block counts itself as it knows it is, not
     as the DHT last heard); demand merged from the reports under the demand key plus
-    ``extra_reports`` (e.g. the local backbone's own).
+    ``extra_reports`` (e.g. the local backbone's own), weighted by ``standing`` or, given
+    ``ledger_url``, by what each reporter paid that ledger for calls in the last
+    ``merge_config.standing_window_s`` (reporters without standing then count for nothing).
     """
     now = int(time.time() * 1000) if now_ms is None else now_ms
     announcements = [a for a in await fetch_announcements(dht, shape, now_ms=now) if a.peer_id not in exclude_peers]
     reports: list[DemandReport | bytes] = [*await fetch_reports(dht, shape.model_id), *extra_reports]
-    merged = merge_reports(reports, shape, now_ms=now, config=merge_config)
+    if standing is None and ledger_url is not None:
+        from ._standing import fetch_standing
+
+        reporters = []
+        for item in reports:
+            try:
+                reporters.append((decode_report(item) if isinstance(item, bytes) else item).reporter)
+            except ProtocolError:
+                continue
+        standing = await fetch_standing(ledger_url, reporters, now - int(merge_config.standing_window_s * 1000))
+    merged = merge_reports(reports, shape, now_ms=now, config=merge_config, standing=standing)
     if merged.rejected:
         log.info("demand reports dropped: %s", merged.rejected)
     supply = supply_from_holders(shape, announcements, now_ms=now)

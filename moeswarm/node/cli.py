@@ -83,10 +83,13 @@ def host_port(text: str) -> tuple[str, int]:
               help="Serve /status (JSON) and /metrics (Prometheus) here, for `moeswarm node status`.")
 @click.option("--probe-interval", default=30.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
               help="Re-measure round trip and bandwidth (each direction) to the other holders this often; 0 = never.")
+@click.option("--require-funded", default=None, metavar="LEDGER_URL",
+              help="Serve only clients this ledger says hold credit (their receipts would be refused otherwise). "
+                   "Off by default.")
 @friendly_errors
 def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str,
          rebalance_interval: float, data_port: int, announce_port: int | None, memory_budget: str | None,
-         status: str, probe_interval: float, **swarm: object) -> None:
+         status: str, probe_interval: float, require_funded: str | None, **swarm: object) -> None:
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
@@ -116,7 +119,8 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
     config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port,  # type: ignore[arg-type]
                         memory_budget=budget, capacity_bytes=parse_size(capacity) if capacity else None,
                         device_class=device_class, rebalance_interval_s=rebalance_interval,
-                        status=None if status == "off" else host_port(status), probe_interval_s=probe_interval)
+                        status=None if status == "off" else host_port(status), probe_interval_s=probe_interval,
+                        require_funded=require_funded)
     asyncio.run(run_node(config))
 
 

@@ -31,6 +31,7 @@ class NodeConfig:
     rebalance: RebalanceConfig | None = None  # --experts auto: hysteresis and cooldown of moves (None: the market's)
     status: tuple[str, int] | None = ("127.0.0.1", 0)  # serve /status and /metrics here (None: not at all)
     probe_interval_s: float = 30.0  # re-measure the links to peers this often (0: never)
+    require_funded: str | None = None  # a ledger URL: serve only clients it says hold credit (None: serve anyone)
 
 
 @dataclass(frozen=True)
