@@ -146,5 +146,17 @@ def standing_of(conn: Connection, peers: Iterable[bytes], since_ms: int) -> dict
     return {p: Standing(p, held.get(p, 0), *paid.get(p, (0, 0))) for p in wanted}
 
 
+def top_payers(conn: Connection, since_ms: int, limit: int) -> list[bytes]:
+    """The clients that paid the most for calls appended at or after ``since_ms``, most first.
+
+    Only an order: SQLite sums as a float here (``total``), PostgreSQL as NUMERIC; the exact
+    figures come from ``standing_of``."""
+    total = func.sum(Entry.amount) if conn.dialect.name == "postgresql" else func.total(Entry.amount)
+    rows = conn.execute(select(Entry.client, total.label("paid")).where(Entry.received_ms >= since_ms)
+                        .where(Entry.amount > 0).group_by(Entry.client)
+                        .order_by(total.desc(), Entry.client).limit(limit))
+    return [bytes(r.client) for r in rows]
+
+
 def count_grants(conn: Connection) -> int:
     return int(conn.execute(select(func.count()).select_from(Grant)).scalar_one())

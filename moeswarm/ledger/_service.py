@@ -6,6 +6,8 @@
                                ``?since_ms=`` counts paid calls from then (a node's ``--require-funded``)
     POST /v1/standing          JSON {"peers": [base58, ...] (at most 1024), "since_ms": t}: the standing of
                                each, {"standing": [...]} (the market weighs demand reports by ``paid``)
+    GET  /v1/standing          ?since_ms=t&limit=n (n <= 1024): the standing of the n clients that paid
+                               the most since t, most first (whose demand reports the market reads)
     POST /v1/audits            body: an AuditSample (msgpack); re-executed here, evidence on mismatch
     GET  /v1/proofs/{receipt}  inclusion proof (JSON)
     GET  /v1/settlements/{n}   signed settlement statement of epoch n (JSON)
@@ -81,6 +83,7 @@ class LedgerService:
             web.post("/v1/receipts", self._receipts),
             web.get("/v1/accounts/{peer}", self._account),
             web.post("/v1/standing", self._standing),
+            web.get("/v1/standing", self._top_standing),
             web.post("/v1/audits", self._audit),
             web.get("/v1/proofs/{receipt_id}", self._proof),
             web.get("/v1/settlements/{epoch}", self._settlement),
@@ -156,6 +159,26 @@ class LedgerService:
         except SwarmError as e:
             return _error(503, str(e))
         return web.json_response({"standing": [standing[p].to_json() for p in dict.fromkeys(peers)]})
+
+    async def _top_standing(self, request: web.Request) -> web.Response:
+        try:
+            since = int(request.query.get("since_ms", "0"))
+            limit = int(request.query.get("limit", "256"))
+            if not 1 <= limit <= self.config.max_standing_peers:
+                raise ValueError
+        except ValueError:
+            return _error(400, f"since_ms is an integer, limit 1..{self.config.max_standing_peers}")
+
+        def read() -> list[dict[str, Any]]:
+            peers = self.ledger.top_payers(since, limit)
+            standing = self.ledger.standing(peers, since)
+            return [standing[p].to_json() for p in peers]
+
+        try:
+            top = await asyncio.to_thread(read)
+        except SwarmError as e:
+            return _error(503, str(e))
+        return web.json_response({"standing": top})
 
     async def _audit(self, request: web.Request) -> web.Response:
         if self.judge is None:

@@ -44,6 +44,7 @@ from ._accounts import (
     count_grants,
     grant_body,
     standing_of,
+    top_payers,
     total_granted,
 )
 from ._chain import (
@@ -362,6 +363,11 @@ class Ledger:
         """Balance and paid calls (appended at or after ``since_ms``) of each peer."""
         with self.read() as conn:
             return standing_of(conn, peers, since_ms)
+
+    def top_payers(self, since_ms: int, limit: int) -> list[bytes]:
+        """Clients that paid the most for calls appended since ``since_ms`` (most first)."""
+        with self.read() as conn:
+            return top_payers(conn, since_ms, limit)
 
     # ------------------------------------------------------------------ reads
 

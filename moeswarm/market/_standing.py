@@ -35,3 +35,20 @@ async def fetch_standing(ledger_url: str, peers: Iterable[bytes], since_ms: int,
     except (KeyError, TypeError, ValueError) as e:
         raise BadResponse(f"the ledger's standing does not parse: {e}") from None
     return out
+
+
+async def fetch_top_standing(ledger_url: str, since_ms: int, limit: int,
+                             timeout_s: float = 10.0) -> dict[bytes, float]:
+    """The ``limit`` clients that paid the ledger the most since ``since_ms``, with what they paid."""
+    url = f"{ledger_url.rstrip('/')}/v1/standing"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http, http.get(
+                url, params={"since_ms": str(since_ms), "limit": str(min(limit, MAX_PEERS_PER_QUERY))}) as resp:
+            if resp.status != 200:
+                raise BadResponse(f"the ledger at {ledger_url} answered {resp.status}: {await resp.text()}")
+            answer = await resp.json()
+        return {peer_id_from_str(s["peer"]): float(s["paid"]) for s in answer["standing"]}
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise Unreachable(f"ledger at {ledger_url}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadResponse(f"the ledger's standing does not parse: {e}") from None
