@@ -152,3 +152,22 @@ def test_cli_verify_names_the_first_bad_entry(filled: Ledger) -> None:
     bad = runner.invoke(main, ["verify", "--db", filled.url.render_as_string(hide_password=False)])
     assert bad.exit_code == 1
     assert "BAD entry 5 (receipt" in bad.output
+
+
+def test_edited_balance_or_grant_is_caught(ledger: Ledger, clock) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import update as sql_update
+
+    from moeswarm.ledger._models import Account, Grant
+
+    peers = Peers().funded(ledger)
+    ledger.ingest(peers.receipts(4))
+    assert verify_chain(ledger).ok
+    rich = peers.clients[0].peer_id
+    with ledger.engine.begin() as conn:
+        conn.execute(sql_update(Account).where(Account.peer == rich).values(balance=Account.balance + 1))
+    problem = _problem(ledger)
+    assert problem.startswith("accounts") and "holds" in problem
+    with ledger.engine.begin() as conn:
+        conn.execute(sql_update(Account).where(Account.peer == rich).values(balance=Account.balance - 1))
+        conn.execute(sql_update(Grant).where(Grant.id == 1).values(amount=Grant.amount * 2))
+    assert _problem(ledger).startswith("accounts") and "grant 1" in _problem(ledger)
