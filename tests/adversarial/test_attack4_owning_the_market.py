@@ -1,17 +1,19 @@
 """Attack 4 of issue 12, owning the market, run as an attacker would.
 
-A swarm's DHT (libp2p on loopback) holds the signed demand reports of 40 honest backbones, each
-of which paid the ledger (a real ``moeswarm-ledger serve`` process, over HTTP) for the calls it
-made. The attacker, its own process, brings 256 fresh keys: each joins the DHT as a peer and
-publishes a report putting all its demand on one expert, dated 299 s ahead. The market is then
-read the way ``moeswarm market --ledger URL`` reads it (``fetch_state(..., ledger_url=...)``).
+Two DHTs (libp2p on loopback) hold the signed demand reports of the same 40 honest backbones,
+each of which paid the ledger (a real ``moeswarm-ledger serve`` process, over HTTP) for the
+calls it made. In the second, the attacker, its own process, came first with 256 fresh keys:
+each joins the DHT as a peer and publishes a report putting all its demand on one expert, dated
+299 s ahead. The market is read from both the way ``moeswarm market --ledger URL`` reads it
+(``fetch_state(..., ledger_url=...)``); the share moved is the largest difference.
 
 Before the fix (commit 7895ee0, the base of branch ``trustledger``) the market had no notion of
-standing: the same attack read by that commit's ``fetch_state(dht, shape)`` moved the target
-expert's share from 0.004 to 0.94 (the merge kept the newest 256 reports, and the DHT's provider
-list, 20 at a time, was mostly the attacker's). Now reports count by what their reporter paid
-the ledger, the ledger names the paying reporters (read by key, whatever the provider list
-holds), and the 256 keys without standing move the share by exactly 0."""
+standing. Run there (that commit's ``fetch_state(reader, shape)``, without ``ledger_url`` and
+without the operator's grants, which it does not have; the rest unchanged) this test fails at
+``moved == 0.0``: the target expert's share went from 0.0016 to 1.0000 (moved 0.998), because the
+DHT's provider list, read 20 at a time, held only the attacker's keys and nothing weighed them.
+Now reports count by what their reporter paid the ledger, the ledger names the paying reporters
+(read by key, whatever the provider list holds), and the 256 keys without standing move the share by exactly 0."""
 
 from __future__ import annotations
 
@@ -72,17 +74,15 @@ def _paid_calls(clients: list[Identity], model_id: str, hidden: int, ffn: int) -
 
 
 async def _publish_honest(boot: str, clients: list[Identity], shape, truth: np.ndarray) -> None:  # type: ignore[no-untyped-def]
-    rng = np.random.default_rng(5)
-
-    async def one(ident: Identity) -> None:
+    async def one(i: int, ident: Identity) -> None:
+        counts = np.random.default_rng(i).poisson(truth * 20_000).astype(np.float32)  # the same in every DHT
         async with P2PNode(ident, P2PConfig(bootstrap=(boot,), client_mode=True)) as node:
-            counts = rng.poisson(truth * 20_000).astype(np.float32)
             await publish_demand(node, sign_report(ident, model_id=shape.model_id, layers=shape.moe_layers,
                                                    counts=counts, half_life_ms=600_000,
                                                    time_ms=int(time.time() * 1000) - 60_000, seq=1))
 
     for i in range(0, len(clients), 8):
-        await asyncio.gather(*(one(c) for c in clients[i : i + 8]))
+        await asyncio.gather(*(one(j, clients[j]) for j in range(i, min(i + 8, len(clients)))))
 
 
 def test_fake_reporters_without_standing_move_no_share(tmp_path: Path) -> None:
@@ -106,29 +106,35 @@ def test_fake_reporters_without_standing_move_no_share(tmp_path: Path) -> None:
                 books.grant(c.peer_id, 10**9)
 
         async def scenario() -> tuple[np.ndarray, np.ndarray, list[dict], int]:
-            boot = P2PNode(Identity.generate())
-            await boot.start()
+            # two swarms' DHTs: the same honest backbones publish in both; in the second the attacker
+            # got there first (it only has to publish before the honest backbones' next refresh)
+            clean, attacked = P2PNode(Identity.generate()), P2PNode(Identity.generate())
+            await clean.start()
+            await attacked.start()
             try:
-                addr = boot.multiaddrs[0]
                 async with aiohttp.ClientSession() as http, http.post(
                         f"{ledger.url}/v1/receipts", headers={"Content-Type": "application/msgpack"},
                         data=msgpack.packb({"receipts": _paid_calls(clients, model_id, cfg.hidden_size,
                                                                     cfg.moe_intermediate_size)})) as r:
                     results = (await r.json())["results"]
-                await _publish_honest(addr, clients, shape, truth)
-                async with P2PNode(Identity.generate(), P2PConfig(bootstrap=(addr,), client_mode=True)) as reader:
-                    before = await fetch_state(reader, shape, ledger_url=ledger.url)
                 fakes = await asyncio.to_thread(
-                    attacker, "stuff_demand.py", addr, model_id, ",".join(map(str, shape.moe_layers)),
-                    str(shape.num_experts), str(shape.moe_layers[TARGET[0]]), str(TARGET[1]), str(FAKES))
-                async with P2PNode(Identity.generate(), P2PConfig(bootstrap=(addr,), client_mode=True)) as reader:
-                    after = await fetch_state(reader, shape, ledger_url=ledger.url)
-                    stored = 0
-                    for peer in fakes["reporters"]:  # the fakes really are in the DHT, valid, under their keys
-                        stored += await reader.get(demand_key(model_id, peer_id_from_str(peer))) is not None
-                return before.demand.share, after.demand.share, results, stored
+                    attacker, "stuff_demand.py", attacked.multiaddrs[0], model_id,
+                    ",".join(map(str, shape.moe_layers)), str(shape.num_experts),
+                    str(shape.moe_layers[TARGET[0]]), str(TARGET[1]), str(FAKES))
+                shares = []
+                for boot in (clean, attacked):
+                    addr = boot.multiaddrs[0]
+                    await _publish_honest(addr, clients, shape, truth)
+                    async with P2PNode(Identity.generate(), P2PConfig(bootstrap=(addr,), client_mode=True)) as reader:
+                        shares.append((await fetch_state(reader, shape, ledger_url=ledger.url)).demand.share)
+                        if boot is attacked:  # the fakes really are in the DHT, valid, under their keys
+                            stored = 0
+                            for peer in fakes["reporters"]:
+                                stored += await reader.get(demand_key(model_id, peer_id_from_str(peer))) is not None
+                return shares[0], shares[1], results, stored
             finally:
-                await boot.stop()
+                await attacked.stop()
+                await clean.stop()
 
         before, after, results, stored = asyncio.run(scenario())
     finally:
