@@ -66,12 +66,12 @@ def start_ledger(args: list[str], log: Path, timeout_s: float = 90.0) -> LedgerP
 def ledger_cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
     """``moeswarm-ledger ARGS`` as the operator runs it."""
     return subprocess.run([sys.executable, "-m", "moeswarm.ledger.cli", *args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout_s)
+                          env=ENV, timeout=timeout_s, check=False)
 
 
 def attacker(script: str, *args: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run ``attackers/SCRIPT ARGS`` as its own process; its last stdout line is JSON."""
     out = subprocess.run([sys.executable, str(ATTACKERS / script), *args], capture_output=True, text=True,
-                         env=ENV, timeout=timeout_s)
+                         env=ENV, timeout=timeout_s, check=False)
     assert out.returncode == 0, f"attacker {script} failed: {out.stderr[-3000:]}"
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -6,13 +6,14 @@ for work never done (one claiming 2**32 - 1 tokens, three within any per-call li
 FLOPs bound), POSTs them, and tries to register the model's shape over HTTP as 1 x 1.
 
 Before the fix (commit 7895ee0, the base of branch ``trustledger``) this test fails at its first
-assertion: every forged receipt was accepted, the forged server's balance was 9.2e18 + 3 x
-5.8e15 credits, ``settle`` of the epoch failed for good ("Integer value out of range") and both
-registrations answered 200. Now credit enters only through the operator's signed grants: the
-forged client holds none, so its receipts are refused (the first one also for exceeding one call
-of the model), the forged server's balance is 0, the epoch settles, and there is no HTTP route
-to register a model. An honest client the operator funded pays its server, and the sum of all
-balances equals the sum of grants."""
+check of the results: all four forged receipts were accepted, registering a new model over HTTP
+answered 200 (the real one 409 only because the operator had registered it first), the forged
+server's ``balance`` failed ("integer overflow", SQLite's SUM) and settling its epoch paid it
+9,223,441,306,087,325,695 credits. Now credit enters only through the operator's signed grants:
+the forged client holds none, so its receipts are refused (the first one also for exceeding one
+call of the model), the forged server's balance is 0, the epochs settle, and there is no HTTP
+route to register a model. An honest client the operator funded pays its server, and ``verify``
+finds every account holding exactly what its grants, receipts and settlements make it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from ledger_attack_support import attacker, ledger_cli, start_ledger
 
 from moeswarm.protocol import (
     ExpertRequest,
@@ -33,8 +35,6 @@ from moeswarm.protocol import (
     encode,
     make_receipt,
 )
-
-from ledger_attack_support import attacker, ledger_cli, start_ledger
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -111,3 +111,5 @@ def test_forged_receipts_earn_nothing(tmp_path: Path) -> None:
     assert paid["balance"] == paid["settled"] == price
     assert spent["balance"] == GRANT - price and spent["spent"] == price
     assert sum(b["credits"] for s in statements for b in s["balances"]) == price
+    checked = ledger_cli("verify", "--db", str(db))  # every grant signed, every account what its moves make it
+    assert checked.returncode == 0, checked.stderr

@@ -13,7 +13,8 @@ without the operator's grants, which it does not have; the rest unchanged) this 
 ``moved == 0.0``: the target expert's share went from 0.0016 to 1.0000 (moved 0.998), because the
 DHT's provider list, read 20 at a time, held only the attacker's keys and nothing weighed them.
 Now reports count by what their reporter paid the ledger, the ledger names the paying reporters
-(read by key, whatever the provider list holds), and the 256 keys without standing move the share by exactly 0."""
+(read by key, whatever the provider list holds), and the 256 keys without standing move the
+share by exactly 0."""
 
 from __future__ import annotations
 
@@ -24,10 +25,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ledger_attack_support import attacker, start_ledger
 
 from moeswarm.demo import CHECKPOINT
 from moeswarm.ledger import Ledger, StoreConfig
-from moeswarm.market import demand_key, fetch_state, model_shape, publish_demand, sign_report
+from moeswarm.market import (
+    demand_key,
+    fetch_state,
+    model_shape,
+    publish_demand,
+    sign_report,
+)
 from moeswarm.model import load_config
 from moeswarm.model.model_id import model_id_for
 from moeswarm.net.p2p import P2PConfig, P2PNode
@@ -40,8 +48,6 @@ from moeswarm.protocol import (
     make_receipt,
     peer_id_from_str,
 )
-
-from ledger_attack_support import attacker, start_ledger
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

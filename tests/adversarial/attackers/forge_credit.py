@@ -14,14 +14,21 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
-
 import urllib.error
 import urllib.request
+from dataclasses import replace
 
 import msgpack
 
-from moeswarm.protocol import Identity, Receipt, SignatureKind, canonical, countersign, encode, receipt_body
+from moeswarm.protocol import (
+    Identity,
+    Receipt,
+    SignatureKind,
+    canonical,
+    countersign,
+    encode,
+    receipt_body,
+)
 
 
 def forged(client: Identity, server: Identity, model_id: str, hidden: int, ffn: int, *, tokens: int,
