@@ -238,3 +238,29 @@ def test_concurrent_appenders_keep_one_chain(db_url: str, ledger_key: Identity) 
     with Ledger(StoreConfig(db_url)) as led:
         report = verify_chain(led)
         assert report.ok and report.entries == 160
+
+
+def test_tokens_and_pairs_are_capped_by_the_model(ledger: Ledger) -> None:
+    """A receipt may claim no more than one call of the model: tokens up to its limit, pairs up to
+    tokens x top-k. Signed by both sides and within the FLOPs formula, it is still refused."""
+    import os as _os
+
+    from moeswarm.ledger import ModelShape
+    from moeswarm.protocol import Receipt, SignatureKind, canonical, countersign, receipt_body
+
+    ledger.register_model("capped/model", ModelShape(8, 16, top_k=2, max_tokens=64))
+    client, server = Identity.generate(), Identity.generate()
+    fund(ledger, client)
+
+    def claim(tokens: int, experts: int, pairs: int, seq: int):  # type: ignore[no-untyped-def]
+        r = Receipt(request_id=_os.urandom(16), client=client.peer_id, server=server.peer_id, model_id="capped/model",
+                    layer=0, experts=tuple(range(experts)), tokens=tokens, pairs=pairs,
+                    expert_flops=6 * 8 * 16 * pairs, input_hash=bytes(32), output_hash=bytes(32), time_ms=1, seq=seq)
+        return countersign(client, replace(r, sig=server.sign(SignatureKind.RECEIPT, canonical(receipt_body(r)))))
+
+    results = ledger.ingest([claim(64, 2, 128, 1), claim(65, 1, 65, 2), claim(10, 4, 21, 3), claim(10, 4, 20, 4)])
+    assert [(r.status, r.reason) for r in results] == [
+        ("accepted", ""), ("rejected", Reason.EXCEEDS_MODEL_LIMITS), ("rejected", Reason.EXCEEDS_MODEL_LIMITS),
+        ("accepted", "")]
+    assert "at most 64 tokens and 2 experts per token" in results[1].message
+    assert ModelShape(4096, 14336).token_limit == 64 * 2**20 // (2 * 4096)  # default: 16-bit rows in a largest frame
