@@ -28,6 +28,7 @@ from moeswarm.errors import ConfigError
 from moeswarm.protocol import canonical, peer_id_to_str, public_key_from_peer_id, verify
 
 from ._chain import MAX_STORED_INT
+from ._errors import LedgerCorrupt
 from ._models import Account, Entry, Grant, Settlement
 
 GRANT_KIND: Final = "ledger-grant"
@@ -93,7 +94,8 @@ def apply_deltas(conn: Connection, deltas: Mapping[bytes, int], now_ms: int) -> 
     for peer, delta in changed.items():
         new = held.get(peer, 0) + delta
         if not 0 <= new <= MAX_STORED_INT:  # conservation makes this unreachable; never store a wrong sum
-            raise AssertionError(f"account {peer_id_to_str(peer)} would hold {new} credits")
+            raise LedgerCorrupt(f"account {peer_id_to_str(peer)} would hold {new} credits: the stored balances "
+                                "no longer add up (run `moeswarm-ledger verify`)")
     updates = [{"p": p, "b": held[p] + d, "t": now_ms} for p, d in changed.items() if p in held]
     if updates:
         conn.execute(update(Account).where(Account.peer == bindparam("p"))
