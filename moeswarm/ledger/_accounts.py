@@ -171,21 +171,21 @@ def accounts_problem(conn: Connection, ledger: bytes) -> str | None:
     from ._models import Evidence
 
     expected: dict[bytes, int] = {}
-    for g in conn.execute(select(Grant).order_by(Grant.id)):
+    for g in conn.execute(select(Grant).order_by(Grant.id)).all():  # .all(): no cursor left open on return
         if not grant_verifies(ledger, g.record, g.sig) or g.record != grant_body(
                 ledger, bytes(g.peer), int(g.amount), int(g.id), int(g.created_ms)):
             return f"grant {g.id}: its signature or fields do not verify"
         expected[bytes(g.peer)] = expected.get(bytes(g.peer), 0) + int(g.amount)
-    settled = set(conn.execute(select(Settlement.epoch)).scalars())
-    withheld = {(int(e), bytes(s)) for e, s in conn.execute(select(Evidence.epoch, Evidence.server))}
+    settled = set(conn.execute(select(Settlement.epoch)).scalars().all())
+    withheld = {(int(e), bytes(s)) for e, s in conn.execute(select(Evidence.epoch, Evidence.server)).all()}
     for client, server, epoch, amount in conn.execute(select(Entry.client, Entry.server, Entry.epoch, Entry.amount)
-                                                      .where(Entry.amount > 0)):
+                                                      .where(Entry.amount > 0)):  # read to the end
         client, server, amount = bytes(client), bytes(server), int(amount)
         expected[client] = expected.get(client, 0) - amount
         if epoch in settled:
             payee = client if (int(epoch), server) in withheld else server
             expected[payee] = expected.get(payee, 0) + amount
-    held = {bytes(p): int(b) for p, b in conn.execute(select(Account.peer, Account.balance))}
+    held = {bytes(p): int(b) for p, b in conn.execute(select(Account.peer, Account.balance)).all()}
     for peer in sorted(set(expected) | set(held)):
         if held.get(peer, 0) != expected.get(peer, 0):
             return (f"account {peer_id_to_str(peer)} holds {held.get(peer, 0)} credits; its grants, receipts and "
