@@ -189,9 +189,9 @@ def content_problem(r: Receipt, shapes: Mapping[str, ModelShape], *,
     if shape is None:
         return "retry", Reason.UNKNOWN_MODEL, f"model {r.model_id!r} has no registered expert shape"
     if limits and (r.tokens > shape.token_limit or r.pairs > shape.pair_limit(r.tokens, len(r.experts))):
-        return ("rejected", Reason.EXCEEDS_MODEL_LIMITS,
-                f"claims {r.tokens} tokens and {r.pairs} pairs; one call of {r.model_id} carries at most "
-                f"{shape.token_limit} tokens and {shape.top_k or len(r.experts)} experts per token")
+        message = (f"claims {r.tokens} tokens and {r.pairs} pairs; one call of {r.model_id} carries at most "
+                   f"{shape.token_limit} tokens and {shape.top_k or len(r.experts)} experts per token")
+        return "rejected", Reason.EXCEEDS_MODEL_LIMITS, message
     pairs = min(r.pairs, r.tokens * len(r.experts))
     bound = shape.max_flops(pairs)
     if r.expert_flops > bound:

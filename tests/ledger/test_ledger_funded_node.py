@@ -17,6 +17,7 @@ import aiohttp
 import msgpack
 import numpy as np
 import pytest
+from ledger_support import free_port, start_ledger
 
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import start_daemon, stop_daemon
@@ -25,9 +26,14 @@ from moeswarm.ledger import FundedGate, GateConfig
 from moeswarm.model import load_config
 from moeswarm.model.model_id import model_id_for
 from moeswarm.net.client import ExpertClient
-from moeswarm.protocol import ErrorCode, ExpertRequest, ExpertRows, Identity, countersign, encode
-
-from ledger_support import free_port, start_ledger
+from moeswarm.protocol import (
+    ErrorCode,
+    ExpertRequest,
+    ExpertRows,
+    Identity,
+    countersign,
+    encode,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

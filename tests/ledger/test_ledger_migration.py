@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from alembic import command
 from alembic.config import Config
+from ledger_support import EPOCH_MS, MODEL, SHAPE, T0, Clock, Peers, fund
 from sqlalchemy import select, text
 
 from moeswarm.ledger import Ledger, StoreConfig, settle_epoch, verify_chain
@@ -16,8 +17,6 @@ from moeswarm.ledger._db import MIGRATIONS, database_url, open_engine, write_tx
 from moeswarm.ledger._models import VERSION_TABLE, Entry
 from moeswarm.ledger._store import HEAD_KIND, head_payload
 from moeswarm.protocol import Identity
-
-from ledger_support import EPOCH_MS, MODEL, SHAPE, T0, Clock, Peers, fund
 
 
 def _old_ledger(url: str, key: Identity, receipts: list) -> list[tuple[int, bytes, bytes]]:

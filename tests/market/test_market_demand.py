@@ -208,7 +208,11 @@ def test_dating_a_report_ahead_wins_no_place_among_the_merged() -> None:
 def test_weighted_trimmed_mean_is_the_trimmed_mean_of_replicated_rows(data: st.DataObject, n: int) -> None:
     """Oracle: integer weights mean repeating a row that many times; with total weight a multiple
     of 5, trimming 0.2 of the weight is trimming whole rows of the replicated set."""
-    from moeswarm.market._reports import _trimmed_mean, _weighted_quantile, _weighted_trimmed_mean
+    from moeswarm.market._reports import (
+        _trimmed_mean,
+        _weighted_quantile,
+        _weighted_trimmed_mean,
+    )
 
     weights = data.draw(st.lists(st.integers(1, 6), min_size=n, max_size=n))
     weights[-1] += (-sum(weights)) % 5
