@@ -52,7 +52,7 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
         market = None
         if config.experts == "auto":
             market = market_view(cfg, model_id, config)
-            block = await market_assignment(p2p, *market)
+            block = await market_assignment(p2p, *market, ledger_url=config.market_ledger)
             layers, experts = block.layers, block.experts
         else:
             layers = parse_range(config.layers, cfg.num_layers, "layers")
