@@ -65,9 +65,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL, H, F = "bench/moe", 64, 128
 
 
+CLIENTS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(4)]  # funded by open_ledger
+
+
 def make_receipts(n: int) -> list[bytes]:
     """n encoded countersigned receipts from 4 clients to 8 servers, 2 tokens x 2 experts each."""
-    clients = [Identity.generate() for _ in range(4)]
+    clients = CLIENTS
     servers = [Identity.generate() for _ in range(8)]
     rng = np.random.default_rng(0)
     hidden = rng.standard_normal((2, H)).astype(np.float32)
@@ -112,6 +115,8 @@ def raw_verify_rate(n: int, threads: int = 1) -> float:
 def open_ledger(url: str, threads: int = 1) -> Ledger:
     led = Ledger(StoreConfig(url, create=True, verify_threads=threads), Identity.generate())
     led.register_model(MODEL, ModelShape(H, F))
+    for c in CLIENTS:  # the operator's grants: every receipt moves credit from its client to its server
+        led.grant(c.peer_id, 2**60)
     return led
 
 

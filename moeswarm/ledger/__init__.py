@@ -13,6 +13,7 @@ them (``fetch_root``, ``root_problem``). A backbone submits through ``ReceiptSub
 ``LedgerService`` (``moeswarm-ledger serve``). See ``cli.py`` for the command line.
 """
 
+from ._accounts import GrantRecord, Standing
 from ._audit import (
     AuditConfig,
     AuditRunner,
@@ -54,6 +55,7 @@ from ._settlement import (
     settle_epoch,
     stored_statement,
 )
+from ._standing import FundedGate, GateConfig
 from ._store import HeadInfo, Ledger, StoreConfig
 from ._submitter import ReceiptSubmitter, SubmitterConfig
 from ._verify import Problem, VerifyReport, verify_chain
@@ -71,7 +73,9 @@ __all__ = [
     # settlement roots in the DHT
     "publish_root", "fetch_root", "root_problem", "root_record",
     # service and submitter
-    "LedgerService", "ServiceConfig", "ReceiptSubmitter", "SubmitterConfig",
+    "LedgerService", "ServiceConfig", "ReceiptSubmitter", "SubmitterConfig", "FundedGate", "GateConfig",
+    # double-entry credit
+    "GrantRecord", "Standing",
     # audits
     "AuditConfig", "AuditRunner", "AuditSample", "AuditVerdict", "LocalJudge", "RemoteJudge", "reexecute",
     "check_sample", "EvidenceRecord", "record_evidence", "evidence_for",

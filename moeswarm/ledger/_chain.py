@@ -23,6 +23,7 @@ import msgpack
 
 from moeswarm.errors import ProtocolError
 from moeswarm.protocol import (
+    DEFAULT_MAX_FRAME,
     CountersignedReceipt,
     Receipt,
     SignatureKind,
@@ -51,6 +52,8 @@ class Reason:
     SELF_DEALING: Final = "client_is_server"  # a peer cannot countersign its own work
     UNKNOWN_MODEL: Final = "unknown_model"  # no (hidden, ffn) registered for its model: retry
     FLOPS_EXCEED_FORMULA: Final = "flops_exceed_formula"
+    EXCEEDS_MODEL_LIMITS: Final = "exceeds_model_limits"  # more tokens or pairs than one call of the model has
+    INSUFFICIENT_FUNDS: Final = "insufficient_funds"  # the client's balance does not cover the call's price
     OUT_OF_RANGE: Final = "out_of_range"  # a counter above 2**63 - 1
     DUPLICATE: Final = "duplicate"  # the same receipt body is already in the chain
     REPLAY: Final = "replay"  # same (client, request_id), different content
@@ -60,10 +63,21 @@ class Reason:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the FLOPs formula needs to know about a model's routed experts."""
+    """What the FLOPs formula and the per-call limits need to know about a model's routed experts."""
 
     hidden: int  # hidden size H
     ffn: int  # expert FFN width F (moe_intermediate_size)
+    top_k: int = 0  # experts per token (num_experts_per_tok); 0 = unknown: pairs capped by tokens x experts
+    max_tokens: int = 0  # tokens one call may carry; 0 = as many 16-bit rows of H as a largest frame holds
+
+    @property
+    def token_limit(self) -> int:
+        """Most tokens one receipt may claim."""
+        return self.max_tokens or max(1, DEFAULT_MAX_FRAME // (2 * self.hidden))
+
+    def pair_limit(self, tokens: int, experts: int) -> int:
+        """Most (expert, token) pairs a call of ``tokens`` tokens to ``experts`` experts has."""
+        return tokens * (min(experts, self.top_k) if self.top_k else experts)
 
     def max_flops(self, pairs: int) -> int:
         """The most ``pairs`` (expert, token) pairs can cost: 6 * H * F each."""
@@ -158,11 +172,15 @@ def signature_problem(cr: CountersignedReceipt, body: bytes) -> str | None:
     return None
 
 
-def content_problem(r: Receipt, shapes: Mapping[str, ModelShape]) -> tuple[Status, str, str] | None:
+def content_problem(r: Receipt, shapes: Mapping[str, ModelShape], *,
+                    limits: bool = True) -> tuple[Status, str, str] | None:
     """What is wrong with a receipt's fields (not its signatures), or None.
 
     The FLOPs bound is 6 * H * F per (expert, token) pair, with pairs capped at
-    tokens * len(experts) (the codec already enforces that for decoded receipts)."""
+    tokens * len(experts) (the codec already enforces that for decoded receipts). With ``limits``
+    (ingestion) the call must also fit one call of the model: tokens at most ``token_limit``,
+    pairs at most tokens x top_k. Verification of stored entries passes ``limits=False``:
+    entries appended before revision 0002 were checked by the FLOPs bound alone."""
     if r.client == r.server:
         return "rejected", Reason.SELF_DEALING, "the client and the server are the same peer"
     if max(r.seq, r.expert_flops, r.time_ms, r.tokens, r.pairs) > MAX_STORED_INT:
@@ -170,6 +188,10 @@ def content_problem(r: Receipt, shapes: Mapping[str, ModelShape]) -> tuple[Statu
     shape = shapes.get(r.model_id)
     if shape is None:
         return "retry", Reason.UNKNOWN_MODEL, f"model {r.model_id!r} has no registered expert shape"
+    if limits and (r.tokens > shape.token_limit or r.pairs > shape.pair_limit(r.tokens, len(r.experts))):
+        message = (f"claims {r.tokens} tokens and {r.pairs} pairs; one call of {r.model_id} carries at most "
+                   f"{shape.token_limit} tokens and {shape.top_k or len(r.experts)} experts per token")
+        return "rejected", Reason.EXCEEDS_MODEL_LIMITS, message
     pairs = min(r.pairs, r.tokens * len(r.experts))
     bound = shape.max_flops(pairs)
     if r.expert_flops > bound:

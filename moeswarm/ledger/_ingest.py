@@ -8,9 +8,11 @@ in changes neither the chain nor the results.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from moeswarm.protocol import Receipt, peer_id_to_str
 
 from ._chain import Prepared, Reason, Refused, Status
 
@@ -52,13 +54,16 @@ class Known:
     high: dict[PairKey, int] = field(default_factory=dict)  # (client, server) -> highest seq in the chain
 
 
-def plan_batch(items: Sequence[Prepared | Refused], known: Known, *, first_position: int,
-               seq_window: int) -> tuple[list[Prepared], list[IngestResult]]:
-    """Decide a batch: (receipts to append in chain order, one result per item in input order).
+def plan_batch(items: Sequence[Prepared | Refused], known: Known, *, first_position: int, seq_window: int,
+               funds: Mapping[bytes, int], cost: Callable[[Receipt], int],
+               ) -> tuple[list[tuple[Prepared, int]], list[IngestResult]]:
+    """Decide a batch: ((receipt, amount paid) to append in chain order, one result per item in input order).
 
     A receipt is a duplicate when its (client, request_id) is held with the same receipt id, a
     replay when held with another; ``seq_reused`` when its (client, server, seq) is held;
-    ``seq_regression`` when its seq is more than ``seq_window`` below the pair's highest seq.
+    ``seq_regression`` when its seq is more than ``seq_window`` below the pair's highest seq;
+    ``insufficient_funds`` when ``cost(receipt)`` exceeds what its client still holds (``funds``,
+    its balance before the batch, less what the batch's earlier receipts already took).
     Appended receipts get positions ``first_position``, ``first_position + 1``, ...
     """
     results: list[IngestResult | None] = [None] * len(items)
@@ -70,7 +75,8 @@ def plan_batch(items: Sequence[Prepared | Refused], known: Known, *, first_posit
     by_request = dict(known.by_request)
     seqs = set(known.seqs)
     high = dict(known.high)
-    accepted: list[Prepared] = []
+    left = dict(funds)
+    accepted: list[tuple[Prepared, int]] = []
     for i in order:
         p = items[i]
         assert isinstance(p, Prepared)
@@ -95,8 +101,15 @@ def plan_batch(items: Sequence[Prepared | Refused], known: Known, *, first_posit
             results[i] = IngestResult("rejected", Reason.SEQ_REGRESSION, p.receipt_id, None,
                                       f"seq {r.seq} is more than {seq_window} below this pair's {top}")
             continue
+        amount = cost(r)
+        if amount > left.get(r.client, 0):
+            results[i] = IngestResult("rejected", Reason.INSUFFICIENT_FUNDS, p.receipt_id, None,
+                                      f"client {peer_id_to_str(r.client)} holds {left.get(r.client, 0)} credits; "
+                                      f"this call costs {amount}")
+            continue
+        left[r.client] = left.get(r.client, 0) - amount
         position = first_position + len(accepted)
-        accepted.append(p)
+        accepted.append((p, amount))
         by_request[(r.client, r.request_id)] = (p.receipt_id, position)
         seqs.add((r.client, r.server, r.seq))
         high[pair] = r.seq if top is None else max(top, r.seq)

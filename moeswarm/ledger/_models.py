@@ -3,7 +3,9 @@ the Alembic migrations in ``migrations/versions``; these classes must describe t
 
 Every table name starts with ``ledger_`` so the ledger can share a database with other parts.
 Peer IDs are the 38 raw bytes, hashes 32 bytes. Unsigned protocol counters are stored as BIGINT
-(ingest refuses values above 2**63 - 1).
+(ingest refuses values above 2**63 - 1). Credit amounts are BIGINT too, and no stored amount can
+overflow it: credit is conserved, so every balance, escrow and payment is at most the sum of all
+grants, which ``Ledger.grant`` keeps at or below 2**63 - 1; sums are taken in Python ints.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class Entry(Base):
     expert_flops: Mapped[int] = mapped_column(BigInteger)
     time_ms: Mapped[int] = mapped_column(BigInteger)  # server's clock, from the receipt
     seq: Mapped[int] = mapped_column(BigInteger)
+    amount: Mapped[int] = mapped_column(BigInteger, server_default="0")  # credits the client paid (escrowed
+    # for the server until its epoch settles); 0 for receipts appended before double-entry (revision 0002)
 
     __table_args__ = (
         UniqueConstraint("receipt_id", name="uq_ledger_entries_receipt_id"),
@@ -88,7 +92,9 @@ class Model(Base):
     model_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     hidden: Mapped[int] = mapped_column(BigInteger)
     ffn: Mapped[int] = mapped_column(BigInteger)
-    source: Mapped[str] = mapped_column(String(16))  # "serve" (operator) or "client" (a backbone)
+    top_k: Mapped[int] = mapped_column(BigInteger, server_default="0")  # experts per token; 0 = unknown
+    max_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")  # tokens per call; 0 = by frame size
+    source: Mapped[str] = mapped_column(String(16))  # "operator"; "serve"/"client" in ledgers before 0002
     registered_ms: Mapped[int] = mapped_column(BigInteger)
 
 
@@ -119,3 +125,26 @@ class Evidence(Base):
         Index("ix_ledger_evidence_server", "server"),
         Index("ix_ledger_evidence_epoch", "epoch"),
     )
+
+
+class Account(Base):
+    """A peer's spendable credit: grants plus settled earnings minus what it paid for calls."""
+
+    __tablename__ = "ledger_accounts"
+    peer: Mapped[bytes] = mapped_column(LargeBinary(38), primary_key=True)
+    balance: Mapped[int] = mapped_column(BigInteger)  # >= 0, credits
+    updated_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class Grant(Base):
+    """Credit entering the ledger: signed by the ledger operator's key (the only way credit is made)."""
+
+    __tablename__ = "ledger_grants"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    peer: Mapped[bytes] = mapped_column(LargeBinary(38))
+    amount: Mapped[int] = mapped_column(BigInteger)  # > 0
+    record: Mapped[bytes] = mapped_column(LargeBinary)  # canonical grant body (see _accounts.grant_body)
+    sig: Mapped[bytes] = mapped_column(LargeBinary(64))  # the ledger key's signature, kind "ledger-grant"
+    created_ms: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (Index("ix_ledger_grants_peer", "peer"),)

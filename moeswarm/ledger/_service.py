@@ -2,14 +2,19 @@
 
     POST /v1/receipts          body: msgpack {"receipts": [bin, ...]}, each a countersigned_receipt
                                frame body; answer (JSON, after the commit): {"results": [...], "head": n}
-    PUT  /v1/models/{model_id} JSON {"hidden": H, "ffn": F}: a backbone registers its model's expert
-                               shape for the FLOPs bound (first registration wins; 409 on conflict)
+    GET  /v1/accounts/{peer}   a peer's standing (JSON): {"peer", "balance", "paid", "receipts", "funded"};
+                               ``?since_ms=`` counts paid calls from then (a node's ``--require-funded``)
+    POST /v1/standing          JSON {"peers": [base58, ...] (at most 1024), "since_ms": t}: the standing of
+                               each, {"standing": [...]} (the market weighs demand reports by ``paid``)
+    GET  /v1/standing          ?since_ms=t&limit=n (n <= 1024): the standing of the n clients that paid
+                               the most since t, most first (whose demand reports the market reads)
     POST /v1/audits            body: an AuditSample (msgpack); re-executed here, evidence on mismatch
     GET  /v1/proofs/{receipt}  inclusion proof (JSON)
     GET  /v1/settlements/{n}   signed settlement statement of epoch n (JSON)
     GET  /healthz              {"ok": true, "peer_id": ..., "entries": n}
 
-Database work runs in worker threads: signature checks of concurrent batches overlap (Ed25519
+Only the operator registers a model's shape (``moeswarm-ledger models add``): there is no HTTP
+route for it. Database work runs in worker threads: signature checks of concurrent batches overlap (Ed25519
 verification releases the GIL) while appends are serialised by the ledger.
 """
 
@@ -30,10 +35,9 @@ from moeswarm.errors import (
     ProtocolError,
     SwarmError,
 )
-from moeswarm.protocol import peer_id_to_str
+from moeswarm.protocol import peer_id_from_str, peer_id_to_str
 
 from ._audit import AuditSample
-from ._chain import ModelShape
 from ._errors import LedgerCorrupt
 from ._evidence import LocalJudge
 from ._settlement import prove, stored_statement, top_contributors
@@ -51,7 +55,7 @@ class ServiceConfig:
     port: int = 0  # 0 picks a free port
     max_batch: int = 4096  # receipts per POST /v1/receipts
     max_body_bytes: int = 64 * 1024 * 1024  # largest request body
-    accept_client_models: bool = True  # backbones may register unknown models' expert shapes
+    max_standing_peers: int = 1024  # peers per POST /v1/standing
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -77,7 +81,9 @@ class LedgerService:
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.add_routes([
             web.post("/v1/receipts", self._receipts),
-            web.put("/v1/models/{model_id:.+}", self._model),
+            web.get("/v1/accounts/{peer}", self._account),
+            web.post("/v1/standing", self._standing),
+            web.get("/v1/standing", self._top_standing),
             web.post("/v1/audits", self._audit),
             web.get("/v1/proofs/{receipt_id}", self._proof),
             web.get("/v1/settlements/{epoch}", self._settlement),
@@ -126,22 +132,54 @@ class LedgerService:
         head = max((r.position or 0 for r in results), default=0)
         return web.json_response({"results": [r.to_json() for r in results], "head": head})
 
-    async def _model(self, request: web.Request) -> web.Response:
-        if not self.config.accept_client_models:
-            return _error(403, "this ledger only knows the models its operator registered")
+    async def _account(self, request: web.Request) -> web.Response:
+        try:
+            peer = peer_id_from_str(request.match_info["peer"])
+            since = int(request.query.get("since_ms", "0"))
+        except (SwarmError, ValueError):
+            return _error(400, "give a base58 peer ID and an integer since_ms")
+        try:
+            standing = await asyncio.to_thread(self.ledger.standing, [peer], since)
+        except SwarmError as e:
+            return _error(503, str(e))
+        return web.json_response(standing[peer].to_json())
+
+    async def _standing(self, request: web.Request) -> web.Response:
         try:
             d = await request.json()
-            shape = ModelShape(int(d["hidden"]), int(d["ffn"]))
-        except (ValueError, KeyError, TypeError):
-            return _error(400, 'body must be JSON {"hidden": H, "ffn": F}')
-        model_id = request.match_info["model_id"]
+            names = d["peers"]
+            if not isinstance(names, list) or len(names) > self.config.max_standing_peers:
+                raise ValueError
+            peers = [peer_id_from_str(str(n)) for n in names]
+            since = int(d.get("since_ms", 0))
+        except (ValueError, KeyError, TypeError, AttributeError, SwarmError):
+            return _error(400, f'body must be JSON {{"peers": [base58, ...] (at most '
+                               f'{self.config.max_standing_peers}), "since_ms": t}}')
         try:
-            created = await asyncio.to_thread(self.ledger.register_model, model_id, shape, "client")
-        except ConfigError as e:
-            return _error(409, str(e))
-        except NetworkError as e:
+            standing = await asyncio.to_thread(self.ledger.standing, peers, since)
+        except SwarmError as e:
             return _error(503, str(e))
-        return web.json_response({"model_id": model_id, "created": created})
+        return web.json_response({"standing": [standing[p].to_json() for p in dict.fromkeys(peers)]})
+
+    async def _top_standing(self, request: web.Request) -> web.Response:
+        try:
+            since = int(request.query.get("since_ms", "0"))
+            limit = int(request.query.get("limit", "256"))
+            if not 1 <= limit <= self.config.max_standing_peers:
+                raise ValueError
+        except ValueError:
+            return _error(400, f"since_ms is an integer, limit 1..{self.config.max_standing_peers}")
+
+        def read() -> list[dict[str, Any]]:
+            peers = self.ledger.top_payers(since, limit)
+            standing = self.ledger.standing(peers, since)
+            return [standing[p].to_json() for p in peers]
+
+        try:
+            top = await asyncio.to_thread(read)
+        except SwarmError as e:
+            return _error(503, str(e))
+        return web.json_response({"standing": top})
 
     async def _audit(self, request: web.Request) -> web.Response:
         if self.judge is None:

@@ -11,30 +11,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select, true, update
+from sqlalchemy import func, insert, select, update
 
 from moeswarm.errors import ConfigError
 from moeswarm.protocol import (
     CountersignedReceipt,
-    Receipt,
     decode,
     peer_id_from_str,
     peer_id_to_str,
 )
 
+from ._accounts import apply_deltas, balances_of
 from ._chain import GENESIS_HASH, receipt_id
 from ._errors import LedgerCorrupt
 from ._merkle import inclusion_proof, leaf_hash, merkle_root, verify_inclusion
-from ._models import Entry, Evidence, Settlement
-from ._settle import Balance, FlatPrice, Pricing, Statement, balances
+from ._models import Entry, Evidence, Grant, Settlement
+from ._settle import Balance, Statement
 from ._store import ENTRIES, HEAD, Ledger
 from ._verify import check_entry
 
 
-def _receipt(record: bytes) -> Receipt:
-    cr = decode(record)
-    assert isinstance(cr, CountersignedReceipt)  # stored records were decoded before they were stored
-    return cr.receipt
+def epoch_balances(rows: list[Any], withheld: frozenset[bytes]) -> tuple[list[Balance], list[Balance]]:
+    """(paid, withheld) per server from stored entries: the amounts their clients paid (Python ints)."""
+    sums: dict[bytes, list[int]] = {}
+    for r in rows:
+        s = sums.setdefault(bytes(r.server), [0, 0, 0])
+        s[0] += int(r.amount)
+        s[1] += int(r.expert_flops)
+        s[2] += 1
+    out = sorted(Balance(server, *v) for server, v in sums.items())
+    return [b for b in out if b.server not in withheld], [b for b in out if b.server in withheld]
 
 
 def withheld_servers(conn: Any, epoch: int) -> frozenset[bytes]:
@@ -47,8 +53,12 @@ def stored_statement(ledger: Ledger, epoch: int) -> Statement | None:
     return Statement.decode(data) if data is not None else None
 
 
-def settle_epoch(ledger: Ledger, epoch: int, pricing: Pricing = FlatPrice()) -> Statement:
-    """Settle ``epoch`` (once: a settled epoch returns its stored statement)."""
+def settle_epoch(ledger: Ledger, epoch: int) -> Statement:
+    """Settle ``epoch`` (once: a settled epoch returns its stored statement).
+
+    Each receipt's client paid its ``amount`` into escrow when it was appended; settling pays the
+    escrow to the servers' accounts, except for servers with audit evidence in the epoch, whose
+    receipts' amounts go back to the clients that paid them."""
     if ledger.identity is None:
         raise ConfigError("settling signs a statement: it needs the ledger's key (--key)")
     if epoch < 0:
@@ -77,9 +87,16 @@ def settle_epoch(ledger: Ledger, epoch: int, pricing: Pricing = FlatPrice()) -> 
                                         position=row.position)
                 prev_hash, prev_received = row.entry_hash, row.received_ms
         withheld = withheld_servers(conn, epoch)
-        paid, held_back = balances((_receipt(r.record) for r in rows), pricing, withheld)
+        paid, held_back = epoch_balances(rows, withheld)
+        moves: dict[bytes, int] = {}
+        for b in paid:
+            moves[b.server] = moves.get(b.server, 0) + b.credits
+        for r in rows:
+            if r.server in withheld:
+                moves[r.client] = moves.get(r.client, 0) + r.amount  # refunded: the work failed its audit
+        apply_deltas(conn, moves, now)
         statement = Statement(
-            ledger=ledger.ledger_peer_id, epoch=epoch, epoch_ms=ledger.epoch_ms, pricing=pricing.name,
+            ledger=ledger.ledger_peer_id, epoch=epoch, epoch_ms=ledger.epoch_ms, pricing=ledger.pricing.name,
             receipts=len(rows), first_position=rows[0].position if rows else 0,
             last_position=rows[-1].position if rows else 0, chain_hash=rows[-1].entry_hash if rows else bytes(32),
             merkle_root=merkle_root([leaf_hash(r.record) for r in rows]), balances=tuple(paid),
@@ -166,20 +183,24 @@ def prove(ledger: Ledger, receipt: str | bytes) -> Proof:
 
 @dataclass(frozen=True)
 class PeerBalance:
-    """What a server has earned: settled (paid), pending (unsettled epochs, at ``pricing``), withheld."""
+    """A peer's credit: spendable balance, earnings settled, pending (escrowed) and withheld."""
 
     peer: bytes
-    settled: int  # credits in signed statements
-    pending: int  # credits in epochs not settled yet
-    withheld: int  # credits withheld by statements because of audit evidence
+    settled: int  # credits earned in signed statements
+    pending: int  # credits its clients paid into escrow in epochs not settled yet
+    withheld: int  # credits withheld by statements because of audit evidence (refunded to clients)
     expert_flops: int  # all expert-FLOPs served, settled or not
     receipts: int
     evidence: int  # failed audits on record
+    balance: int = 0  # spendable credits now: grants + settled earnings + refunds - what it paid
+    granted: int = 0  # credits granted to it by the operator
+    spent: int = 0  # credits it paid for calls as a client
 
     def to_json(self) -> dict[str, Any]:
-        return {"peer": peer_id_to_str(self.peer), "settled": self.settled, "pending": self.pending,
-                "withheld": self.withheld, "expert_flops": self.expert_flops, "receipts": self.receipts,
-                "evidence": self.evidence, "flagged": self.evidence > 0}
+        return {"peer": peer_id_to_str(self.peer), "balance": self.balance, "settled": self.settled,
+                "pending": self.pending, "withheld": self.withheld, "granted": self.granted, "spent": self.spent,
+                "expert_flops": self.expert_flops, "receipts": self.receipts, "evidence": self.evidence,
+                "flagged": self.evidence > 0}
 
 
 def top_contributors(ledger: Ledger, n: int = 20) -> list[tuple[bytes, int]]:
@@ -192,8 +213,8 @@ def top_contributors(ledger: Ledger, n: int = 20) -> list[tuple[bytes, int]]:
     return sorted(totals.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
 
 
-def peer_balance(ledger: Ledger, peer: str | bytes, pricing: Pricing = FlatPrice()) -> PeerBalance:
-    """The balance of a server peer (base58 peer ID or raw bytes)."""
+def peer_balance(ledger: Ledger, peer: str | bytes) -> PeerBalance:
+    """The balance of a peer (base58 peer ID or raw bytes): as a server and as a client."""
     pid = peer_id_from_str(peer) if isinstance(peer, str) else peer
     settled = withheld = 0
     with ledger.read() as conn:
@@ -203,14 +224,19 @@ def peer_balance(ledger: Ledger, peer: str | bytes, pricing: Pricing = FlatPrice
             settled_epochs.add(st.epoch)
             settled += sum(b.credits for b in st.balances if b.server == pid)
             withheld += sum(b.credits for b in st.withheld if b.server == pid)
-        totals = conn.execute(select(func.count(), func.coalesce(func.sum(Entry.expert_flops), 0))
-                              .where(Entry.server == pid)).one()
-        pending_rows = conn.execute(select(Entry.record, Entry.epoch).where(Entry.server == pid)
-                                    .where(Entry.epoch.not_in(settled_epochs) if settled_epochs else true())).all()
+        pending = flops = receipts = 0
+        for epoch, amount, f in conn.execute(select(Entry.epoch, Entry.amount, Entry.expert_flops)
+                                             .where(Entry.server == pid)):
+            flops += int(f)
+            receipts += 1
+            if epoch not in settled_epochs:
+                pending += int(amount)
+        spent = sum(int(a) for a in conn.execute(select(Entry.amount).where(Entry.client == pid)).scalars())
+        granted = sum(int(a) for a in conn.execute(select(Grant.amount).where(Grant.peer == pid)).scalars())
+        balance = balances_of(conn, [pid]).get(pid, 0)
         evidence = conn.execute(select(func.count()).select_from(Evidence).where(Evidence.server == pid)).scalar_one()
-    pending = sum(b.credits for b in balances((_receipt(r.record) for r in pending_rows), pricing)[0])
-    return PeerBalance(pid, settled, pending, withheld, int(totals[1]), int(totals[0]), int(evidence))
+    return PeerBalance(pid, settled, pending, withheld, flops, receipts, int(evidence), balance, granted, spent)
 
 
-__all__ = ["Balance", "PeerBalance", "Proof", "check_proof", "peer_balance", "prove", "settle_epoch",
-           "stored_statement", "withheld_servers"]
+__all__ = ["Balance", "PeerBalance", "Proof", "check_proof", "epoch_balances", "peer_balance", "prove",
+           "settle_epoch", "stored_statement", "withheld_servers"]

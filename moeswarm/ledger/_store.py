@@ -5,6 +5,10 @@ settlement, proofs, audits and verification build on it in their own modules. Ap
 serialised: a process-wide lock plus the chain head's row lock (``SELECT ... FOR UPDATE`` on
 PostgreSQL; ``BEGIN IMMEDIATE`` on SQLite). ``ingest`` returns only after its transaction has
 committed, so every result it reports as accepted or duplicate is durable.
+
+Appending a receipt also moves credit: its client pays ``credits(receipt, ledger.pricing)`` into
+escrow, in the same transaction, or the receipt is refused (``insufficient_funds``); see
+``_accounts`` for the double-entry rules.
 """
 
 from __future__ import annotations
@@ -30,8 +34,22 @@ from moeswarm.protocol import (
     verify,
 )
 
+from ._accounts import (
+    GRANT_KIND,
+    GrantRecord,
+    Standing,
+    apply_deltas,
+    balances_of,
+    check_grant_amount,
+    count_grants,
+    grant_body,
+    standing_of,
+    top_payers,
+    total_granted,
+)
 from ._chain import (
     GENESIS_HASH,
+    MAX_STORED_INT,
     ModelShape,
     Prepared,
     Reason,
@@ -41,11 +59,13 @@ from ._chain import (
 )
 from ._db import database_url, describe, migrate, open_engine, translate, write_tx
 from ._ingest import IngestResult, Known, plan_batch
-from ._models import Entry, Head, Meta, Model
+from ._models import Entry, Grant, Head, Meta, Model
+from ._settle import FlatPrice, Pricing, credits
 
 HEAD_KIND: Final = "ledger-head"
 _CHUNK: Final = 500  # keys per IN (...) lookup
 ENTRIES = cast(Table, Entry.__table__)
+FLAT: Final = FlatPrice()  # one credit per expert-FLOP, until the market supplies prices
 HEAD = cast(Table, Head.__table__)
 
 
@@ -85,7 +105,7 @@ class Ledger:
     """An open ledger database. ``identity`` (the ledger's key) is needed to append and sign."""
 
     def __init__(self, config: StoreConfig, identity: Identity | None = None,
-                 clock: Callable[[], int] = now_ms) -> None:
+                 clock: Callable[[], int] = now_ms, pricing: Pricing = FLAT) -> None:
         if config.epoch_s < 1:
             raise ConfigError("epoch_s must be at least one second")
         if config.verify_threads < 1:
@@ -93,6 +113,7 @@ class Ledger:
         self.config = config
         self.identity = identity
         self.clock = clock  # unix milliseconds
+        self.pricing = pricing  # what a receipt's client pays its server, fixed when the receipt is appended
         self.url = database_url(config.db)
         self.engine = open_engine(self.url, create=config.create, sqlite_synchronous=config.sqlite_synchronous,
                                   busy_timeout_s=config.busy_timeout_s)
@@ -195,21 +216,33 @@ class Ledger:
 
     def models(self) -> dict[str, ModelShape]:
         with self.read() as conn:
-            rows = conn.execute(select(Model.model_id, Model.hidden, Model.ffn)).all()
-        return {r.model_id: ModelShape(r.hidden, r.ffn) for r in rows}
+            rows = conn.execute(select(Model.model_id, Model.hidden, Model.ffn, Model.top_k, Model.max_tokens)).all()
+        return {r.model_id: ModelShape(r.hidden, r.ffn, r.top_k, r.max_tokens) for r in rows}
 
-    def register_model(self, model_id: str, shape: ModelShape, source: str = "serve") -> bool:
-        """Record a model's expert shape; True if new. A different shape for a known id is refused."""
-        if shape.hidden < 1 or shape.ffn < 1:
-            raise ConfigError(f"model {model_id!r}: hidden and ffn must be positive")
+    def register_model(self, model_id: str, shape: ModelShape, source: str = "operator") -> bool:
+        """Record a model's expert shape and per-call limits (the operator does: ``models add``);
+        True if new. A different shape for a known id is refused."""
+        if shape.hidden < 1 or shape.ffn < 1 or shape.top_k < 0 or shape.max_tokens < 0:
+            raise ConfigError(f"model {model_id!r}: hidden and ffn must be positive, top_k and max_tokens >= 0")
+        if max(shape.hidden, shape.ffn, shape.top_k, shape.max_tokens) > MAX_STORED_INT:
+            raise ConfigError(f"model {model_id!r}: a dimension is above 2**63 - 1")
         with self.write() as conn:
-            held = conn.execute(select(Model.hidden, Model.ffn).where(Model.model_id == model_id)).first()
+            held = conn.execute(select(Model.hidden, Model.ffn, Model.top_k, Model.max_tokens)
+                                .where(Model.model_id == model_id)).first()
             if held is not None:
-                if ModelShape(held.hidden, held.ffn) != shape:
+                old = ModelShape(held.hidden, held.ffn, held.top_k, held.max_tokens)
+                if (old.hidden, old.ffn) != (shape.hidden, shape.ffn):
                     raise ConfigError(f"model {model_id!r} is registered as hidden {held.hidden}, ffn {held.ffn}; "
                                       f"refusing hidden {shape.hidden}, ffn {shape.ffn}")
+                if old == shape:
+                    return False
+                # same FLOPs shape, new per-call limits (a ledger migrated from 0001 learns them)
+                conn.execute(update(Model).where(Model.model_id == model_id)
+                             .values(top_k=shape.top_k, max_tokens=shape.max_tokens))
+                self._shapes[model_id] = shape
                 return False
             conn.execute(insert(Model).values(model_id=model_id, hidden=shape.hidden, ffn=shape.ffn,
+                                              top_k=shape.top_k, max_tokens=shape.max_tokens,
                                               source=source, registered_ms=self.clock()))
         self._shapes[model_id] = shape
         return True
@@ -243,21 +276,31 @@ class Ledger:
 
     def append_prepared(self, prepared: Sequence[Prepared | Refused]) -> list[IngestResult]:
         candidates = [p for p in prepared if isinstance(p, Prepared)]
+        pricing = self.pricing
+
+        def cost(r: Any) -> int:
+            return credits(r, pricing)
+
         if not candidates:
-            return plan_batch(prepared, Known(), first_position=1, seq_window=self.config.seq_window)[1]
+            return plan_batch(prepared, Known(), first_position=1, seq_window=self.config.seq_window,
+                              funds={}, cost=cost)[1]
         with self.write() as conn:
-            head = self.head_in(conn, lock=True)
+            head = self.head_in(conn, lock=True)  # grants and settlements take it too: balances hold still
             known = self._known(conn, candidates)
+            funds = balances_of(conn, (p.receipt.client for p in candidates))
             accepted, results = plan_batch(prepared, known, first_position=head.position + 1,
-                                           seq_window=self.config.seq_window)
+                                           seq_window=self.config.seq_window, funds=funds, cost=cost)
             if accepted:
                 received = max(self.clock(), head.received_ms, head.sealed_ms)
                 prev, rows, epoch = head.entry_hash, [], self.epoch_of(received)
-                for position, p in enumerate(accepted, head.position + 1):
+                paid: dict[bytes, int] = {}
+                for position, (p, amount) in enumerate(accepted, head.position + 1):
                     h = entry_hash(prev, position, received, p.record)
-                    rows.append(_row(p, position, prev, h, received, epoch))
+                    rows.append(_row(p, position, prev, h, received, epoch, amount))
                     prev = h
+                    paid[p.receipt.client] = paid.get(p.receipt.client, 0) - amount
                 conn.exec_driver_sql(_insert_sql(conn.dialect.paramstyle), rows)
+                apply_deltas(conn, paid, received)  # into escrow until the epoch settles
                 last = head.position + len(accepted)
                 conn.execute(update(HEAD).where(HEAD.c.id == 1).values(
                     position=last, entry_hash=prev, received_ms=received, sig=self._sign_head(last, prev)))
@@ -293,6 +336,39 @@ class Ledger:
                 select(c.client, c.server, c.seq).where(tuple_(c.client, c.server, c.seq).in_(chunk))))
         return known
 
+    # ------------------------------------------------------------------ accounts (double-entry)
+
+    def grant(self, peer: bytes, amount: int) -> GrantRecord:
+        """Credit ``amount`` to ``peer``: the only way credit enters the ledger, signed by its key."""
+        if self.identity is None:
+            raise ConfigError("a grant is signed by the ledger operator's key (--key)")
+        public_key_from_peer_id(peer)  # a peer ID we could ever verify (ProtocolError otherwise)
+        with self.write() as conn:
+            self.head_in(conn, lock=True)
+            check_grant_amount(amount, total_granted(conn))
+            seq, now = count_grants(conn) + 1, self.clock()
+            record = grant_body(self.ledger_peer_id, peer, amount, seq, now)
+            sig = self.identity.sign(GRANT_KIND, record)
+            conn.execute(insert(Grant).values(id=seq, peer=peer, amount=amount, record=record, sig=sig,
+                                              created_ms=now))
+            apply_deltas(conn, {peer: amount}, now)
+        return GrantRecord(seq, peer, amount, now, record, sig)
+
+    def balance(self, peer: bytes) -> int:
+        """``peer``'s spendable credits (0 without an account)."""
+        with self.read() as conn:
+            return balances_of(conn, [peer]).get(peer, 0)
+
+    def standing(self, peers: Sequence[bytes], since_ms: int = 0) -> dict[bytes, Standing]:
+        """Balance and paid calls (appended at or after ``since_ms``) of each peer."""
+        with self.read() as conn:
+            return standing_of(conn, peers, since_ms)
+
+    def top_payers(self, since_ms: int, limit: int) -> list[bytes]:
+        """Clients that paid the most for calls appended since ``since_ms`` (most first)."""
+        with self.read() as conn:
+            return top_payers(conn, since_ms, limit)
+
     # ------------------------------------------------------------------ reads
 
     def find(self, receipt_id: str | bytes) -> Row[Any]:
@@ -323,7 +399,8 @@ class Ledger:
 
 
 _COLUMNS: Final = ("position", "prev_hash", "entry_hash", "received_ms", "epoch", "record", "receipt_id", "client",
-                   "server", "request_id", "model_id", "layer", "tokens", "pairs", "expert_flops", "time_ms", "seq")
+                   "server", "request_id", "model_id", "layer", "tokens", "pairs", "expert_flops", "time_ms", "seq",
+                   "amount")
 
 
 def _insert_sql(paramstyle: str) -> str:
@@ -333,10 +410,11 @@ def _insert_sql(paramstyle: str) -> str:
     return f"INSERT INTO ledger_entries ({', '.join(_COLUMNS)}) VALUES ({', '.join([mark] * len(_COLUMNS))})"
 
 
-def _row(p: Prepared, position: int, prev: bytes, h: bytes, received: int, epoch: int) -> tuple[Any, ...]:
+def _row(p: Prepared, position: int, prev: bytes, h: bytes, received: int, epoch: int,
+         amount: int) -> tuple[Any, ...]:
     r = p.receipt
     return (position, prev, h, received, epoch, p.record, p.receipt_id, r.client, r.server, r.request_id,
-            r.model_id, r.layer, r.tokens, r.pairs, r.expert_flops, r.time_ms, r.seq)
+            r.model_id, r.layer, r.tokens, r.pairs, r.expert_flops, r.time_ms, r.seq, amount)
 
 
 def _chunks(items: list[Any], size: int = _CHUNK) -> Iterable[list[Any]]:

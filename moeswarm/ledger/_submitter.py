@@ -33,7 +33,6 @@ from moeswarm.errors import ConfigError
 from moeswarm.protocol import CountersignedReceipt, encode
 
 from .._tasks import cancel_and_wait
-from ._chain import ModelShape
 from ._ingest import IngestResult
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,6 @@ class SubmitterConfig:
     request_timeout_s: float = 30.0  # one POST, connection included
     close_timeout_s: float = 5.0  # aclose() tries this long to deliver; the rest stays spooled
     fsync: bool = False  # fsync spool files: survive power loss too, not only a process crash
-    models: tuple[tuple[str, ModelShape], ...] = ()  # expert shapes to register with the ledger on start
 
 
 class ReceiptSubmitter:
@@ -78,7 +76,6 @@ class ReceiptSubmitter:
         self._lock_fd: int | None = None
         self._closing = False
         self._closed = False
-        self._models_pending = list(config.models)
         self.stats = {"accepted": 0, "duplicate": 0, "rejected": 0, "retry": 0, "posts": 0, "failures": 0}
 
     # ------------------------------------------------------------------ the sink
@@ -232,27 +229,12 @@ class ReceiptSubmitter:
         self._segments.append(path)
         self._sizes[path] = len(items)
 
-    async def _register_models(self) -> bool:
-        assert self._session is not None
-        while self._models_pending:
-            model_id, shape = self._models_pending[0]
-            async with self._session.put(f"{self.url}/v1/models/{model_id}",
-                                         json={"hidden": shape.hidden, "ffn": shape.ffn}) as resp:
-                if resp.status >= 500:
-                    return False
-                if resp.status != 200:
-                    log.error("the ledger refused model %s: %s", model_id, await resp.text())
-            self._models_pending.pop(0)
-        return True
-
     async def _send(self, path: Path) -> bool:
         """POST one spool file; True when the ledger answered for all of it (file removed)."""
         assert self._session is not None
         items = _read_segment(path)
         body = msgpack.packb({"receipts": items}, use_bin_type=True)
         try:
-            if not await self._register_models():
-                return False
             self.stats["posts"] += 1
             async with self._session.post(f"{self.url}/v1/receipts", data=body,
                                           headers={"Content-Type": "application/msgpack"}) as resp:

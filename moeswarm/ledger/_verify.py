@@ -16,6 +16,7 @@ from sqlalchemy import Row, select
 from moeswarm.errors import ProtocolError
 from moeswarm.protocol import CountersignedReceipt, decode
 
+from ._accounts import accounts_problem
 from ._chain import (
     GENESIS_HASH,
     ModelShape,
@@ -39,7 +40,7 @@ _COLUMNS = ("client", "server", "request_id", "model_id", "layer", "tokens", "pa
 class Problem:
     """The first thing found wrong."""
 
-    what: str  # "entry", "head", "settlement" or "evidence"
+    what: str  # "entry", "head", "settlement", "evidence" or "accounts"
     position: int | None  # chain position of the entry (or the epoch, for a settlement)
     receipt_id: bytes | None
     message: str
@@ -93,14 +94,15 @@ def check_entry(row: Row[Any], *, position: int, prev_hash: bytes, prev_received
     for name in _COLUMNS:
         if getattr(row, name) != getattr(cr.receipt, name):
             return f"column {name} = {getattr(row, name)!r} differs from its signed record"
-    problem = content_problem(cr.receipt, shapes)
+    problem = content_problem(cr.receipt, shapes, limits=False)
     if problem is not None and problem[0] == "rejected":
         return f"{problem[1].replace('_', ' ')}: {problem[2]}"
     return None
 
 
 def verify_chain(ledger: Ledger, *, ledger_key: bytes | None = None, batch: int = 2000) -> VerifyReport:
-    """Check every entry, the signed head, every settlement statement and evidence record.
+    """Check every entry, the signed head, every settlement statement and evidence record, every
+    grant's signature, and that every account holds what its grants, receipts and settlements make.
 
     ``ledger_key`` (the ledger's peer ID) pins whose signatures the head and statements must
     carry; by default the key recorded in the database is trusted."""
@@ -136,6 +138,7 @@ def verify_chain(ledger: Ledger, *, ledger_key: bytes | None = None, batch: int 
                                                         "the head's signature does not verify"))
         statements = conn.execute(select(Settlement).order_by(Settlement.epoch)).all()
         evidence = conn.execute(select(Evidence).order_by(Evidence.id)).all()
+        books = accounts_problem(conn, key)
     for s in statements:
         problem = _check_statement(s, key, leaves.get(s.epoch, []), ends.get(s.epoch))
         if problem is not None:
@@ -145,6 +148,8 @@ def verify_chain(ledger: Ledger, *, ledger_key: bytes | None = None, batch: int 
         if record.ledger != key or not record.verifies() or record.receipt_id != ev.receipt_id:
             return VerifyReport(position, len(statements), 0, Problem(
                 "evidence", ev.id, ev.receipt_id, "evidence record's signature or fields do not verify"))
+    if books is not None:
+        return VerifyReport(position, len(statements), len(evidence), Problem("accounts", None, None, books))
     return VerifyReport(position, len(statements), len(evidence), None)
 
 

@@ -92,7 +92,8 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @friendly_errors
 def balance(db: str, peer: str, fmt: str) -> None:
-    """What server PEER (base58 peer ID) has earned: settled, pending, withheld."""
+    """PEER's credit (base58 peer ID): spendable balance, and as a server what it earned (settled,
+    pending in escrow, withheld)."""
     from ._settlement import peer_balance
 
     with _open(db) as ledger:
@@ -101,8 +102,10 @@ def balance(db: str, peer: str, fmt: str) -> None:
         click.echo(json.dumps(b.to_json()))
         return
     d = b.to_json()
-    _table(f"balance of {peer}", ["settled", "pending", "withheld", "expert_flops", "receipts", "flagged"],
-           [[d["settled"], d["pending"], d["withheld"], d["expert_flops"], d["receipts"],
+    _table(f"balance of {peer}", ["balance", "granted", "spent", "settled", "pending", "withheld", "expert_flops",
+                                  "receipts", "flagged"],
+           [[d["balance"], d["granted"], d["spent"], d["settled"], d["pending"], d["withheld"], d["expert_flops"],
+             d["receipts"],
              f"yes ({b.evidence} failed audits)" if b.evidence else "no"]])
 
 
@@ -215,13 +218,17 @@ def _check_dht_root(proof: Any, ledger: bytes, bootstrap: tuple[str, ...]) -> No
 @friendly_errors
 def epochs(db: str) -> None:
     """Epochs with receipts, and whether each is settled."""
-    from sqlalchemy import func, select
+    from sqlalchemy import select
 
     from ._models import Entry, Settlement
 
     with _open(db) as ledger, ledger.read() as conn:
-        rows = conn.execute(select(Entry.epoch, func.count(), func.sum(Entry.expert_flops))
-                            .group_by(Entry.epoch).order_by(Entry.epoch)).all()
+        sums: dict[int, list[int]] = {}
+        for e, f in conn.execute(select(Entry.epoch, Entry.expert_flops)):  # Python ints: no SQL overflow
+            t = sums.setdefault(e, [0, 0])
+            t[0] += 1
+            t[1] += int(f)
+        rows = [(e, n, f) for e, (n, f) in sorted(sums.items())]
         settled = set(conn.execute(select(Settlement.epoch)).scalars())
         span = ledger.epoch_ms
     _table(f"epochs of {span // 1000} s", ["epoch", "starts (UTC)", "receipts", "expert FLOPs", "settled"],
@@ -288,11 +295,23 @@ def _parse_listen(text: str) -> tuple[str, int]:
 
 def _model_spec(text: str) -> tuple[str, ModelShape]:
     model_id, _, shape = text.partition("=")
-    hidden, _, ffn = shape.partition(":")
+    parts = shape.split(":")
     try:
-        return model_id, ModelShape(int(hidden), int(ffn))
+        if not model_id or not 2 <= len(parts) <= 4:
+            raise ValueError
+        return model_id, ModelShape(*(int(p) for p in parts))
     except ValueError:
-        raise ConfigError(f"--model takes MODEL_ID=HIDDEN:FFN, not {text!r}") from None
+        raise ConfigError(f"--model takes MODEL_ID=HIDDEN:FFN[:TOP_K[:MAX_TOKENS]], not {text!r}") from None
+
+
+def _checkpoint_shape(folder: str, model_id: str | None) -> tuple[str, ModelShape]:
+    """A checkpoint's model id and its expert shape with per-call limits, from its config.json."""
+    from moeswarm.model import load_config
+    from moeswarm.model.model_id import model_id_for
+
+    cfg = load_config(folder)
+    return (model_id or model_id_for(folder, cfg),
+            ModelShape(cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k))
 
 
 @main.command()
@@ -302,21 +321,20 @@ def _model_spec(text: str) -> tuple[str, ModelShape]:
               help="Where to serve HTTP (port 0 picks a free one).")
 @click.option("--epoch-seconds", type=click.IntRange(1), default=3600, show_default=True,
               help="Epoch length, fixed when the ledger is created.")
-@click.option("--model", "models", multiple=True, metavar="ID=HIDDEN:FFN",
-              help="Register a model's expert shape for the FLOPs bound (repeatable).")
+@click.option("--model", "models", multiple=True, metavar="ID=HIDDEN:FFN[:TOP_K]",
+              help="Register a model's expert shape for the FLOPs bound (repeatable; `models add --model DIR` "
+                   "reads it from a checkpoint).")
 @click.option("--model-dir", "model_dirs", multiple=True, metavar="DIR[=ID]",
               help="A checkpoint: registers its shape and audits its calls (POST /v1/audits). Repeatable.")
 @click.option("--audit-tolerance", type=click.FloatRange(0), default=1e-2, show_default=True,
               help="Largest max|output - reference| / max(1, max|reference|) an audited call may show.")
-@click.option("--no-client-models", is_flag=True, help="Refuse model shapes registered by backbones.")
 @click.option("--verify-threads", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Threads checking the signatures of one batch.")
 @friendly_errors
 def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models: tuple[str, ...],
-          model_dirs: tuple[str, ...], audit_tolerance: float, no_client_models: bool, verify_threads: int) -> None:
+          model_dirs: tuple[str, ...], audit_tolerance: float, verify_threads: int) -> None:
     """Run the ingestion service; prints READY {json} on stdout when it accepts receipts."""
     from moeswarm.model import load_weights
-    from moeswarm.model.model_id import model_id_for
 
     from ._audit import AuditConfig
     from ._evidence import LocalJudge
@@ -328,12 +346,12 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
     for spec in model_dirs:
         folder, _, model_id = spec.partition("=")
         w = load_weights(folder)
-        model_id = model_id or model_id_for(folder, w.config)
+        model_id, shape = _checkpoint_shape(folder, model_id or None)
         weights[model_id] = w
-        shapes.append((model_id, ModelShape(w.config.hidden_size, w.config.moe_intermediate_size)))
+        shapes.append((model_id, shape))
     ledger = _open(db, key_path, need_key=True, create=True, epoch_s=epoch_seconds, verify_threads=verify_threads)
     for model_id, shape in shapes:
-        ledger.register_model(model_id, shape, "serve")
+        ledger.register_model(model_id, shape)
     judge = LocalJudge(ledger, weights, AuditConfig(tolerance=audit_tolerance)) if weights else None
 
     async def run() -> None:
@@ -341,7 +359,7 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        config = ServiceConfig(host=host, port=port, accept_client_models=not no_client_models)
+        config = ServiceConfig(host=host, port=port)
         service = LedgerService(ledger, config, judge=judge)
         try:
             await service.start()
@@ -358,6 +376,58 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
         asyncio.run(run())
     finally:
         ledger.close()
+
+
+@main.command()
+@_DB
+@_KEY
+@click.argument("peer")
+@click.argument("amount", type=click.IntRange(1))
+@friendly_errors
+def grant(db: str, key_path: str | None, peer: str, amount: int) -> None:
+    """Grant AMOUNT credits to PEER (base58 peer ID), signed by the ledger's key.
+
+    The only way credit enters the ledger: every receipt moves credit from its client to its
+    server, so the sum of all balances (and escrow) always equals the sum of grants."""
+    with _open(db, key_path, need_key=True) as ledger:
+        record = ledger.grant(peer_id_from_str(peer), amount)
+        balance = ledger.balance(record.peer)
+    click.echo(json.dumps({**record.to_json(), "balance": balance}))
+
+
+@main.group()
+def models() -> None:
+    """The models whose receipts this ledger accepts (only the operator registers them)."""
+
+
+@models.command("add")
+@_DB
+@_KEY
+@click.option("--model", "model_dirs", multiple=True, required=True, metavar="DIR[=ID]",
+              help="A checkpoint folder: its config.json gives the expert shape and experts per token.")
+@click.option("--epoch-seconds", type=click.IntRange(1), default=3600, show_default=True,
+              help="Epoch length, if this creates the ledger.")
+@friendly_errors
+def models_add(db: str, key_path: str | None, model_dirs: tuple[str, ...], epoch_seconds: int) -> None:
+    """Register models' expert shapes and per-call limits (creates the ledger if needed)."""
+    with _open(db, key_path, need_key=True, create=True, epoch_s=epoch_seconds) as ledger:
+        for spec in model_dirs:
+            folder, _, model_id = spec.partition("=")
+            mid, shape = _checkpoint_shape(folder, model_id or None)
+            created = ledger.register_model(mid, shape)
+            click.echo(json.dumps({"model_id": mid, "hidden": shape.hidden, "ffn": shape.ffn, "top_k": shape.top_k,
+                                   "max_tokens": shape.token_limit, "created": created}))
+
+
+@models.command("list")
+@_DB
+@friendly_errors
+def models_list(db: str) -> None:
+    """The registered models, as JSON lines."""
+    with _open(db) as ledger:
+        for mid, shape in sorted(ledger.models().items()):
+            click.echo(json.dumps({"model_id": mid, "hidden": shape.hidden, "ffn": shape.ffn, "top_k": shape.top_k,
+                                   "max_tokens": shape.token_limit}))
 
 
 if __name__ == "__main__":

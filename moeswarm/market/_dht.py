@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from moeswarm.errors import ProtocolError, SwarmError
 from moeswarm.protocol import (
@@ -85,15 +85,16 @@ async def fetch_announcements(dht: DHT, shape: ModelShape, *, now_ms: int | None
     return await read_announcements(dht, shape.model_id, shape.moe_layers, now_ms=now_ms)
 
 
-async def fetch_reports(dht: DHT, model_id: str) -> list[bytes]:
-    """The raw demand reports published for ``model_id`` (validated later, by the merge)."""
+async def fetch_reports(dht: DHT, model_id: str, reporters: Iterable[bytes] = ()) -> list[bytes]:
+    """The raw demand reports published for ``model_id`` (validated later, by the merge): those
+    of the demand key's providers, and those of ``reporters`` (peer IDs), read by key."""
     try:
         providers = await dht.find_providers(demand_provider_key(model_id))
     except SwarmError as e:
         log.info("find_providers for demand failed: %s", e)
-        return []
+        providers = []
     out: list[bytes] = []
-    for peer in dict.fromkeys(providers):
+    for peer in dict.fromkeys([*(peer_id_to_str(r) for r in reporters), *providers]):
         try:
             value = await dht.get(demand_key(model_id, peer_id_from_str(peer)))
         except SwarmError as e:
@@ -109,18 +110,30 @@ async def fetch_state(dht: DHT, shape: ModelShape, *, now_ms: int | None = None,
                       previous_prices: PriceTable | None = None,
                       merge_config: MergeConfig = MergeConfig(),
                       price_config: PriceConfig = PriceConfig(),
-                      exclude_peers: Collection[bytes] = ()) -> MarketState:
+                      exclude_peers: Collection[bytes] = (),
+                      standing: Mapping[bytes, float] | None = None,
+                      ledger_url: str | None = None) -> MarketState:
     """The market's state of ``shape``'s model, read live from the DHT.
 
     Supply from the validated announcements of every MoE layer, except those of
     ``exclude_peers`` (a node re-evaluating its own block counts itself as it knows it is, not
     as the DHT last heard); demand merged from the reports under the demand key plus
-    ``extra_reports`` (e.g. the local backbone's own).
+    ``extra_reports`` (e.g. the local backbone's own), weighted by ``standing`` or, given
+    ``ledger_url``, by what each reporter paid that ledger for calls in the last
+    ``merge_config.standing_window_s``: the ledger names the ``max_reporters`` clients that paid
+    the most, their reports are read by key (so a crowd of fresh providers cannot hide them), and
+    reporters without standing count for nothing.
     """
     now = int(time.time() * 1000) if now_ms is None else now_ms
     announcements = [a for a in await fetch_announcements(dht, shape, now_ms=now) if a.peer_id not in exclude_peers]
-    reports: list[DemandReport | bytes] = [*await fetch_reports(dht, shape.model_id), *extra_reports]
-    merged = merge_reports(reports, shape, now_ms=now, config=merge_config)
+    if standing is None and ledger_url is not None:
+        from ._standing import fetch_top_standing
+
+        standing = await fetch_top_standing(ledger_url, now - int(merge_config.standing_window_s * 1000),
+                                            merge_config.max_reporters)
+    reports: list[DemandReport | bytes] = [*await fetch_reports(dht, shape.model_id, standing or ()),
+                                           *extra_reports]
+    merged = merge_reports(reports, shape, now_ms=now, config=merge_config, standing=standing)
     if merged.rejected:
         log.info("demand reports dropped: %s", merged.rejected)
     supply = supply_from_holders(shape, announcements, now_ms=now)

@@ -4,13 +4,21 @@ A report is a canonical msgpack map (see ``report_body``) signed with the backbo
 identity under the domain ``moeswarm/v1/market-demand-report\\0``. ``decode_report`` validates
 every field and raises ``ProtocolError`` for anything else; ``merge_reports`` keeps only
 signed, fresh, well-shaped reports and discards outliers, so no single backbone sets demand.
+
+Against stuffing (many fresh keys reporting one expert): a report's time is clamped to now, so
+dating it ahead wins nothing; each reporter has one live report; and given ``standing`` (what
+each reporter paid the ledger for calls it made: verified work, ``moeswarm.ledger``'s
+``POST /v1/standing``) reporters are weighted by it, those without standing count for nothing,
+and shares are combined by a weighted median and weighted trimmed mean, so keys with no standing
+move no share however many they are. Without ``standing`` every signed reporter weighs the same:
+only for swarms whose backbones trust one another.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Final
 
@@ -144,7 +152,9 @@ class MergeConfig:
     outlier_floor: float = 0.1  # ... but never drop one closer than this (total-variation distance, 0..1)
     trim: float = 0.2  # per expert, drop this fraction of the lowest and of the highest shares, then average
     max_volume_ratio: float = 4.0  # one report's rate counts at most this x the median rate
-    max_reporters: int = 256  # only the most recent reports of this many backbones are merged
+    max_reporters: int = 256  # only this many backbones are merged: the most standing, then the most recent
+    max_weight_ratio: float = 4.0  # with standing: one reporter weighs at most this x the median weight
+    standing_window_s: float = 24 * 3600.0  # standing counts the calls a reporter paid for in this window, s
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,7 +165,8 @@ class MergeResult:
 
 
 def merge_reports(reports: Iterable[DemandReport | bytes], shape: ModelShape, *, now_ms: int | None = None,
-                  config: MergeConfig = MergeConfig()) -> MergeResult:
+                  config: MergeConfig = MergeConfig(),
+                  standing: Mapping[bytes, float] | None = None) -> MergeResult:
     """Robustly merge demand reports of ``shape``'s model.
 
     Drops, by reason: ``malformed`` bytes, ``unsigned`` or badly signed reports, reports for
@@ -163,6 +174,11 @@ def merge_reports(reports: Iterable[DemandReport | bytes], shape: ModelShape, *,
     ``empty`` ones (no calls), superseded reports of the same backbone (``duplicate``), and
     ``outlier`` reports whose share vector lies far from the per-expert median. The survivors'
     shares are combined per expert by a trimmed mean, so one backbone moves no price alone.
+    A report's time counts as at most ``now_ms`` (dating it ahead makes it no newer).
+
+    With ``standing`` (reporter peer ID -> verified work, e.g. credits it paid the ledger), a
+    reporter without standing is dropped (``no_standing``), weights are capped at
+    ``max_weight_ratio`` x their median, and the center and the trimmed mean are weighted.
     """
     now = int(time.time() * 1000) if now_ms is None else now_ms
     rejected: dict[str, int] = {}
@@ -178,22 +194,32 @@ def merge_reports(reports: Iterable[DemandReport | bytes], shape: ModelShape, *,
             drop("malformed")
             continue
         reason = _reject_reason(r, shape, now, config)
+        if reason is None and standing is not None and not standing.get(r.reporter, 0) > 0:
+            reason = "no_standing"
         if reason is not None:
             drop(reason)
             continue
+        r = replace(r, time_ms=min(r.time_ms, now))  # clamped: a report dated ahead is no newer than now
         old = latest.get(r.reporter)
         if old is not None:
             drop("duplicate")
             if (r.seq, r.time_ms) <= (old.seq, old.time_ms):
                 continue
         latest[r.reporter] = r
-    kept = sorted(latest.values(), key=lambda r: -r.time_ms)[: config.max_reporters]
+    def rank(r: DemandReport) -> tuple[float, int, bytes]:
+        return (-(standing or {}).get(r.reporter, 0.0), -r.time_ms, r.reporter)
+
+    kept = sorted(latest.values(), key=rank)[: config.max_reporters]
     if len(latest) > len(kept):
         rejected["excess"] = len(latest) - len(kept)
     if not kept:
         return MergeResult(Demand.uniform(shape), (), rejected)
     shares = np.stack([r.counts.reshape(-1).astype(np.float64) / r.counts.sum(dtype=np.float64) for r in kept])
-    center = np.median(shares, axis=0)
+    weights = None
+    if standing is not None:
+        w = np.array([float(standing[r.reporter]) for r in kept])
+        weights = np.minimum(w, config.max_weight_ratio * float(np.median(w)))
+    center = np.median(shares, axis=0) if weights is None else _weighted_quantile(shares, weights, 0.5)
     center /= max(center.sum(), 1e-300)
     distance = 0.5 * np.abs(shares - center).sum(axis=1)  # total variation, 0..1
     limit = max(config.outlier_floor, config.outlier_factor * float(np.median(distance)))
@@ -203,7 +229,8 @@ def merge_reports(reports: Iterable[DemandReport | bytes], shape: ModelShape, *,
     kept = [r for r, ok in zip(kept, inlier) if ok]
     if len(kept) < config.min_reporters:
         return MergeResult(Demand.uniform(shape), tuple(r.reporter for r in kept), rejected)
-    share = _trimmed_mean(shares[inlier], config.trim)
+    share = (_trimmed_mean(shares[inlier], config.trim) if weights is None
+             else _weighted_trimmed_mean(shares[inlier], weights[inlier], config.trim))
     rates = np.array([r.rate for r in kept])
     rate = float(np.minimum(rates, config.max_volume_ratio * np.median(rates)).sum())
     demand = Demand(share.reshape(shape.grid) / share.sum(), rate, len(kept))
@@ -224,6 +251,31 @@ def _reject_reason(r: DemandReport, shape: ModelShape, now: int, config: MergeCo
     if not float(r.counts.sum(dtype=np.float64)) > 0:
         return "empty"
     return None
+
+
+def _weighted_quantile(rows: np.ndarray, weights: np.ndarray, q: float) -> np.ndarray:
+    """Per column: the smallest value at which the cumulative weight reaches ``q`` of the total."""
+    order = np.argsort(rows, axis=0, kind="stable")
+    values = np.take_along_axis(rows, order, axis=0)
+    cum = np.cumsum(weights[order], axis=0)  # (n, cells)
+    index = np.minimum((cum < q * cum[-1]).sum(axis=0), rows.shape[0] - 1)
+    out: np.ndarray = np.take_along_axis(values, index[None, :], axis=0)[0]
+    return out
+
+
+def _weighted_trimmed_mean(rows: np.ndarray, weights: np.ndarray, trim: float) -> np.ndarray:
+    """Per column: drop ``trim`` of the total weight from the lowest and from the highest values
+    (splitting a reporter's weight at the cut), average the rest by weight."""
+    order = np.argsort(rows, axis=0, kind="stable")
+    values = np.take_along_axis(rows, order, axis=0)
+    w = weights[order]  # (n, cells)
+    hi = np.cumsum(w, axis=0)
+    lo = hi - w
+    total = hi[-1]
+    a, b = trim * total, (1 - trim) * total
+    kept = np.clip(np.minimum(hi, b) - np.maximum(lo, a), 0, None)
+    out: np.ndarray = (values * kept).sum(axis=0) / np.maximum(kept.sum(axis=0), 1e-300)
+    return out
 
 
 def _trimmed_mean(rows: np.ndarray, trim: float) -> np.ndarray:

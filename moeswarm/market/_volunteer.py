@@ -21,9 +21,11 @@ def model_shape(model_dir: str, cfg: ModelConfig, model_id: str) -> ModelShape:
     return ModelShape(model_id, moe, cfg.num_experts, expert_bytes)
 
 
-async def market_assignment(p2p: Any, shape: ModelShape, volunteer: Volunteer) -> Block:
-    """Ask the market which block of experts this volunteer should hold."""
-    state = await fetch_state(p2p, shape)
+async def market_assignment(p2p: Any, shape: ModelShape, volunteer: Volunteer, *,
+                            ledger_url: str | None = None) -> Block:
+    """Ask the market which block of experts this volunteer should hold (demand weighed by the
+    standing ``ledger_url`` gives each reporter, when given)."""
+    state = await fetch_state(p2p, shape, ledger_url=ledger_url)
     assignment = assign(shape, state.supply, state.demand, volunteer)
     if not assignment.blocks:
         raise ConfigError(f"{volunteer.memory_bytes / 2**20:.0f} MiB cannot hold a single expert "

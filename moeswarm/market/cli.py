@@ -96,7 +96,8 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def live_state(model_dir: str, bootstrap: tuple[str, ...], model_id: str | None = None) -> MarketState:
+def live_state(model_dir: str, bootstrap: tuple[str, ...], model_id: str | None = None,
+               ledger_url: str | None = None) -> MarketState:
     """The market read live from the swarm's DHT (joins as a DHT client for the duration)."""
     import asyncio
 
@@ -112,7 +113,7 @@ def live_state(model_dir: str, bootstrap: tuple[str, ...], model_id: str | None 
 
     async def read() -> MarketState:
         async with p2p_node(Identity.generate(), SwarmConfig(model_dir, bootstrap=bootstrap, client_mode=True)) as dht:
-            return await fetch_state(dht, shape)
+            return await fetch_state(dht, shape, ledger_url=ledger_url)
 
     return asyncio.run(read())
 
@@ -133,8 +134,11 @@ def live_state(model_dir: str, bootstrap: tuple[str, ...], model_id: str | None 
               help="Read the market live from the swarm reached through this peer (with --model).")
 @click.option("--model", "model_dir", default=None, type=click.Path(),
               help="With --bootstrap: the model folder (its shape and id).")
+@click.option("--ledger", "ledger_url", default=None, metavar="URL",
+              help="With --bootstrap: weigh demand reports by the calls each reporter paid this ledger for "
+                   "(reporters without standing count for nothing). Without it every signed report counts.")
 def market(state_file: str | None, bootstrap: tuple[str, ...], model_dir: str | None, as_json: bool,
-           suggest_memory: str | None, throughput: float, device_class: str) -> None:
+           suggest_memory: str | None, throughput: float, device_class: str, ledger_url: str | None) -> None:
     """Show which experts the swarm covers and what each costs this epoch.
 
     \b
@@ -146,7 +150,8 @@ def market(state_file: str | None, bootstrap: tuple[str, ...], model_dir: str | 
         raise ConfigError("give either --state FILE or --bootstrap ADDR (with --model DIR)")
     if bootstrap and model_dir is None:
         raise ConfigError("--bootstrap needs --model DIR (the model's shape and id)")
-    state = load_state(state_file) if state_file is not None else live_state(model_dir, bootstrap)  # type: ignore[arg-type]
+    state = (load_state(state_file) if state_file is not None
+             else live_state(model_dir, bootstrap, ledger_url=ledger_url))  # type: ignore[arg-type]
     suggestion = None
     if suggest_memory is not None:
         volunteer = Volunteer(parse_size(suggest_memory), throughput,

@@ -154,14 +154,13 @@ class SwarmBackbone:
 
     async def _ledger_sink(self) -> Any:
         """A ReceiptSubmitter to the ledger; closed after the executor so its last receipts arrive."""
-        from ..ledger import ModelShape, ReceiptSubmitter, SubmitterConfig
+        from ..ledger import ReceiptSubmitter
 
         assert self.config.ledger_url is not None
         queue = self.config.ledger_queue_dir or str(
             Path.home() / ".moeswarm" / "receipts" / self.identity.peer_id_str)
         Path(queue).mkdir(parents=True, exist_ok=True)
-        shape = ModelShape(self.cfg.hidden_size, self.cfg.moe_intermediate_size)
-        submitter = ReceiptSubmitter(self.config.ledger_url, queue, SubmitterConfig(models=((self.model_id, shape),)))
+        submitter = ReceiptSubmitter(self.config.ledger_url, queue)  # the ledger's operator registers the model
         await submitter.start()
         self._stack.push_async_callback(submitter.aclose)
         return submitter

@@ -86,10 +86,17 @@ def host_port(text: str) -> tuple[str, int]:
               help="Re-measure round trip and bandwidth (each direction) to the other holders this often; 0 = never.")
 @click.option("--no-weight-fetches", is_flag=True,
               help="Refuse to send expert weights to fetching backbones (a metered uplink); calls are still served.")
+@click.option("--require-funded", default=None, metavar="LEDGER_URL",
+              help="Serve only clients this ledger says hold credit (their receipts would be refused otherwise). "
+                   "Off by default.")
+@click.option("--market-ledger", default=None, metavar="LEDGER_URL",
+              help="With --experts auto: weigh backbones' demand reports by what each paid this ledger, so keys "
+                   "without standing cannot steer the market (default: every signed report counts).")
 @friendly_errors
 def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str,
          rebalance_interval: float, data_port: int, announce_port: int | None, memory_budget: str | None,
-         status: str, probe_interval: float, no_weight_fetches: bool, **swarm: object) -> None:
+         status: str, probe_interval: float, no_weight_fetches: bool, require_funded: str | None,
+         market_ledger: str | None, **swarm: object) -> None:
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
@@ -120,7 +127,8 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
                         memory_budget=budget, capacity_bytes=parse_size(capacity) if capacity else None,
                         device_class=device_class, rebalance_interval_s=rebalance_interval,
                         status=None if status == "off" else host_port(status), probe_interval_s=probe_interval,
-                        serve_weights=not no_weight_fetches)
+                        serve_weights=not no_weight_fetches, require_funded=require_funded,
+                        market_ledger=market_ledger)
     asyncio.run(run_node(config))
 
 

@@ -32,6 +32,8 @@ class NodeConfig:
     status: tuple[str, int] | None = ("127.0.0.1", 0)  # serve /status and /metrics here (None: not at all)
     probe_interval_s: float = 30.0  # re-measure the links to peers this often (0: never)
     serve_weights: bool = True  # answer weight fetches (False: they get UNKNOWN_EXPERT, calls go on)
+    require_funded: str | None = None  # a ledger URL: serve only clients it says hold credit (None: serve anyone)
+    market_ledger: str | None = None  # --experts auto: weigh demand reports by this ledger's standing (None: all)
 
 
 @dataclass(frozen=True)

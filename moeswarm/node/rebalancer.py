@@ -181,7 +181,8 @@ class Rebalancer:
         """The market's state without this node's own record (it knows its block better than the DHT)."""
         from ..market import fetch_state
 
-        return await fetch_state(self.p2p, self.shape, exclude_peers=(self.peer_id,))
+        return await fetch_state(self.p2p, self.shape, exclude_peers=(self.peer_id,),
+                                 ledger_url=self.config.market_ledger)
 
     async def evaluate(self) -> Decision:
         """One re-evaluation; moves (and returns ``moved``) when the market says so."""

@@ -52,7 +52,7 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
         market = None
         if config.experts == "auto":
             market = market_view(cfg, model_id, config)
-            block = await market_assignment(p2p, *market)
+            block = await market_assignment(p2p, *market, ledger_url=config.market_ledger)
             layers, experts = block.layers, block.experts
         else:
             layers = parse_range(config.layers, cfg.num_layers, "layers")
@@ -62,7 +62,13 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
         server = ExpertServer(weights, identity, ExpertServerConfig(
             model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
         watch_memory(server, weights, config.memory_budget)
-        dataplane = DataPlaneServer(identity, server.handle, ServerConfig(host=sc.host, port=config.data_port),
+        handler, gate = server.handle, None
+        if config.require_funded:  # ask the ledger for each client's standing before serving it
+            from ..ledger import FundedGate
+
+            gate = FundedGate(config.require_funded)
+            handler = gate.wrap(server.handle)
+        dataplane = DataPlaneServer(identity, handler, ServerConfig(host=sc.host, port=config.data_port),
                                     weights_handler=(lambda client, request: asyncio.to_thread(
                                         serve_weights, server.weights, model_id, request))
                                     if config.serve_weights else None)
@@ -89,6 +95,8 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
         finally:
             await dataplane.aclose()
             await server.aclose()
+            if gate is not None:
+                await gate.aclose()
 
 
 async def _node_status(stack: contextlib.AsyncExitStack, config: NodeConfig, identity: Identity, p2p: Any,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeswarm.ledger import ModelShape
+from moeswarm.ledger import Ledger, ModelShape
 from moeswarm.model import ExpertWeights
 from moeswarm.node.expert_server import ExpertServer
 from moeswarm.protocol import (
@@ -29,6 +29,7 @@ from moeswarm.protocol import (
 H, F = 8, 16
 MODEL = "test/tiny-moe"
 SHAPE = ModelShape(H, F)
+GRANT = 10**15  # credits a test grants each client: far more than its calls cost at one credit per FLOP
 T0 = 1_800_000_000_000  # a round unix time in ms; epochs of 3600 s start at multiples of 3_600_000
 EPOCH_MS = 3_600_000
 
@@ -58,6 +59,12 @@ def call(client: Identity, server: Identity, *, seq: int, experts: Sequence[int]
     return request, outputs, countersign(client, receipt)
 
 
+def fund(ledger: Ledger, *clients: Identity, amount: int = GRANT) -> None:
+    """Grant each client ``amount`` credits (the operator's signed grant): what it pays its servers with."""
+    for c in clients:
+        ledger.grant(c.peer_id, amount)
+
+
 def receipt(client: Identity, server: Identity, **kw: object) -> CountersignedReceipt:
     return call(client, server, **kw)[2]  # type: ignore[arg-type]
 
@@ -69,6 +76,11 @@ class Peers:
     clients: list[Identity] = field(default_factory=lambda: [Identity.generate() for _ in range(2)])
     servers: list[Identity] = field(default_factory=lambda: [Identity.generate() for _ in range(3)])
     _seq: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def funded(self, ledger: Ledger, amount: int = GRANT) -> Peers:
+        """These peers with every client granted ``amount`` credits in ``ledger``."""
+        fund(ledger, *self.clients, amount=amount)
+        return self
 
     def receipts(self, n: int, **kw: object) -> list[CountersignedReceipt]:
         out = []

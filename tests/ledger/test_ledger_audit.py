@@ -44,7 +44,7 @@ from moeswarm.protocol import (
     countersign,
 )
 
-from ledger_support import EPOCH_MS, T0, Clock, LyingServer
+from ledger_support import EPOCH_MS, GRANT, T0, Clock, LyingServer, fund
 
 MODEL_ID = "demo-kjv"
 
@@ -113,9 +113,12 @@ def test_failed_audit_signs_evidence_marks_the_server_and_withholds_its_epoch(
     _register(ledger, weights)
     honest, liar = _servers(weights)
     client = Identity.generate()
+    fund(ledger, client)
     clock.ms = T0 + 1
     calls = asyncio.run(_serve(honest, client, 3, seed=4)) + asyncio.run(_serve(liar, client, 3, seed=5))
     ledger.ingest([cr for _, _, cr in calls])
+    paid = sum(cr.receipt.expert_flops for _, _, cr in calls)  # one credit per FLOP
+    assert ledger.balance(client.peer_id) == GRANT - paid
 
     async def audit() -> AuditRunner:
         runner = AuditRunner(AuditConfig(fraction=1.0, seed=0), LocalJudge(ledger, {MODEL_ID: weights}))
@@ -144,6 +147,10 @@ def test_failed_audit_signs_evidence_marks_the_server_and_withholds_its_epoch(
     assert [b.server for b in statement.withheld] == [liar.identity.peer_id]
     lb = peer_balance(ledger, liar.identity.peer_id)
     assert (lb.settled, lb.evidence) == (0, 3) and lb.withheld == statement.withheld[0].credits > 0
+    # the honest server is paid; what the client paid the liar comes back to it
+    assert ledger.balance(honest.identity.peer_id) == statement.balances[0].credits > 0
+    assert ledger.balance(liar.identity.peer_id) == 0
+    assert ledger.balance(client.peer_id) == GRANT - statement.balances[0].credits
     assert verify_chain(ledger).ok
 
 
@@ -151,6 +158,7 @@ def test_sampling_fraction_and_the_remote_judge(ledger: Ledger, weights: Weights
     _register(ledger, weights)
     honest, liar = _servers(weights)
     client = Identity.generate()
+    fund(ledger, client)
     calls = asyncio.run(_serve(liar, client, 12, seed=6))
 
     async def main() -> AuditRunner:

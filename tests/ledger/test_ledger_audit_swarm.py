@@ -32,17 +32,18 @@ from moeswarm.ledger import (
     verify_chain,
 )
 from moeswarm.ledger._queries import default_key_path
+from moeswarm.ledger.cli import main as ledger_cli
 from moeswarm.model import SamplingParams, generate
 from moeswarm.node import volunteer
 from moeswarm.node.backbone import SwarmBackbone
 from moeswarm.node.config import BackboneConfig, NodeConfig
 from moeswarm.node.volunteer import run_node
-from moeswarm.protocol import peer_id_from_str
+from moeswarm.protocol import Identity, peer_id_from_str
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-async def generate_beside_a_liar(boot: str, ledger_url: str, queue: Path) -> dict[str, Any]:
+async def generate_beside_a_liar(boot: str, ledger_url: str, queue: Path, key_file: Path) -> dict[str, Any]:
     """Start the lying node (experts 4-7) in this process, generate through the swarm with every
     call audited, wait for the audits and the receipts to reach the ledger."""
     stop, ready, liar = asyncio.Event(), asyncio.Event(), {}
@@ -56,7 +57,8 @@ async def generate_beside_a_liar(boot: str, ledger_url: str, queue: Path) -> dic
         if node.done():
             node.result()  # its error
         assert ready.is_set(), "the lying node did not get ready"
-        config = BackboneConfig(SwarmConfig(str(CHECKPOINT), bootstrap=(boot,), client_mode=True),
+        config = BackboneConfig(SwarmConfig(str(CHECKPOINT), bootstrap=(boot,), client_mode=True,
+                                            identity_file=str(key_file)),
                                 coverage_timeout_s=60, ledger_url=ledger_url, ledger_queue_dir=str(queue),
                                 audit_fraction=1.0)
         async with SwarmBackbone(config) as bb:
@@ -82,12 +84,17 @@ def test_audits_in_the_backbone_catch_a_lying_node(tmp_path: Path, monkeypatch: 
     db = tmp_path / "audits.db"
     ledger = start_ledger(["--db", str(db), "--listen", "127.0.0.1:0", "--model-dir", str(CHECKPOINT)],
                           tmp_path / "ledger.log")
+    backbone_key = tmp_path / "backbone.key"
+    backbone_key.write_bytes(Identity.generate().seed())
+    granted = CliRunner().invoke(ledger_cli, ["grant", "--db", str(db), Identity.from_seed(
+        backbone_key.read_bytes()).peer_id_str, str(10**15)])  # the operator funds the backbone's calls
+    assert granted.exit_code == 0, granted.output
     try:
         honest_node = start_daemon("honest node", ["node", "--model", str(CHECKPOINT), "--experts", "0-3"])
         try:
             monkeypatch.setattr(volunteer, "ExpertServer", LyingServer)  # only run_node in this process
             run = asyncio.run(generate_beside_a_liar(honest_node.info["multiaddrs"][0], ledger.info["url"],
-                                                     tmp_path / "queue"))
+                                                     tmp_path / "queue", backbone_key))
         finally:
             stop_daemon(honest_node)
     finally:

@@ -28,6 +28,7 @@ def filled(db_url: str, tmp_path: Path) -> tuple[str, Path, Peers]:
     with Ledger(StoreConfig(db_url, create=True), key, clock=Clock(PAST + 5)) as led:
         led.register_model(MODEL, SHAPE)
         led.register_model("other/model", SHAPE)
+        peers.funded(led)
         led.ingest(peers.receipts(4, time_ms=PAST) + peers.receipts(2, layer=3, time_ms=PAST + 60_000)
                    + peers.receipts(1, model="other/model", time_ms=PAST))
     return db_url, key_path, peers
@@ -93,3 +94,26 @@ def test_friendly_errors(tmp_path: Path, filled: tuple[str, Path, Peers]) -> Non
         assert code == 2, (args, out)
         lines = out.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, out)
+
+
+def test_grant_models_add_and_the_balance(tmp_path: Path) -> None:
+    from moeswarm.demo import CHECKPOINT
+    from moeswarm.model import load_config
+
+    db, key = str(tmp_path / "ops.db"), tmp_path / "ops.key"
+    code, out = run("models", "add", "--db", db, "--key", str(key), "--model", f"{CHECKPOINT}=demo/model")
+    cfg = load_config(str(CHECKPOINT))
+    added = json.loads(out)
+    assert code == 0 and (added["model_id"], added["hidden"], added["ffn"], added["top_k"]) == (
+        "demo/model", cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k)
+    peer = Identity.generate().peer_id_str
+    code, out = run("grant", "--db", db, "--key", str(key), peer, "1000")
+    assert code == 0 and json.loads(out)["balance"] == 1000
+    code, out = run("grant", "--db", db, "--key", str(key), peer, str(2**63 - 1000))
+    assert code == 2 and "above the ledger's limit" in out
+    code, out = run("grant", "--db", db, "--key", str(tmp_path / "someone-else.key"), peer, "5")
+    assert code == 2 and "no ledger key" in out
+    code, out = run("balance", "--db", db, peer, "--format", "json")
+    assert json.loads(out)["balance"] == json.loads(out)["granted"] == 1000
+    code, out = run("models", "list", "--db", db)
+    assert code == 0 and json.loads(out)["model_id"] == "demo/model"

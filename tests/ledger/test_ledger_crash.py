@@ -45,10 +45,13 @@ def test_sigkill_while_streaming(db_url: str, tmp_path: Path) -> None:
     key = tmp_path / "ledger.key"
     key.write_bytes(Identity.generate().seed())
     args = ["--db", db_url, "--key", str(key), "--listen", f"127.0.0.1:{port}", "--model", f"{MODEL}=8:16"]
-    receipts = Peers().receipts(N)
+    peers = Peers()
+    receipts = peers.receipts(N)
     acked: dict[bytes, IngestResult] = {}
     config = SubmitterConfig(batch_size=40, max_delay_s=0.005, retry_initial_s=0.05, retry_max_s=0.2)
     first = start_ledger(args, tmp_path / "ledger.log")
+    with Ledger(StoreConfig(db_url), Identity.from_seed(key.read_bytes())) as operator:
+        peers.funded(operator)  # the operator's grants, beside the running service
     second = None
     try:
         async def stream() -> dict[str, int]:

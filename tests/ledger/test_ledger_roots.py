@@ -70,7 +70,7 @@ def filled_ledger(folder: Path, key: Identity, receipts: int, *, seed_peers: Pee
     key_path.write_bytes(key.seed())
     with Ledger(StoreConfig(db, create=True), key, clock=Clock(PAST + 5)) as led:
         led.register_model(MODEL, SHAPE)
-        led.ingest((seed_peers or Peers()).receipts(receipts, time_ms=PAST))
+        led.ingest((seed_peers or Peers()).funded(led).receipts(receipts, time_ms=PAST))
     return db, str(key_path)
 
 

@@ -34,7 +34,7 @@ from moeswarm.ledger import (
 from moeswarm.ledger.cli import main
 from moeswarm.protocol import CountersignedReceipt, Identity, decode
 
-from ledger_support import EPOCH_MS, T0, Clock, Peers, receipt
+from ledger_support import EPOCH_MS, GRANT, T0, Clock, Peers, fund, receipt
 
 
 def _rfc9162_root(leaves: list[bytes]) -> bytes:
@@ -67,7 +67,7 @@ def test_domain_separation_of_leaves_and_nodes() -> None:
 
 def _fill(ledger: Ledger, clock: Clock) -> tuple[Peers, list[int]]:
     """Receipts in epochs 0 (of T0's hour) and the next one."""
-    peers = Peers()
+    peers = Peers().funded(ledger)
     clock.ms = T0 + 10
     first = ledger.ingest(peers.receipts(5))
     clock.ms = T0 + EPOCH_MS + 10
@@ -100,7 +100,7 @@ def test_settled_epochs_are_sealed(ledger: Ledger, clock: Clock) -> None:
     later_epoch = T0 // EPOCH_MS + 5
     settle_epoch(ledger, later_epoch)  # an empty epoch, ended
     clock.ms = T0 + 2 * EPOCH_MS  # the clock goes back (another process, skew)
-    [r] = ledger.ingest(Peers().receipts(1))
+    [r] = ledger.ingest(Peers().funded(ledger).receipts(1))
     row = ledger.find(r.receipt_id or b"")
     assert row.epoch > later_epoch  # never lands in a settled epoch
     assert verify_chain(ledger).ok
@@ -143,13 +143,17 @@ def _receipt_at(ledger: Ledger, position: int) -> bytes:
 
 def test_prices(ledger: Ledger, clock: Clock) -> None:
     client, server = Identity.generate(), Identity.generate()
+    fund(ledger, client)
     clock.ms = T0 + 5
+    # the price is fixed when the receipt is appended: the client pays it then
+    ledger.pricing = PerExpertPrice(lambda model, layer, expert, t: Fraction(expert + 1, 3))  # experts 0, 3: 1/3, 4/3
     ledger.ingest([receipt(client, server, seq=1, experts=(0, 3))])
-    clock.ms = T0 + EPOCH_MS
-    price = PerExpertPrice(lambda model, layer, expert, t: Fraction(expert + 1, 3))  # experts 0, 3: 1/3 and 4/3
-    statement = settle_epoch(ledger, T0 // EPOCH_MS, price)
     flops = 6 * 8 * 16 * 4
+    assert ledger.balance(client.peer_id) == GRANT - flops * 5 // 6
+    clock.ms = T0 + EPOCH_MS
+    statement = settle_epoch(ledger, T0 // EPOCH_MS)
     assert statement.balances[0].credits == flops * 5 // 6 and statement.pricing == "per-expert"
+    assert ledger.balance(server.peer_id) == flops * 5 // 6
     stored = decode(ledger.find(_receipt_at(ledger, 1)).record)
     assert isinstance(stored, CountersignedReceipt)
     with pytest.raises(ConfigError, match="negative"):

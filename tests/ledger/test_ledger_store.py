@@ -17,11 +17,11 @@ from moeswarm.ledger import DatabaseMissing, Ledger, Reason, StoreConfig, receip
 from moeswarm.ledger._models import VERSION_TABLE, Base, Entry
 from moeswarm.protocol import Identity, SignatureKind, canonical, countersign, encode, receipt_body
 
-from ledger_support import MODEL, SHAPE, Clock, Peers, call, receipt
+from ledger_support import MODEL, SHAPE, Clock, Peers, call, fund, receipt
 
 
 def test_accepts_a_batch_in_one_commit_and_chains_it(ledger: Ledger) -> None:
-    peers = Peers()
+    peers = Peers().funded(ledger)
     batch = peers.receipts(6)
     results = ledger.ingest(batch)
     assert [r.status for r in results] == ["accepted"] * 6
@@ -33,7 +33,7 @@ def test_accepts_a_batch_in_one_commit_and_chains_it(ledger: Ledger) -> None:
 
 
 def test_same_receipt_again_is_a_duplicate_and_a_no_op(ledger: Ledger) -> None:
-    batch = Peers().receipts(3)
+    batch = Peers().funded(ledger).receipts(3)
     first = ledger.ingest(batch)
     again = ledger.ingest([encode(cr) for cr in batch])  # as bytes this time
     assert [r.status for r in again] == ["duplicate"] * 3
@@ -44,7 +44,7 @@ def test_same_receipt_again_is_a_duplicate_and_a_no_op(ledger: Ledger) -> None:
 
 
 def test_duplicate_inside_one_new_batch(ledger: Ledger) -> None:
-    cr = Peers().receipts(1)[0]
+    cr = Peers().funded(ledger).receipts(1)[0]
     results = ledger.ingest([cr, cr])
     assert sorted(r.status for r in results) == ["accepted", "duplicate"]
     assert results[0].position == results[1].position == 1
@@ -52,6 +52,7 @@ def test_duplicate_inside_one_new_batch(ledger: Ledger) -> None:
 
 def test_replay_same_request_id_other_content_is_rejected(ledger: Ledger) -> None:
     client, server = Identity.generate(), Identity.generate()
+    fund(ledger, client)
     original = receipt(client, server, seq=10)
     ledger.ingest([original])
     # both keys re-sign the same request id with other content (a later seq, other outputs)
@@ -62,7 +63,8 @@ def test_replay_same_request_id_other_content_is_rejected(ledger: Ledger) -> Non
 
 
 def test_seq_reuse_and_regression_are_rejected(ledger: Ledger) -> None:
-    client, server = Identity.generate(), Identity.generate()
+    client, server, newcomer = Identity.generate(), Identity.generate(), Identity.generate()
+    fund(ledger, client, newcomer)
     ledger.ingest([receipt(client, server, seq=100_000)])
     [reused] = ledger.ingest([receipt(client, server, seq=100_000)])
     assert (reused.status, reused.reason) == ("rejected", Reason.SEQ_REUSED)
@@ -71,7 +73,7 @@ def test_seq_reuse_and_regression_are_rejected(ledger: Ledger) -> None:
     assert late.status == "accepted"
     [old] = ledger.ingest([receipt(client, server, seq=100_000 - window - 1)])
     assert (old.status, old.reason) == ("rejected", Reason.SEQ_REGRESSION)
-    [other_pair] = ledger.ingest([receipt(Identity.generate(), server, seq=1)])  # seqs are per pair
+    [other_pair] = ledger.ingest([receipt(newcomer, server, seq=1)])  # seqs are per pair
     assert other_pair.status == "accepted"
 
 
@@ -93,6 +95,7 @@ def test_bad_signatures_are_rejected(ledger: Ledger) -> None:
 
 def test_flops_above_the_formula_are_rejected_exact_is_accepted(ledger: Ledger) -> None:
     client, server = Identity.generate(), Identity.generate()
+    fund(ledger, client)
     _, _, exact = call(client, server, seq=1, experts=(1, 4), tokens=3)
     assert exact.receipt.expert_flops == 6 * 8 * 16 * 6
     _, _, inflated = call(client, server, seq=2, experts=(1, 4), tokens=3, flops=6 * 8 * 16 * 6 + 1)
@@ -103,6 +106,7 @@ def test_flops_above_the_formula_are_rejected_exact_is_accepted(ledger: Ledger) 
 
 def test_self_dealing_out_of_range_and_unknown_model(ledger: Ledger) -> None:
     me, other = Identity.generate(), Identity.generate()
+    fund(ledger, me)
     results = ledger.ingest([receipt(me, me, seq=1), receipt(me, other, seq=2**63),
                              receipt(me, other, seq=3, model="nobody/knows")])
     assert [(r.status, r.reason) for r in results] == [
@@ -122,6 +126,7 @@ def test_batch_order_changes_neither_chain_nor_results(db_url: str, ledger_key: 
         url = db_url if i == 0 else str(tmp_path / "other.db")
         with Ledger(StoreConfig(url, create=True), ledger_key, clock=Clock()) as led:
             led.register_model(MODEL, SHAPE)
+            peers.funded(led)
             results = led.ingest(order)
             heads.append((led.head().entry_hash, sorted((r.receipt_id, r.position, r.status) for r in results)))
     assert heads[0] == heads[1]
@@ -137,7 +142,7 @@ def test_model_shape_conflict_is_refused(ledger: Ledger) -> None:
 def test_reopen_keeps_everything_and_checks_the_key(db_url: str, ledger_key: Identity) -> None:
     with Ledger(StoreConfig(db_url, create=True), ledger_key) as led:
         led.register_model(MODEL, SHAPE)
-        led.ingest(Peers().receipts(4))
+        led.ingest(Peers().funded(led).receipts(4))
     with Ledger(StoreConfig(db_url)) as led:  # read-only: no key needed, no create
         assert led.head().position == 4 and verify_chain(led).ok
         assert led.ledger_peer_id == ledger_key.peer_id
@@ -151,7 +156,7 @@ def test_migrations_create_exactly_the_models(ledger: Ledger) -> None:
                                 Base.metadata)
         version = conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").scalar()
     assert diff == []
-    assert version == "0001"
+    assert version == "0002"
 
 
 def test_missing_database_and_bad_urls(tmp_path: Path) -> None:
@@ -178,7 +183,7 @@ def test_missing_postgres_database(pg_url: str) -> None:
 
 
 def test_stored_columns_mirror_the_record(ledger: Ledger) -> None:
-    [cr] = Peers().receipts(1, experts=(2, 5), tokens=3)
+    [cr] = Peers().funded(ledger).receipts(1, experts=(2, 5), tokens=3)
     ledger.ingest([cr])
     with ledger.read() as conn:
         row = conn.execute(select(Entry.__table__)).one()
@@ -195,13 +200,15 @@ def test_records_are_the_canonical_encoding() -> None:
 
 
 def test_parallel_signature_checks_decide_the_same(db_url: str, ledger_key: Identity, tmp_path: Path) -> None:
-    batch = Peers().receipts(300)
+    peers = Peers()
+    batch = peers.receipts(300)
     batch[7] = replace(batch[7], client_sig=bytes(64))
     batch[250] = batch[3]
     outcomes = []
     for url, threads in ((db_url, 2), (str(tmp_path / "one.db"), 1)):
         with Ledger(StoreConfig(url, create=True, verify_threads=threads), ledger_key, clock=Clock()) as led:
             led.register_model(MODEL, SHAPE)
+            peers.funded(led)
             outcomes.append(([(r.status, r.reason, r.position) for r in led.ingest(batch)], led.head().entry_hash))
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][0][7][1] == Reason.BAD_CLIENT_SIGNATURE and outcomes[0][0][250][0] == "duplicate"
@@ -211,7 +218,7 @@ def test_concurrent_appenders_keep_one_chain(db_url: str, ledger_key: Identity) 
     """Two Ledger objects (as two processes would) append at once: the chain stays one."""
     with Ledger(StoreConfig(db_url, create=True), ledger_key) as first:
         first.register_model(MODEL, SHAPE)
-    batches = [Peers().receipts(10) for _ in range(16)]
+        batches = [Peers().funded(first).receipts(10) for _ in range(16)]
     errors: list[BaseException] = []
 
     def append(mine: list) -> None:  # type: ignore[type-arg]
@@ -231,3 +238,29 @@ def test_concurrent_appenders_keep_one_chain(db_url: str, ledger_key: Identity) 
     with Ledger(StoreConfig(db_url)) as led:
         report = verify_chain(led)
         assert report.ok and report.entries == 160
+
+
+def test_tokens_and_pairs_are_capped_by_the_model(ledger: Ledger) -> None:
+    """A receipt may claim no more than one call of the model: tokens up to its limit, pairs up to
+    tokens x top-k. Signed by both sides and within the FLOPs formula, it is still refused."""
+    import os as _os
+
+    from moeswarm.ledger import ModelShape
+    from moeswarm.protocol import Receipt, SignatureKind, canonical, countersign, receipt_body
+
+    ledger.register_model("capped/model", ModelShape(8, 16, top_k=2, max_tokens=64))
+    client, server = Identity.generate(), Identity.generate()
+    fund(ledger, client)
+
+    def claim(tokens: int, experts: int, pairs: int, seq: int):  # type: ignore[no-untyped-def]
+        r = Receipt(request_id=_os.urandom(16), client=client.peer_id, server=server.peer_id, model_id="capped/model",
+                    layer=0, experts=tuple(range(experts)), tokens=tokens, pairs=pairs,
+                    expert_flops=6 * 8 * 16 * pairs, input_hash=bytes(32), output_hash=bytes(32), time_ms=1, seq=seq)
+        return countersign(client, replace(r, sig=server.sign(SignatureKind.RECEIPT, canonical(receipt_body(r)))))
+
+    results = ledger.ingest([claim(64, 2, 128, 1), claim(65, 1, 65, 2), claim(10, 4, 21, 3), claim(10, 4, 20, 4)])
+    assert [(r.status, r.reason) for r in results] == [
+        ("accepted", ""), ("rejected", Reason.EXCEEDS_MODEL_LIMITS), ("rejected", Reason.EXCEEDS_MODEL_LIMITS),
+        ("accepted", "")]
+    assert "at most 64 tokens and 2 experts per token" in results[1].message
+    assert ModelShape(4096, 14336).token_limit == 64 * 2**20 // (2 * 4096)  # default: 16-bit rows in a largest frame

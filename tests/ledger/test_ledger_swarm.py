@@ -47,8 +47,11 @@ def test_generation_through_a_swarm_lands_in_the_ledger(request: pytest.FixtureR
             ledgers = [Ledger(StoreConfig(url, create=True), key) for url in urls]
             backbone = SwarmBackbone(BackboneConfig(SwarmConfig(str(CHECKPOINT), bootstrap=(boot,), client_mode=True),
                                                     coverage_timeout_s=60))
-            shape = ModelShape(backbone.cfg.hidden_size, backbone.cfg.moe_intermediate_size)
-            config = SubmitterConfig(models=((backbone.model_id, shape),))
+            shape = ModelShape(backbone.cfg.hidden_size, backbone.cfg.moe_intermediate_size, backbone.cfg.top_k)
+            for led in ledgers:  # the operator registers the model and funds the backbone
+                led.register_model(backbone.model_id, shape)
+                led.grant(backbone.identity.peer_id, 10**15)
+            config = SubmitterConfig()
             async with contextlib.AsyncExitStack() as stack:
                 for led in ledgers:
                     stack.callback(led.close)

@@ -17,12 +17,12 @@ from moeswarm.ledger._store import ENTRIES, HEAD
 from moeswarm.ledger.cli import main
 from moeswarm.protocol import CountersignedReceipt, Identity, SignatureKind, canonical, countersign, encode, receipt_body
 
-from ledger_support import Peers, receipt
+from ledger_support import Peers, fund, receipt
 
 
 @pytest.fixture
 def filled(ledger: Ledger) -> Ledger:
-    ledger.ingest(Peers().receipts(6))
+    ledger.ingest(Peers().funded(ledger).receipts(6))
     assert verify_chain(ledger).ok
     return ledger
 
@@ -116,7 +116,7 @@ def test_forged_server_signature(ledger: Ledger) -> None:
         SignatureKind.RECEIPT, canonical(receipt_body(good.receipt)))))
     [result] = ledger.ingest([forged])
     assert (result.status, result.reason) == ("rejected", Reason.BAD_SERVER_SIGNATURE)
-    ledger.ingest(Peers().receipts(3))
+    ledger.ingest(Peers().funded(ledger).receipts(3))
     # written into the table directly, chain hashes recomputed: verify names it
     _overwrite(ledger, 2, forged)
     problem = _problem(ledger)
@@ -125,6 +125,7 @@ def test_forged_server_signature(ledger: Ledger) -> None:
 
 def test_inflated_flops(ledger: Ledger) -> None:
     client, server = Identity.generate(), Identity.generate()
+    fund(ledger, client)
     honest = receipt(client, server, seq=1)
     # a colluding client and server both sign a receipt that claims ten times the work
     inflated = receipt(client, server, seq=2, flops=honest.receipt.expert_flops * 10)
@@ -151,3 +152,22 @@ def test_cli_verify_names_the_first_bad_entry(filled: Ledger) -> None:
     bad = runner.invoke(main, ["verify", "--db", filled.url.render_as_string(hide_password=False)])
     assert bad.exit_code == 1
     assert "BAD entry 5 (receipt" in bad.output
+
+
+def test_edited_balance_or_grant_is_caught(ledger: Ledger, clock) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import update as sql_update
+
+    from moeswarm.ledger._models import Account, Grant
+
+    peers = Peers().funded(ledger)
+    ledger.ingest(peers.receipts(4))
+    assert verify_chain(ledger).ok
+    rich = peers.clients[0].peer_id
+    with ledger.engine.begin() as conn:
+        conn.execute(sql_update(Account).where(Account.peer == rich).values(balance=Account.balance + 1))
+    problem = _problem(ledger)
+    assert problem.startswith("accounts") and "holds" in problem
+    with ledger.engine.begin() as conn:
+        conn.execute(sql_update(Account).where(Account.peer == rich).values(balance=Account.balance - 1))
+        conn.execute(sql_update(Grant).where(Grant.id == 1).values(amount=Grant.amount * 2))
+    assert _problem(ledger).startswith("accounts") and "grant 1" in _problem(ledger)

@@ -168,3 +168,58 @@ def test_demand_constructors() -> None:
     assert Demand.from_counts(TRUTH).share[0, 0] == pytest.approx(8 / TRUTH.sum())
     with pytest.raises(ConfigError):
         Demand.from_counts(np.zeros((3, 8)))
+
+
+def test_reporters_without_standing_move_no_share_however_many() -> None:
+    """40 backbones with standing (credits paid at the ledger), then 256 fresh keys that report all
+    demand on one expert, dated as far ahead as the validator allows: the merge does not move."""
+    rng = np.random.default_rng(11)
+    honest_ids = [Identity.generate() for _ in range(40)]
+    honest = [_report(i, _honest(rng, 20_000), time_ms=NOW - int(rng.integers(0, 600_000))) for i in honest_ids]
+    standing = {i.peer_id: float(rng.integers(1_000, 100_000)) for i in honest_ids}
+    spike = np.zeros_like(TRUTH)
+    spike[1, 3] = 1e6
+    fakes = [_report(Identity.generate(), spike, time_ms=NOW + 299_000) for _ in range(256)]
+    clean = merge_reports(honest, SHAPE, now_ms=NOW, standing=standing)
+    stuffed = merge_reports([*fakes, *honest], SHAPE, now_ms=NOW, standing=standing)
+    assert stuffed.rejected == {"no_standing": 256}
+    assert np.array_equal(stuffed.demand.share, clean.demand.share)  # moved by exactly 0
+    assert set(stuffed.accepted) == {i.peer_id for i in honest_ids}
+    # without standing (a swarm that trusts every backbone) the same crowd takes the expert over,
+    # which is why an open swarm weighs reports by the ledger (moeswarm market --ledger URL)
+    trusting = merge_reports([*fakes, *honest], SHAPE, now_ms=NOW)
+    assert trusting.demand.share[1, 3] > 0.9 > 10 * clean.demand.share[1, 3]
+
+
+def test_dating_a_report_ahead_wins_no_place_among_the_merged() -> None:
+    rng = np.random.default_rng(12)
+    ids = [Identity.generate() for _ in range(4)]
+    reports = [_report(i, _honest(rng, 10_000), time_ms=NOW - 60_000) for i in ids[:3]]
+    ahead = _report(ids[3], _honest(rng, 10_000), time_ms=NOW + 299_000)
+    config = MergeConfig(max_reporters=3, min_reporters=1)
+    standing = {i.peer_id: 10.0 for i in ids}
+    standing[ids[3].peer_id] = 1.0  # least standing
+    merged = merge_reports([ahead, *reports], SHAPE, now_ms=NOW, config=config, standing=standing)
+    assert ids[3].peer_id not in merged.accepted and merged.rejected["excess"] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n=st.integers(1, 12))
+def test_weighted_trimmed_mean_is_the_trimmed_mean_of_replicated_rows(data: st.DataObject, n: int) -> None:
+    """Oracle: integer weights mean repeating a row that many times; with total weight a multiple
+    of 5, trimming 0.2 of the weight is trimming whole rows of the replicated set."""
+    from moeswarm.market._reports import (
+        _trimmed_mean,
+        _weighted_quantile,
+        _weighted_trimmed_mean,
+    )
+
+    weights = data.draw(st.lists(st.integers(1, 6), min_size=n, max_size=n))
+    weights[-1] += (-sum(weights)) % 5
+    rows = np.array(data.draw(st.lists(st.lists(st.floats(0, 1), min_size=3, max_size=3), min_size=n, max_size=n)))
+    replicated = np.repeat(rows, weights, axis=0)
+    w = np.array(weights, dtype=float)
+    np.testing.assert_allclose(_weighted_trimmed_mean(rows, w, 0.2), _trimmed_mean(replicated, 0.2), atol=1e-12)
+    ordered = np.sort(replicated, axis=0)
+    lower_median = ordered[(replicated.shape[0] - 1) // 2]
+    np.testing.assert_array_equal(_weighted_quantile(rows, w, 0.5), lower_median)

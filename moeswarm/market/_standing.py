@@ -1,0 +1,54 @@
+"""Reporters' standing from the ledger: the credits each paid for calls (verified work), which
+``merge_reports`` weighs demand reports by (``POST {ledger}/v1/standing``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import aiohttp
+
+from moeswarm.errors import BadResponse, Unreachable
+from moeswarm.protocol import peer_id_from_str, peer_id_to_str
+
+MAX_PEERS_PER_QUERY = 1024  # the ledger service's limit per POST
+
+
+async def fetch_standing(ledger_url: str, peers: Iterable[bytes], since_ms: int,
+                         timeout_s: float = 10.0) -> dict[bytes, float]:
+    """Credits each of ``peers`` paid the ledger for calls appended since ``since_ms``."""
+    wanted = list(dict.fromkeys(peers))
+    out: dict[bytes, float] = {}
+    url = ledger_url.rstrip("/") + "/v1/standing"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+            for i in range(0, len(wanted), MAX_PEERS_PER_QUERY):
+                body = {"peers": [peer_id_to_str(p) for p in wanted[i : i + MAX_PEERS_PER_QUERY]],
+                        "since_ms": since_ms}
+                async with http.post(url, json=body) as resp:
+                    if resp.status != 200:
+                        raise BadResponse(f"the ledger at {ledger_url} answered {resp.status}: {await resp.text()}")
+                    answer = await resp.json()
+                for s in answer["standing"]:
+                    out[peer_id_from_str(s["peer"])] = float(s["paid"])
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise Unreachable(f"ledger at {ledger_url}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadResponse(f"the ledger's standing does not parse: {e}") from None
+    return out
+
+
+async def fetch_top_standing(ledger_url: str, since_ms: int, limit: int,
+                             timeout_s: float = 10.0) -> dict[bytes, float]:
+    """The ``limit`` clients that paid the ledger the most since ``since_ms``, with what they paid."""
+    url = f"{ledger_url.rstrip('/')}/v1/standing"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http, http.get(
+                url, params={"since_ms": str(since_ms), "limit": str(min(limit, MAX_PEERS_PER_QUERY))}) as resp:
+            if resp.status != 200:
+                raise BadResponse(f"the ledger at {ledger_url} answered {resp.status}: {await resp.text()}")
+            answer = await resp.json()
+        return {peer_id_from_str(s["peer"]): float(s["paid"]) for s in answer["standing"]}
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise Unreachable(f"ledger at {ledger_url}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadResponse(f"the ledger's standing does not parse: {e}") from None

@@ -1,0 +1,77 @@
+"""Helpers of the ledger and market attack tests: the operator's processes (``moeswarm-ledger serve``,
+its command line) and the attackers' (scripts in ``attackers/``), each its own Python process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ATTACKERS = Path(__file__).resolve().parent / "attackers"
+ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+
+
+@dataclass
+class LedgerProcess:
+    """``moeswarm-ledger serve`` in a subprocess, ready (its READY line read)."""
+
+    process: subprocess.Popen[str]
+    info: dict[str, Any]
+
+    @property
+    def url(self) -> str:
+        return str(self.info["url"])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+def start_ledger(args: list[str], log: Path, timeout_s: float = 90.0) -> LedgerProcess:
+    """Start ``python -m moeswarm.ledger.cli serve ARGS`` and wait for its READY line."""
+    with open(log, "ab") as err:
+        process = subprocess.Popen([sys.executable, "-m", "moeswarm.ledger.cli", "serve", *args],
+                                   stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
+    found: dict[str, Any] = {}
+    done = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("READY ") and not found:
+                found.update(json.loads(line[6:]))
+                done.set()
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not done.wait(timeout_s) or not found:
+        process.kill()
+        process.wait(5)
+        raise AssertionError(f"the ledger did not get ready: {log.read_text()[-2000:]}")
+    return LedgerProcess(process, found)
+
+
+def ledger_cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """``moeswarm-ledger ARGS`` as the operator runs it."""
+    return subprocess.run([sys.executable, "-m", "moeswarm.ledger.cli", *args], capture_output=True, text=True,
+                          env=ENV, timeout=timeout_s, check=False)
+
+
+def attacker(script: str, *args: str, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run ``attackers/SCRIPT ARGS`` as its own process; its last stdout line is JSON."""
+    out = subprocess.run([sys.executable, str(ATTACKERS / script), *args], capture_output=True, text=True,
+                         env=ENV, timeout=timeout_s, check=False)
+    assert out.returncode == 0, f"attacker {script} failed: {out.stderr[-3000:]}"
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
