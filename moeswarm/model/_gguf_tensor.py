@@ -12,6 +12,10 @@ pages in that expert and nothing else.
 
 It also carries llama.cpp's rotary row permutation of ``attn_q`` / ``attn_k`` (``rows``), undone
 after dequantising; that is why an F16/F32 tensor can be a ``QuantizedTensor`` too.
+
+Computing: ``matmul(x)`` (what ``experts.mm`` calls) runs the repacked kernel of ``_qkernels`` for the
+types it has (``kernel_format``), built once on first use; other types (F16/F32 with a row order,
+K-quants without a kernel) are decoded to float32 once and kept.  ``packed()`` is the repacked form.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from ._qkernels import REPACKERS, Packed, QLinear, repack
+
 
 class QuantizedTensor:
     """A GGML-encoded tensor (or one expert's slice of a stacked one), decoded on demand."""
 
-    __slots__ = ("raw", "qtype", "shape", "rows")
+    __slots__ = ("raw", "qtype", "shape", "rows", "_kernel")
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
                  rows: np.ndarray | None = None) -> None:
@@ -34,6 +40,25 @@ class QuantizedTensor:
         self.qtype = qtype
         self.shape = tuple(int(d) for d in shape)  # logical shape, e.g. (I, H)
         self.rows = rows  # (shape[0],) row order to apply after decoding, or None
+        self._kernel: Any = None  # QLinear, or the decoded float32 matrix, once matmul has run
+
+    @property
+    def kernel_format(self) -> str | None:
+        """The ``_qkernels.REPACKERS`` key this tensor's matrix product runs on, or None."""
+        return self.qtype.name if self.ndim == 2 and self.qtype.name in REPACKERS else None
+
+    def packed(self) -> Packed:
+        """The matrix in the kernels' layout (a new copy: callers keep what they need)."""
+        p = repack(self.raw, self.qtype.name, self.shape)  # type: ignore[arg-type]
+        return p if self.rows is None else p.take_rows(self.rows)
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """``x (M, in) @ self.T -> (M, out)`` float32 (the weight in ``nn.Linear`` orientation)."""
+        if self._kernel is None:
+            self._kernel = QLinear(self.packed()) if self.kernel_format else self.astype(np.float32)
+        if isinstance(self._kernel, np.ndarray):
+            return np.asarray(x, np.float32) @ self._kernel.T
+        return self._kernel.matmul(x)
 
     @property
     def dtype(self) -> np.dtype:

@@ -139,8 +139,8 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
 
 
 def _file_type(qtype: GGMLQuantizationType) -> int:
-    names = {Q.F32: "ALL_F32", Q.F16: "MOSTLY_F16"}
-    return int(getattr(gguf.LlamaFileType, names.get(qtype, f"MOSTLY_{qtype.name}")))
+    names = {Q.F32: "ALL_F32", Q.F16: "MOSTLY_F16", Q.Q4_K: "MOSTLY_Q4_K_M", Q.Q5_K: "MOSTLY_Q5_K_M"}
+    return int(getattr(gguf.LlamaFileType, names.get(qtype, f"MOSTLY_{qtype.name}"), gguf.LlamaFileType.GUESSED))
 
 
 def write_gguf(out: Path, w: Weights, plans: list[TensorPlan], files: dict[str, str],

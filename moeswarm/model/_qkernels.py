@@ -12,11 +12,15 @@ How a stored quantized matrix is wrapped and multiplied
    ``bias`` float32 or ``None`` (only formats with a per-block minimum need it).  ``repack(raw,
    qtype, shape)`` does this for the GGML types in ``REPACKERS``; a new stored format (FP8 block
    scaled, MXFP4, INT4 groups...) plugs in by registering ``fn(raw, n, k) -> Packed`` with
-   ``@repacker(name)`` (exact whenever its values are ``scale * small integer (+ bias)``).
+   ``@repacker(name, bits, block, bias)`` (exact whenever its values are ``scale * small integer
+   (+ bias)``; centre the codes, since int8 activations err in proportion to ``|scale * (u - Z)|``),
+   and its tensor class exposing ``kernel_format``, ``shape`` and ``packed()`` (see
+   ``packable``); the engine then computes on it wherever it would have converted to float32.
 2. **Multiply**.  ``QLinear(packed).matmul(x)`` gives ``x (M, K) @ W.T -> (M, N)`` float32;
    ``QExpertFFN(gate, up, down, ...)`` runs one routed expert's whole SwiGLU in one onnxruntime
    call (``session.run`` has a fixed cost of ~10 us, so a graph holds as much as it can).  The bias
-   term is ``blocksum(x) @ bias.T`` inside the same graph.
+   term is ``blocksum(x) @ bias.T`` inside the same graph.  In the engine, ``experts.mm`` calls a
+   tensor's ``matmul`` and ``F32Cache`` turns an expert of packable matrices into a ``KernelExpert``.
 
 Precision: the weights are exact (every GGML value is ``fp16 scale x integer``); with
 ``accuracy_level=4`` (the fast path, needed for 8-bit codes) MLAS quantizes the activations to
@@ -80,24 +84,39 @@ def pack(u: np.ndarray, scales: np.ndarray, bias: np.ndarray | None, bits: int, 
 # ---------------------------------------------------------------- GGML blocks -> Packed
 
 Repacker = Callable[[np.ndarray, int, int], Packed]
-REPACKERS: dict[str, Repacker] = {}
 
 
-def repacker(name: str) -> Callable[[Repacker], Repacker]:
+@dataclass(frozen=True)
+class Format:
+    """A stored format the kernels compute on: its repacker and the layout it produces."""
+
+    fn: Repacker
+    bits: int
+    block: int
+    bias: bool  # whether its Packed carries a per-block bias (formats with minimums)
+
+    def packed_nbytes(self, n: int, k: int) -> int:
+        return n * k * self.bits // 8 + n * (k // self.block) * 4 * (2 if self.bias else 1)
+
+
+REPACKERS: dict[str, Format] = {}
+
+
+def repacker(name: str, bits: int, block: int, bias: bool = False) -> Callable[[Repacker], Repacker]:
     """Register ``fn(raw (n, bytes per row) uint8, n, k) -> Packed`` for the stored format ``name``."""
     def register(fn: Repacker) -> Repacker:
-        REPACKERS[name] = fn
+        REPACKERS[name] = Format(fn, bits, block, bias)
         return fn
     return register
 
 
 def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> Packed:
     """A stored ``(n, k)`` matrix of format ``qtype`` (e.g. ``"Q4_K"``) in kernel layout."""
-    fn = REPACKERS.get(qtype)
-    if fn is None:
+    fmt = REPACKERS.get(qtype)
+    if fmt is None:
         raise CheckpointError(f"no quantized kernel for {qtype} weights (kernels exist for {', '.join(REPACKERS)})")
     n, k = shape
-    return fn(np.asarray(raw).view(np.uint8).reshape(n, -1), n, k)
+    return fmt.fn(np.asarray(raw).view(np.uint8).reshape(n, -1), n, k)
 
 
 def _blocks(raw: np.ndarray, n: int, k: int, per: int) -> np.ndarray:
@@ -120,39 +139,39 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return np.unpackbits(qh, axis=-1, bitorder="little")
 
 
-@repacker("Q8_0")
+@repacker("Q8_0", 8, 32)
 def _q8_0(raw: np.ndarray, n: int, k: int) -> Packed:
     b = _blocks(raw, n, k, 32)
     u = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     return pack(u.reshape(n, k), _f16(b[..., :2]), None, 8, 32)
 
 
-@repacker("Q4_0")
+@repacker("Q4_0", 4, 32)
 def _q4_0(raw: np.ndarray, n: int, k: int) -> Packed:
     b = _blocks(raw, n, k, 32)
     return pack(_nibbles32(b[..., 2:]).reshape(n, k), _f16(b[..., :2]), None, 4, 32)  # d * (q - 8)
 
 
-@repacker("Q4_1")
+@repacker("Q4_1", 4, 32, bias=True)
 def _q4_1(raw: np.ndarray, n: int, k: int) -> Packed:
     b = _blocks(raw, n, k, 32)
     d, m = _f16(b[..., :2]), _f16(b[..., 2:4])
     return pack(_nibbles32(b[..., 4:]).reshape(n, k), d, m + 8 * d, 4, 32)  # d*q + m = d*(q - 8) + (m + 8d)
 
 
-@repacker("Q5_0")
+@repacker("Q5_0", 8, 32)
 def _q5_0(raw: np.ndarray, n: int, k: int) -> Packed:
     b = _blocks(raw, n, k, 32)
     q = _nibbles32(b[..., 6:]) | (_high_bits(b[..., 2:6]) << 4)  # 0..31
     return pack((q + 112).reshape(n, k), _f16(b[..., :2]), None, 8, 32)  # d*(q - 16) = d*((q + 112) - 128)
 
 
-@repacker("Q5_1")
+@repacker("Q5_1", 8, 32, bias=True)
 def _q5_1(raw: np.ndarray, n: int, k: int) -> Packed:
     b = _blocks(raw, n, k, 32)
     d, m = _f16(b[..., :2]), _f16(b[..., 2:4])
     q = _nibbles32(b[..., 8:]) | (_high_bits(b[..., 4:8]) << 4)
-    return pack((q + 128).reshape(n, k), d, m, 8, 32)  # d*q + m
+    return pack((q + 112).reshape(n, k), d, m + 16 * d, 8, 32)  # d*q + m = d*(q - 16) + (m + 16d): centred codes
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -178,20 +197,20 @@ def _k_quant(raw: np.ndarray, n: int, k: int, high: bool) -> Packed:
     qh = b[..., 16:48]  # bit j of byte l is the fifth bit of value l of sub-block j
     bits = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (n, k/256, 8, 32)
     q = q | (bits << 4)
-    return pack((q + 128).reshape(n, k), scale, -minimum, 8, 32)
+    return pack((q + 112).reshape(n, k), scale, 16 * scale - minimum, 8, 32)  # centred codes, as Q4_K's
 
 
-@repacker("Q4_K")
+@repacker("Q4_K", 4, 32, bias=True)
 def _q4_k(raw: np.ndarray, n: int, k: int) -> Packed:
     return _k_quant(raw, n, k, high=False)
 
 
-@repacker("Q5_K")
+@repacker("Q5_K", 8, 32, bias=True)
 def _q5_k(raw: np.ndarray, n: int, k: int) -> Packed:
     return _k_quant(raw, n, k, high=True)
 
 
-@repacker("Q6_K")
+@repacker("Q6_K", 8, 16)
 def _q6_k(raw: np.ndarray, n: int, k: int) -> Packed:
     """256-value super-blocks: ql[128], qh[64], 16 int8 scales, fp16 d; ``W = d*sc_j * (q - 32)``, 16 per scale."""
     b = _blocks(raw, n, k, 256)
@@ -208,7 +227,7 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Packed:
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
 
 
-@repacker("IQ4_XS")
+@repacker("IQ4_XS", 8, 32)
 def _iq4_xs(raw: np.ndarray, n: int, k: int) -> Packed:
     """256-value super-blocks: fp16 d, 6-bit scales (4 low bits in scales_l, 2 high in scales_h), 4-bit
     indices into the non-linear IQ4_VALUES table: ``W = d*(ls - 32) * IQ4_VALUES[q]``, as 8-bit codes."""
@@ -361,5 +380,33 @@ class QExpertFFN:
         return _run(self.session, x)
 
 
-__all__ = ["Activation", "IQ4_VALUES", "Packed", "QExpertFFN", "QLinear", "REPACKERS", "pack", "repack", "repacker",
-           "set_threads"]
+
+
+# ---------------------------------------------------------------- routed experts on kernels
+
+
+def packable(a: object) -> bool:
+    """Whether a stored tensor can be computed by these kernels.  The protocol a stored tensor class
+    implements: ``kernel_format`` (a key of ``REPACKERS``, or None), ``shape`` ``(n, k)`` and
+    ``packed() -> Packed``; ``QuantizedTensor`` (GGUF) is one."""
+    return getattr(a, "kernel_format", None) in REPACKERS
+
+
+class KernelExpert:
+    """A routed expert whose matrices are computed by one ``QExpertFFN`` (built on first call, since
+    the activation comes from the model config).  ``nbytes``: the repacked size, for cache budgets."""
+
+    def __init__(self, w) -> None:  # type: ignore[no-untyped-def]  # an ExpertWeights of packable matrices
+        self.weights = w
+        self.nbytes = sum(REPACKERS[a.kernel_format].packed_nbytes(*a.shape) for a in (w.gate, w.up, w.down))
+        self._ffn: QExpertFFN | None = None
+
+    def __call__(self, x: np.ndarray, act: Activation) -> np.ndarray:
+        if self._ffn is None:
+            w = self.weights
+            biases = tuple(None if b is None else np.asarray(b, np.float32) for b in (w.gate_bias, w.up_bias, w.down_bias))
+            self._ffn = QExpertFFN(w.gate.packed(), w.up.packed(), w.down.packed(), act, biases)  # type: ignore[arg-type]
+        return self._ffn(x)
+
+__all__ = ["Activation", "IQ4_VALUES", "KernelExpert", "Packed", "QExpertFFN", "QLinear", "REPACKERS", "pack", "packable",
+           "repack", "repacker", "set_threads"]

@@ -15,7 +15,7 @@ import numpy as np
 
 from .attention import KVCache, Rope, gqa, mla, rms_norm
 from .config import ModelConfig
-from .experts import F32Cache, dense_ffn, f32, get_backend, sigmoid
+from .experts import F32Cache, dense_ffn, f32, get_backend, mm, sigmoid
 from .routing import route
 from .weights import ExpertWeights, Weights
 
@@ -115,7 +115,7 @@ class Model:
         if last_only:
             x = x[:, -1:]
         x = rms_norm(x, w["final_norm"], cfg.rms_norm_eps)
-        return (x @ f32(w["lm_head"]).T).astype(np.float32)
+        return mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1).astype(np.float32, copy=False)
 
     def _mlp(self, L: int, h: np.ndarray) -> np.ndarray:
         """h (N, H) -> (N, H): a dense MLP, or router + routed experts + shared expert."""
