@@ -144,14 +144,15 @@ def _file_type(qtype: GGMLQuantizationType) -> int:
 
 
 def write_gguf(out: Path, w: Weights, plans: list[TensorPlan], files: dict[str, str],
-               on_tensor: Callable[[TensorPlan], None] | None = None) -> None:
+               on_tensor: Callable[[TensorPlan], None] | None = None, spm_model: Path | None = None) -> None:
     """Header, metadata and tensor table first, then each tensor's bytes; atomic via ``.part``.
-    ``files``: name -> text of config.json and the tokenizer files, embedded verbatim."""
+    ``files``: name -> text of config.json and the tokenizer files, embedded verbatim; ``spm_model``: a
+    SentencePiece tokenizer.model (binary), written as llama.cpp's vocabulary only."""
     cfg = w.config
     writer = gguf.GGUFWriter(None, GGUF_ARCH[cfg.arch])
     expert_types = [p.qtype for p in plans if "_exps.weight" in p.name]
     write_metadata(writer, cfg, files.get("config.json") or json.dumps(cfg.raw, indent=2), files,
-                   _file_type(expert_types[0] if expert_types else plans[0].qtype))
+                   _file_type(expert_types[0] if expert_types else plans[0].qtype), spm_model)
     for p in plans:
         if p.qtype in (Q.F32, Q.F16):
             dtype = np.dtype(np.float32 if p.qtype == Q.F32 else np.float16)
@@ -216,7 +217,8 @@ def convert_to_gguf(
     files = _source_files(model, w)
     files.setdefault("config.json", json.dumps(w.config.raw, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_gguf(out, w, plans, files, on_tensor)
+    spm = Path(w.folder) / "tokenizer.model" if find_gguf(model) is None else None
+    write_gguf(out, w, plans, files, on_tensor, spm)
     written = []
     if sidecar:
         for name, text in files.items():
