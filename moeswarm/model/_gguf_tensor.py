@@ -20,6 +20,7 @@ K-quants without a kernel) are decoded to float32 once and kept.  ``packed()`` i
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import numpy as np
@@ -52,10 +53,15 @@ class QuantizedTensor:
         p = repack(self.raw, self.qtype.name, self.shape)  # type: ignore[arg-type]
         return p if self.rows is None else p.take_rows(self.rows)
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        """``x (M, in) @ self.T -> (M, out)`` float32 (the weight in ``nn.Linear`` orientation)."""
+    def prepare(self) -> None:
+        """Build what ``matmul`` computes with (the repacked kernel, else a float32 copy), once."""
         if self._kernel is None:
             self._kernel = QLinear(self.packed()) if self.kernel_format else self.astype(np.float32)
+            self.release_pages()
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """``x (M, in) @ self.T -> (M, out)`` float32 (the weight in ``nn.Linear`` orientation)."""
+        self.prepare()
         if isinstance(self._kernel, np.ndarray):
             return np.asarray(x, np.float32) @ self._kernel.T
         return self._kernel.matmul(x)
@@ -89,6 +95,26 @@ class QuantizedTensor:
         if self.rows is not None:
             out = out[self.rows]
         return out.astype(dtype, copy=False)
+
+    @property
+    def kernel_nbytes(self) -> int:
+        """Bytes of the kernel (or float32 copy) built by ``matmul``; 0 before."""
+        return 0 if self._kernel is None else int(self._kernel.nbytes)
+
+    def release_pages(self) -> None:
+        """Drop this tensor's mapped pages from the process (``MADV_DONTNEED``; the file keeps them) once a
+        kernel holds its values: RSS then counts the repacked copy, not both.  Reading again re-faults."""
+        base = self.raw
+        while base is not None and not isinstance(base, np.memmap):
+            base = base.base  # type: ignore[assignment]
+        mm = getattr(base, "_mmap", None)
+        if mm is None or self.raw.size == 0:
+            return
+        origin = np.frombuffer(mm, np.uint8).__array_interface__["data"][0]
+        low = self.raw.__array_interface__["data"][0] - origin
+        start, end = -(-low // mmap.PAGESIZE) * mmap.PAGESIZE, (low + self.raw.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         if copy is False:

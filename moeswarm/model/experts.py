@@ -53,6 +53,41 @@ def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x @ w.T
 
 
+class DecodedOnce:
+    """A fp16/bf16 backbone matrix converted to float32 at its first product and kept (each token would
+    otherwise convert it again).  Row lookups read the stored rows."""
+
+    __slots__ = ("stored", "_value")
+
+    def __init__(self, stored: np.ndarray) -> None:
+        self.stored = stored
+        self._value: np.ndarray | None = None
+
+    shape = property(lambda self: self.stored.shape)
+    ndim = property(lambda self: self.stored.ndim)
+    size = property(lambda self: self.stored.size)
+    dtype = property(lambda self: self.stored.dtype)
+    nbytes = property(lambda self: self.stored.nbytes)
+    kernel_nbytes = property(lambda self: 0 if self._value is None else self._value.nbytes)
+
+    def value(self) -> np.ndarray:
+        if self._value is None:
+            self._value = self.stored.astype(np.float32)
+        return self._value
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        return mm(x, self.value())
+
+    def astype(self, dtype: object, copy: bool = True) -> np.ndarray:
+        return self.value().astype(dtype, copy=False)  # type: ignore[call-overload]
+
+    def __array__(self, dtype: object = None, copy: bool | None = None) -> np.ndarray:
+        return self.value() if dtype is None else self.value().astype(dtype, copy=False)  # type: ignore[call-overload]
+
+    def __getitem__(self, index: object) -> np.ndarray:
+        return self.stored[index]  # type: ignore[index]
+
+
 class F32Experts(Mapping[int, ExpertWeights]):
     """A layer's experts as float32, converting fp16/bf16 ones on first use and keeping the most
     recently used conversions up to a byte budget (shared by all layers through ``F32Cache``).

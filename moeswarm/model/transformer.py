@@ -15,7 +15,7 @@ import numpy as np
 
 from .attention import KVCache, Rope, gqa, mla, rms_norm
 from .config import ModelConfig
-from .experts import F32Cache, dense_ffn, f32, get_backend, mm, sigmoid
+from .experts import DecodedOnce, F32Cache, dense_ffn, f32, get_backend, mm, sigmoid
 from .routing import route
 from .weights import ExpertWeights, Weights
 
@@ -44,6 +44,34 @@ class _Done:
         return self._value
 
 
+DECODE_AT_LOAD_MAX = 4 << 30  # float32 copies made at load (fp16/bf16 backbone, expert cache floor), bytes
+
+
+def _prepare_backbone(weights: Weights) -> None:
+    """Once, at load: repack quantized backbone matrices into kernels; wrap fp16/bf16 ones (up to
+    ``DECODE_AT_LOAD_MAX`` in float32) so that they are converted at their first use and kept, not
+    converted again by every token.  The embedding alone is only read by rows and stays as stored."""
+    cfg = weights.config
+    names = [n for n, a in weights.tensors.items() if a.ndim == 2 and (n != "embed" or cfg.tie_word_embeddings)]
+    half = [n for n in names if weights.tensors[n].dtype != np.float32 and not hasattr(weights.tensors[n], "matmul")]
+    if sum(weights.tensors[n].size * 4 for n in half) <= DECODE_AT_LOAD_MAX:
+        wrapped = {n: DecodedOnce(weights.tensors[n]) for n in half}
+        if cfg.tie_word_embeddings and "lm_head" in wrapped:
+            wrapped["embed"] = wrapped["lm_head"]
+        weights.tensors.update(wrapped)  # type: ignore[arg-type]
+    for n in names:
+        prepare = getattr(weights.tensors[n], "prepare", None)
+        if prepare is not None:
+            prepare()
+
+
+def _cache_size(experts: Mapping[int, Mapping[int, ExpertWeights]]) -> int:
+    """Default expert cache: 512 MiB, or all float32 copies of fp16/bf16 experts if up to DECODE_AT_LOAD_MAX."""
+    need = sum(sum(a.size * 4 for a in w.arrays()) for layer in experts.values() for w in layer.values()
+               if w.gate.dtype != np.float32 and not hasattr(w.gate, "kernel_format"))
+    return max(512 << 20, need) if need <= DECODE_AT_LOAD_MAX else 512 << 20
+
+
 class LocalExperts:
     """Routed experts computed in this process from the memory-mapped checkpoint."""
 
@@ -53,7 +81,7 @@ class LocalExperts:
         self.cfg = cfg
         self.backend = get_backend(backend)
         self.backend_name = backend
-        self.cache = cache or F32Cache()
+        self.cache = cache or F32Cache(_cache_size(experts))
         self.on_access: Callable[[int, int], None] | None = None  # called before each expert is computed
 
     def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> ExpertHandle:
@@ -82,6 +110,7 @@ class Model:
         self.rope = Rope(cfg)
         self.observers: list[RouteObserver] = []  # (layer, expert ids (T, k)) once a MoE layer has routed
         self.state_observers: list[Callable[[int, np.ndarray], None]] = []  # (layer, residual (N, H)) before its MLP
+        _prepare_backbone(weights)
         self._attn = [
             {name.split(".", 2)[2]: a for name, a in weights.tensors.items() if name.startswith(f"{L}.attn.")}
             for L in range(cfg.num_layers)
