@@ -153,3 +153,27 @@ def test_every_backend_computes_on_kernels(mixtral: Path, tmp_path: Path, backen
     auto = list(generate(load_model(path), PROMPT, SamplingParams(max_new_tokens=6)))
     model = load_model(path, backend=backend)
     assert list(generate(model, PROMPT, SamplingParams(max_new_tokens=6))) == auto
+
+
+def test_decoding_a_quantized_file_allocates_no_float32_copies(tmp_path: Path) -> None:
+    """Decode on kernels touches no new memory per token: the old path dequantised the Q8_0 attention and
+    LM head (8192 x 512: 16 MiB as float32, 4096 fresh pages) at every step."""
+    import resource
+
+    from moeswarm.model.memory import MemoryStats, footprint
+
+    folder = random_mixtral(tmp_path / "m", hidden=512, inter=1024, layers=2, experts=4, vocab=8192, heads=8, kv_heads=2)
+    model = load_model(write(folder, tmp_path / "m.gguf", "Q8_0"))
+    cache = model.new_cache()
+    token = int(model.forward(np.asarray([PROMPT]), cache, last_only=True)[0, -1].argmax())
+    for _ in range(4):  # every expert used so far is repacked; the KV cache has room
+        token = int(model.forward(np.asarray([[token]]), cache, last_only=True)[0, -1].argmax())
+    before, faults = MemoryStats.now().vm_rss, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    steps = 8
+    for _ in range(steps):
+        token = int(model.forward(np.asarray([[token]]), cache, last_only=True)[0, -1].argmax())
+    per_token = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
+    grown = MemoryStats.now().vm_rss - before
+    print(f"{footprint(model)}; per decode step: {per_token:.0f} minor faults; RSS grew {grown / 2**20:.1f} MiB")
+    assert per_token < 1024  # < 4 MiB of fresh pages per token, a quarter of the LM head alone in float32
+    assert grown < 8 << 20
