@@ -34,6 +34,7 @@ ap.add_argument("--keep", default=None, help="folder for the model and GGUF file
 ap.add_argument("--llama-src", default=None, help="llama.cpp source folder holding convert_hf_to_gguf.py and gguf-py")
 ap.add_argument("--types", default="F32,F16,Q8_0,Q4_K_M,IQ4_XS", help="which llama.cpp files to compare")
 ap.add_argument("--small", action="store_true", help="a tiny model (hidden 256), to check the script quickly")
+ap.add_argument("--no-interop", action="store_true", help="skip step 4 (llama.cpp on convert-gguf's files)")
 ARGS = ap.parse_args()
 os.environ["OPENBLAS_NUM_THREADS"] = str(ARGS.threads)  # before numpy is imported
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -235,9 +236,10 @@ def main() -> None:
         print(f"| {r['file']} | {r['MiB']:.0f} | {r['llama_dec']:.1f} | {r['ours_dec']:.1f} | "
               f"{r['ours_dec'] / r['llama_dec']:.2f}x | {r['llama_pre']:.0f} | {r['ours_pre']:.0f} | "
               f"{r['ours_pre'] / r['llama_pre']:.2f}x | {r['agree']} | {r['prefix']} | {r['rss']:.0f} |", flush=True)
-    print("\nmoeswarm convert-gguf -> llama.cpp:")
-    for line in interop(work, folder, prompt):
-        print(line, flush=True)
+    if not ARGS.no_interop:
+        print("\nmoeswarm convert-gguf -> llama.cpp:")
+        for line in interop(work, folder, prompt):
+            print(line, flush=True)
     if not ARGS.keep:
         shutil.rmtree(work, ignore_errors=True)
 
