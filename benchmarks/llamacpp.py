@@ -180,8 +180,8 @@ def rss_mib() -> float:
 def compare(name: str, path: Path, prompt: list[int]) -> dict[str, float | str]:
     n = ARGS.decode
     llama, ours = LlamaRunner(path), OursRunner(path)
-    for runner in (llama, ours):  # warm-up: first-use repacking, page faults, llama.cpp's graph
-        runner.run(prompt[:8], 4)
+    for runner in (llama, ours):  # one untimed run: first-use repacking / conversion, page faults, graphs
+        runner.run(prompt, n)
     times: dict[str, list[tuple[float, float]]] = {"llama": [], "ours": []}
     tokens: dict[str, list[int]] = {}
     for _ in range(ARGS.rounds):  # alternate, so both see the same machine load
