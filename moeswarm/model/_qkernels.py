@@ -29,6 +29,7 @@ int8 per block of ``block`` values, as llama.cpp quantizes them to Q8 for its do
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -272,7 +273,16 @@ def _session(model_bytes: bytes):  # type: ignore[no-untyped-def]
         else:
             so.intra_op_num_threads = _THREADS["intra"]
         so.log_severity_level = 3
-        return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+        _trim()  # the graph's serialized copies are freed now: give their pages back (~20% of RSS measured)
+        return session
+
+
+def _trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class _Graph:
