@@ -149,6 +149,9 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
     n = _generate_with(model, model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed,
                        print_token_ids, speculative)
     if stats:
+        from .model.memory import footprint
+
+        click.echo(footprint(model), err=True)
         click.echo(MemoryStats.now().report(start, n, time.perf_counter() - t0)
                    + (f"; {budget.evictions} expert evictions, expert cache hit rate {budget.stats.hit_rate:.0%}, "
                       f"{budget.stats.bytes_fetched / 2**20:.0f} MiB fetched, next-layer prediction accuracy "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -36,8 +37,13 @@ EMBEDDED_FILES = {
 }
 
 
-def write_metadata(w: GGUFWriter, cfg: ModelConfig, raw_config: str, files: dict[str, str], file_type: int) -> None:
-    """Everything but the tensors.  ``files``: name -> text of the tokenizer files to embed."""
+def write_metadata(w: GGUFWriter, cfg: ModelConfig, raw_config: str, files: dict[str, str], file_type: int,
+                   spm_model: Path | None = None) -> None:
+    """Everything but the tensors.  ``files``: name -> text of the tokenizer files to embed;
+    ``spm_model``: a SentencePiece ``tokenizer.model`` beside the source, if any.  The tokenizer is also
+    written as llama.cpp's ``tokenizer.ggml.*`` keys (``_gguf_vocab``), so llama.cpp can load the file."""
+    from ._gguf_vocab import write_vocab
+
     w.add_name(cfg.model_id or cfg.arch)
     w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -47,15 +53,18 @@ def write_metadata(w: GGUFWriter, cfg: ModelConfig, raw_config: str, files: dict
     for name, key in EMBEDDED_FILES.items():
         if name in files:
             w.add_string(key, files[name])
+    write_vocab(w, {"config.json": raw_config, **files}, cfg.vocab_size, spm_model)
+    have = set(w.kv_data[0])  # what the tokenizer's files gave; the config fills in the rest
     template = _chat_template(files.get("tokenizer_config.json"))
-    if template:
+    if template and Keys.Tokenizer.CHAT_TEMPLATE not in have:
         w.add_chat_template(template)
     _hparams(w, cfg)
-    for add, value in ((w.add_bos_token_id, cfg.bos_token_id), (w.add_pad_token_id, cfg.pad_token_id)):
-        if value is not None:
+    for add, key, value in ((w.add_bos_token_id, Keys.Tokenizer.BOS_ID, cfg.bos_token_id),
+                            (w.add_pad_token_id, Keys.Tokenizer.PAD_ID, cfg.pad_token_id),
+                            (w.add_eos_token_id, Keys.Tokenizer.EOS_ID,
+                             cfg.eos_token_ids[0] if cfg.eos_token_ids else None)):
+        if value is not None and key not in have:
             add(int(value))
-    if cfg.eos_token_ids:
-        w.add_eos_token_id(cfg.eos_token_ids[0])
 
 
 def _chat_template(text: str | None) -> str | None:

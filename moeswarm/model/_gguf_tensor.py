@@ -12,21 +12,28 @@ pages in that expert and nothing else.
 
 It also carries llama.cpp's rotary row permutation of ``attn_q`` / ``attn_k`` (``rows``), undone
 after dequantising; that is why an F16/F32 tensor can be a ``QuantizedTensor`` too.
+
+Computing: ``matmul(x)`` (what ``experts.mm`` calls) runs the repacked kernel of ``_qkernels`` for the
+types it has (``kernel_format``), built once on first use; other types (F16/F32 with a row order,
+K-quants without a kernel) are decoded to float32 once and kept.  ``packed()`` is the repacked form.
 """
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from ._qkernels import REPACKERS, Packed, QLinear, repack
+
 
 class QuantizedTensor:
     """A GGML-encoded tensor (or one expert's slice of a stacked one), decoded on demand."""
 
-    __slots__ = ("raw", "qtype", "shape", "rows", "cols")
+    __slots__ = ("raw", "qtype", "shape", "rows", "cols", "_kernel")
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
                  rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> None:
@@ -35,6 +42,31 @@ class QuantizedTensor:
         self.shape = tuple(int(d) for d in shape)  # logical shape, e.g. (I, H)
         self.rows = rows  # (shape[0],) row order to apply after decoding, or None
         self.cols = cols  # (shape[1],) column order to apply after decoding, or None (Qwen3.5 ssm_out)
+        self._kernel: Any = None  # QLinear, or the decoded float32 matrix, once matmul has run
+
+    @property
+    def kernel_format(self) -> str | None:
+        """The ``_qkernels.REPACKERS`` key this tensor's matrix product runs on, or None."""
+        return (self.qtype.name if self.ndim == 2 and self.cols is None and self.qtype.name in REPACKERS
+                else None)  # reordered columns (Qwen3.5 ssm_out) are decoded once instead
+
+    def packed(self) -> Packed:
+        """The matrix in the kernels' layout (a new copy: callers keep what they need)."""
+        p = repack(self.raw, self.qtype.name, self.shape)  # type: ignore[arg-type]
+        return p if self.rows is None else p.take_rows(self.rows)
+
+    def prepare(self) -> None:
+        """Build what ``matmul`` computes with (the repacked kernel, else a float32 copy), once."""
+        if self._kernel is None:
+            self._kernel = QLinear(self.packed()) if self.kernel_format else self.astype(np.float32)
+            self.release_pages()
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """``x (M, in) @ self.T -> (M, out)`` float32 (the weight in ``nn.Linear`` orientation)."""
+        self.prepare()
+        if isinstance(self._kernel, np.ndarray):
+            return np.asarray(x, np.float32) @ self._kernel.T
+        return self._kernel.matmul(x)
 
     @property
     def dtype(self) -> np.dtype:
@@ -67,6 +99,26 @@ class QuantizedTensor:
         if self.cols is not None:
             out = out[:, self.cols]
         return out.astype(dtype, copy=False)
+
+    @property
+    def kernel_nbytes(self) -> int:
+        """Bytes of the kernel (or float32 copy) built by ``matmul``; 0 before."""
+        return 0 if self._kernel is None else int(self._kernel.nbytes)
+
+    def release_pages(self) -> None:
+        """Drop this tensor's mapped pages from the process (``MADV_DONTNEED``; the file keeps them) once a
+        kernel holds its values: RSS then counts the repacked copy, not both.  Reading again re-faults."""
+        base = self.raw
+        while base is not None and not isinstance(base, np.memmap):
+            base = base.base  # type: ignore[assignment]
+        mm = getattr(base, "_mmap", None)
+        if mm is None or self.raw.size == 0:
+            return
+        origin = np.frombuffer(mm, np.uint8).__array_interface__["data"][0]
+        low = self.raw.__array_interface__["data"][0] - origin
+        start, end = -(-low // mmap.PAGESIZE) * mmap.PAGESIZE, (low + self.raw.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         if copy is False:

@@ -145,14 +145,16 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
 
 
 def _file_type(qtype: GGMLQuantizationType) -> int:
-    names = {Q.F32: "ALL_F32", Q.F16: "MOSTLY_F16"}
-    return int(getattr(gguf.LlamaFileType, names.get(qtype, f"MOSTLY_{qtype.name}")))
+    names = {Q.F32: "ALL_F32", Q.F16: "MOSTLY_F16", Q.Q4_K: "MOSTLY_Q4_K_M", Q.Q5_K: "MOSTLY_Q5_K_M"}
+    return int(getattr(gguf.LlamaFileType, names.get(qtype, f"MOSTLY_{qtype.name}"), gguf.LlamaFileType.GUESSED))
 
 
 def write_gguf(out: Path, w: Weights, plans: list[TensorPlan], files: dict[str, str],
-               on_tensor: Callable[[TensorPlan], None] | None = None, split_max_size: int = 0) -> list[Path]:
+               on_tensor: Callable[[TensorPlan], None] | None = None, split_max_size: int = 0,
+               spm_model: Path | None = None) -> list[Path]:
     """Header, metadata and tensor table first, then each tensor's bytes; returns the files written.
-    ``files``: name -> text of config.json and the tokenizer files, embedded verbatim.
+    ``files``: name -> text of config.json and the tokenizer files, embedded verbatim; ``spm_model``: a
+    SentencePiece tokenizer.model (binary), written as llama.cpp's vocabulary only.
 
     ``split_max_size`` > 0 splits the model as llama.cpp's ``gguf-split --split-max-size`` does:
     ``out``'s stem + ``-00001-of-0000N.gguf``..., no shard's tensors above that many bytes (unless
@@ -162,7 +164,7 @@ def write_gguf(out: Path, w: Weights, plans: list[TensorPlan], files: dict[str, 
     writer = gguf.GGUFWriter(None, GGUF_ARCH[cfg.arch], split_max_size=split_max_size)
     expert_types = [p.qtype for p in plans if "_exps.weight" in p.name]
     write_metadata(writer, cfg, files.get("config.json") or json.dumps(cfg.raw, indent=2), files,
-                   _file_type(expert_types[0] if expert_types else plans[0].qtype))
+                   _file_type(expert_types[0] if expert_types else plans[0].qtype), spm_model)
     for p in plans:
         if p.qtype in (Q.F32, Q.F16):
             dtype = np.dtype(np.float32 if p.qtype == Q.F32 else np.float16)
@@ -238,7 +240,8 @@ def convert_to_gguf(
     files = _source_files(model, w)
     files.setdefault("config.json", json.dumps(w.config.raw, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)
-    shards = write_gguf(out, w, plans, files, on_tensor, split_max_size)
+    spm = Path(w.folder) / "tokenizer.model" if find_gguf(model) is None else None
+    shards = write_gguf(out, w, plans, files, on_tensor, split_max_size, spm)
     written = []
     if sidecar:
         for name, text in files.items():

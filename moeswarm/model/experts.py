@@ -8,7 +8,12 @@ they differ only in how they group the work:
 * ``grouped`` -- sort (token, slot) pairs by expert once, one matmul per hit expert.
 * ``batched`` -- per token, gather its k experts and run them as matrix-vector products;
   avoids OpenBLAS's small-M gemm cliff (M=2 costs ~9x M=1, spike finding 10) at tiny batches.
-* ``auto``    -- ``batched`` for a handful of tokens, ``grouped`` above.
+* ``auto``    -- ``batched`` for a handful of tokens, ``grouped`` above; always ``grouped`` when
+  the experts run on quantized kernels (``_qkernels``: one call per expert whatever its rows).
+
+Quantized experts (GGUF Q8_0, Q4_K, IQ4_XS...) are not converted to float32: ``F32Cache`` turns
+them into ``KernelExpert``s (repacked once, kept in the same byte-bounded LRU) and ``expert_ffn``
+runs them in one onnxruntime call.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import ConfigError
+from ._qkernels import Activation, KernelExpert, packable
 from .config import ModelConfig
 from .weights import ExpertWeights
 
@@ -36,11 +42,50 @@ _GEMV_MAX_ROWS = 8  # below this many rows, row-by-row gemv beats OpenBLAS's sma
 
 
 def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x (M, in) @ w.T`` for ``w (out, in)``, float32, dodging OpenBLAS's small-M gemm cliff."""
+    """``x (M, in) @ w.T`` for ``w (out, in)``, float32, dodging OpenBLAS's small-M gemm cliff.
+    A stored tensor with its own ``matmul`` (a quantized GGUF tensor) computes it itself."""
+    kernel = getattr(w, "matmul", None)
+    if kernel is not None:
+        return kernel(x)
     w = f32(w)
     if 1 < x.shape[0] <= _GEMV_MAX_ROWS:
         return np.stack([w @ row for row in x])
     return x @ w.T
+
+
+class DecodedOnce:
+    """A fp16/bf16 backbone matrix converted to float32 at its first product and kept (each token would
+    otherwise convert it again).  Row lookups read the stored rows."""
+
+    __slots__ = ("stored", "_value")
+
+    def __init__(self, stored: np.ndarray) -> None:
+        self.stored = stored
+        self._value: np.ndarray | None = None
+
+    shape = property(lambda self: self.stored.shape)
+    ndim = property(lambda self: self.stored.ndim)
+    size = property(lambda self: self.stored.size)
+    dtype = property(lambda self: self.stored.dtype)
+    nbytes = property(lambda self: self.stored.nbytes)
+    kernel_nbytes = property(lambda self: 0 if self._value is None else self._value.nbytes)
+
+    def value(self) -> np.ndarray:
+        if self._value is None:
+            self._value = self.stored.astype(np.float32)
+        return self._value
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        return mm(x, self.value())
+
+    def astype(self, dtype: object, copy: bool = True) -> np.ndarray:
+        return self.value().astype(dtype, copy=False)  # type: ignore[call-overload]
+
+    def __array__(self, dtype: object = None, copy: bool | None = None) -> np.ndarray:
+        return self.value() if dtype is None else self.value().astype(dtype, copy=False)  # type: ignore[call-overload]
+
+    def __getitem__(self, index: object) -> np.ndarray:
+        return self.stored[index]  # type: ignore[index]
 
 
 class F32Experts(Mapping[int, ExpertWeights]):
@@ -58,7 +103,7 @@ class F32Experts(Mapping[int, ExpertWeights]):
             self.on_access(self.layer, expert)
         if w.gate.dtype == np.float32:
             return w
-        return self.cache.get((self.layer, expert), w)
+        return self.cache.get((self.layer, expert), w)  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.experts)
@@ -67,13 +112,16 @@ class F32Experts(Mapping[int, ExpertWeights]):
         return len(self.experts)
 
 
+Computable = ExpertWeights | KernelExpert  # what a backend's store gives: float32 weights or a kernel
+
+
 class ExpertLRU:
     """Experts by key, bounded in bytes; the least recently used leave first."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._items: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
+        self._items: OrderedDict[tuple[int, int], Computable] = OrderedDict()
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._items
@@ -84,13 +132,13 @@ class ExpertLRU:
     def keys(self) -> list[tuple[int, int]]:
         return list(self._items)
 
-    def get(self, key: tuple[int, int]) -> ExpertWeights | None:
+    def get(self, key: tuple[int, int]) -> Computable | None:
         w = self._items.get(key)
         if w is not None:
             self._items.move_to_end(key)
         return w
 
-    def put(self, key: tuple[int, int], w: ExpertWeights) -> bool:
+    def put(self, key: tuple[int, int], w: Computable) -> bool:
         """Keep ``w`` unless it alone exceeds the budget; returns whether it was kept."""
         size = w.nbytes
         if size > self.max_bytes:
@@ -107,15 +155,20 @@ class ExpertLRU:
 
 
 class F32Cache:
-    """LRU of float32 copies of experts, bounded in bytes (0 disables it)."""
+    """LRU of float32 copies of experts (or, for quantized ones, their repacked kernels), bounded in
+    bytes (0 disables it)."""
 
     def __init__(self, max_bytes: int = 512 << 20) -> None:
         self._copies = ExpertLRU(max_bytes)
 
-    def get(self, key: tuple[int, int], w: ExpertWeights) -> ExpertWeights:
+    def get(self, key: tuple[int, int], w: ExpertWeights) -> Computable:
         hit = self._copies.get(key)
         if hit is not None:
             return hit
+        if all(packable(a) for a in (w.gate, w.up, w.down)):
+            kernel = KernelExpert(w)
+            self._copies.put(key, kernel)
+            return kernel
         converted = replace(w, **{k: f32(getattr(w, k)) for k in ("gate", "up", "down", "gate_bias", "up_bias",
                                                                      "down_bias") if getattr(w, k) is not None})
         self._copies.put(key, converted)
@@ -131,8 +184,16 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-x))
 
 
-def expert_ffn(w: ExpertWeights, x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+def activation(cfg: ModelConfig) -> Activation:
+    if cfg.expert_activation == "clamped_swiglu":
+        return Activation("clamped_swiglu", float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+    return Activation("silu")
+
+
+def expert_ffn(w: Computable, x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """One expert on ``x (T, H)`` -> ``(T, H)``, float32."""
+    if isinstance(w, KernelExpert):
+        return w(x, activation(cfg))
     gate = mm(x, w.gate)  # (T, I)
     up = mm(x, w.up)  # (T, I)
     if w.gate_bias is not None:
@@ -215,9 +276,16 @@ def batched(store: Mapping[int, ExpertWeights], x: np.ndarray, ids: np.ndarray, 
 
 
 def auto(store: Mapping[int, ExpertWeights], x: np.ndarray, ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    if x.shape[0] <= _AUTO_BATCHED_MAX_TOKENS:
+    if x.shape[0] <= _AUTO_BATCHED_MAX_TOKENS and not (ids.size and _on_kernels(store, int(ids.flat[0]))):
         return batched(store, x, ids, weights, cfg)
     return grouped(store, x, ids, weights, cfg)
+
+
+def _on_kernels(store: Mapping[int, ExpertWeights], expert: int) -> bool:
+    """Whether the store's experts are quantized ones computed by kernels (looked up without counting
+    as an access: an ``F32Experts`` shows its stored weights)."""
+    w = getattr(store, "experts", store).get(expert)
+    return w is not None and packable(w.gate)
 
 
 _BY_NAME: dict[str, Backend] = {"auto": auto, "eager": eager, "grouped": grouped, "batched": batched}

@@ -96,6 +96,26 @@ class MemoryStats:
                 f"{tokens / max(seconds, 1e-9):.2f} tokens/s")
 
 
+def footprint(model) -> str:  # type: ignore[no-untyped-def]
+    """What RSS should be made of: the weights' stored bytes, and the copies built from them (repacked
+    quantized kernels and float32 conversions of the backbone; the expert cache of kernels / float32
+    experts).  ``generate --stats`` prints it beside VmRSS."""
+    w = model.weights
+    seen: set[int] = set()
+    stored = backbone = 0
+    for a in w.tensors.values():
+        if id(a) in seen:
+            continue
+        seen.add(id(a))
+        stored += int(a.nbytes)
+        backbone += int(getattr(a, "kernel_nbytes", 0))
+    stored += sum(x.nbytes for layer in w.experts.values() for x in layer.values())
+    cache = getattr(getattr(model.experts, "cache", None), "_copies", None)
+    experts = cache.bytes if cache is not None else 0
+    return (f"weights stored {stored / 2**20:.0f} MiB; built from them: backbone kernels/copies "
+            f"{backbone / 2**20:.0f} MiB, expert cache {experts / 2**20:.0f} MiB ({len(cache) if cache else 0} experts)")
+
+
 @dataclass(frozen=True)
 class _Region:
     map: mmap.mmap  # the mapping the pages belong to

@@ -18,7 +18,7 @@ from ._attn_dsa import DsaLayerCache, dsa_attention
 from ._attn_lightning import lightning, new_layer_cache
 from .attention import KVCache, LayerCache, Rope, gqa, mla, rms_norm
 from .config import ModelConfig
-from .experts import F32Cache, dense_ffn, f32, get_backend, oai_dense_ffn, sigmoid
+from .experts import DecodedOnce, F32Cache, dense_ffn, f32, get_backend, mm, oai_dense_ffn, sigmoid
 from .routing import route
 from .weights import ExpertWeights, Weights
 
@@ -47,6 +47,34 @@ class _Done:
         return self._value
 
 
+DECODE_AT_LOAD_MAX = 4 << 30  # float32 copies made at load (fp16/bf16 backbone, expert cache floor), bytes
+
+
+def _prepare_backbone(weights: Weights) -> None:
+    """Once, at load: repack quantized backbone matrices into kernels; wrap fp16/bf16 ones (up to
+    ``DECODE_AT_LOAD_MAX`` in float32) so that they are converted at their first use and kept, not
+    converted again by every token.  The embedding alone is only read by rows and stays as stored."""
+    cfg = weights.config
+    names = [n for n, a in weights.tensors.items() if a.ndim == 2 and (n != "embed" or cfg.tie_word_embeddings)]
+    half = [n for n in names if weights.tensors[n].dtype != np.float32 and not hasattr(weights.tensors[n], "matmul")]
+    if sum(weights.tensors[n].size * 4 for n in half) <= DECODE_AT_LOAD_MAX:
+        wrapped = {n: DecodedOnce(weights.tensors[n]) for n in half}
+        if cfg.tie_word_embeddings and "lm_head" in wrapped:
+            wrapped["embed"] = wrapped["lm_head"]
+        weights.tensors.update(wrapped)  # type: ignore[arg-type]
+    for n in names:
+        prepare = getattr(weights.tensors[n], "prepare", None)
+        if prepare is not None:
+            prepare()
+
+
+def _cache_size(experts: Mapping[int, Mapping[int, ExpertWeights]]) -> int:
+    """Default expert cache: 512 MiB, or all float32 copies of fp16/bf16 experts if up to DECODE_AT_LOAD_MAX."""
+    need = sum(sum(a.size * 4 for a in w.arrays()) for layer in experts.values() for w in layer.values()
+               if w.gate.dtype != np.float32 and not hasattr(w.gate, "kernel_format"))
+    return max(512 << 20, need) if need <= DECODE_AT_LOAD_MAX else 512 << 20
+
+
 class LocalExperts:
     """Routed experts computed in this process from the memory-mapped checkpoint."""
 
@@ -56,7 +84,7 @@ class LocalExperts:
         self.cfg = cfg
         self.backend = get_backend(backend)
         self.backend_name = backend
-        self.cache = cache or F32Cache()
+        self.cache = cache or F32Cache(_cache_size(experts))
         self.on_access: Callable[[int, int], None] | None = None  # called before each expert is computed
 
     def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> ExpertHandle:
@@ -85,6 +113,7 @@ class Model:
         self.rope = Rope(cfg)
         self.observers: list[RouteObserver] = []  # (layer, expert ids (T, k)) once a MoE layer has routed
         self.state_observers: list[Callable[[int, np.ndarray], None]] = []  # (layer, residual (N, H)) before its MLP
+        _prepare_backbone(weights)
         self._attn = [
             {name.split(".", 2)[2]: a for name, a in weights.tensors.items() if name.startswith(f"{L}.attn.")}
             for L in range(cfg.num_layers)
@@ -128,7 +157,7 @@ class Model:
         if last_only:
             x = x[:, -1:]
         x = rms_norm(x, w["final_norm"], cfg.rms_norm_eps)
-        return (x @ f32(w["lm_head"]).T).astype(np.float32)
+        return mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1).astype(np.float32, copy=False)
 
     def _mix_tokens(self, L: int, h: np.ndarray, layer_cache: object, positions: np.ndarray,
                     step: dict[str, np.ndarray]) -> np.ndarray:

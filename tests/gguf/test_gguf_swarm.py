@@ -187,4 +187,7 @@ def test_nan_hidden_gets_non_finite_and_the_q8_0_node_keeps_serving(q8_swarm) ->
     expert = weights.experts[1][5]
     assert isinstance(expert.gate, QuantizedTensor)
     dequantised = replace(expert, **{k: getattr(expert, k).astype(np.float32) for k in ("gate", "up", "down")})
-    assert np.abs(outputs - expert_ffn(dequantised, hidden, weights.config)).max() <= 1e-5
+    expected = expert_ffn(dequantised, hidden, weights.config)
+    # The node computes on the repacked Q8_0 kernel, whose activations are int8 (as llama.cpp's): within the
+    # 2 % that tests/gguf/test_qkernels.py bounds for one fused expert, far below a wrong answer's error.
+    assert np.abs(outputs - expected).max() <= 2e-2 * np.abs(expected).max()
