@@ -22,6 +22,7 @@ from ..net.discovery import Discovery
 from ..net.routing_table import SwarmTable
 from .config import BackboneConfig
 from .dispatch import RemoteExperts
+from .verify import Verifier
 from .links import ProbeConfig
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class SwarmBackbone:
         self.executor: RemoteExperts | None = None
         self.audits: Any = None  # moeswarm.ledger.AuditRunner when audit_fraction > 0
         self.tiers: Any = None  # moeswarm.node.tiers.TierPlanner
+        self.verifier: Verifier | None = None  # checks holders' outputs (on unless verify.fraction == 0)
 
     async def __aenter__(self) -> "SwarmBackbone":
         sc, cfg = self.config.swarm, self.cfg
@@ -64,8 +66,9 @@ class SwarmBackbone:
                                           config=self.config.dispatch, local=local, receipts=receipts,
                                           audit=self.audits.offer if self.audits is not None else None)
             self._stack.push_async_callback(self.executor.aclose)
-            # the backbone's own tensors; with --local-fallback the full map already holds them
-            weights = local or load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
+            checkpoint = await self._start_verifier(local)
+            # the backbone's own tensors; with --local-fallback (or checks by recomputation) the full map holds them
+            weights = local or checkpoint or load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
             self.model = Model(weights, experts=self.executor)
             await self._start_demand_reports(moe)
             await self._start_planner(local, weights)
@@ -76,6 +79,26 @@ class SwarmBackbone:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
+
+    async def _start_verifier(self, local: Weights | None) -> Weights | None:
+        """Check holders' outputs (verify.py); returns the checkpoint's full map if it was loaded
+        to recompute from (None: checks ask other holders, or checks are off)."""
+        c = self.config.verify
+        if not c.enabled:
+            return None
+        weights = local
+        if weights is None and c.method != "holders":
+            try:
+                weights = load_weights(self.config.swarm.model_dir, config=self.cfg)
+            except CheckpointError as e:
+                log.info("the checkpoint holds no experts to recompute from (%s): other holders check", e)
+        assert self.executor is not None
+        verifier = Verifier(self.cfg, self.identity, self.table, c, weights=weights, call=self.executor.call_holder,
+                            dht=self.p2p, wire_dtype=self.config.dispatch.wire_dtype)
+        await verifier.start()  # evidence in the DHT against holders found so far: excluded before any call
+        self._stack.push_async_callback(verifier.aclose)
+        self.executor.verifier = self.verifier = verifier
+        return weights if local is None else None
 
     def _local_experts(self) -> Weights | None:
         """The whole checkpoint mapped, for --local-fallback or --tiers auto; with --tiers auto a
@@ -123,6 +146,8 @@ class SwarmBackbone:
             out["dispatch"] = {"calls": ex.calls, "fallbacks": ex.fallbacks, "local_pairs": ex.local_pairs,
                                "bad_receipts": ex.bad_receipts,
                                "served_by": {p.hex(): len(s) for p, s in ex.served_by.items()}}
+        if self.verifier is not None:
+            out["verification"] = self.verifier.status()
         if self.tiers is not None:
             out["tiers"] = self.tiers.status()
         return out
