@@ -238,6 +238,8 @@ class Verifier:
                 witnesses: tuple[bytes, ...], reference: np.ndarray) -> None:
         """Exclude ``peer`` and publish evidence (``witnesses``: the majority that outvoted it, if any)."""
         self.stats.setdefault(peer, HolderChecks()).failed += 1
+        if peer in self.table.excluded:  # caught twice by checks that were in flight together
+            return
         self.exclude(peer, why)
         if self.config.publish_evidence and self.dht is not None:
             challenge = _challenge(request, response.outputs, reference)

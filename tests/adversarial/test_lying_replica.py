@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from moeswarm.demo.swarm import start_daemon, stop_daemon
 from moeswarm.model import SamplingParams, Tokenizer, generate, load_model
 from moeswarm.node.backbone import SwarmBackbone
 from moeswarm.node.config import BackboneConfig
+from moeswarm.node.verify import VerifyConfig
 from moeswarm.protocol import peer_id_from_str
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -132,3 +134,45 @@ def test_a_lying_replica_is_excluded_and_never_changes_an_answer(tmp_path: Path)
     assert liar_s not in v2["holders"]  # not one call to the liar before deciding
     assert second["tokens"] == expected[PROMPTS[0]]
     assert liar_s not in second["status"]["verification"]["holders"] and second["served_by"] == honest
+
+
+async def backbone_checking_by_holders(boot: str, expected: dict[str, list[int]]) -> dict[str, Any]:
+    cfg = replace(config(boot), verify=VerifyConfig(method="holders"))  # as `--verify-by holders`
+    async with SwarmBackbone(cfg) as bb:
+        assert bb.model is not None and bb.executor is not None and bb.verifier is not None
+        assert bb.verifier.weights is None  # no recomputation: only other holders can tell
+        tokenizer, model = bb.tokenizer(), bb.model
+        for prompt in PROMPTS[:2]:
+            tokens = await asyncio.to_thread(greedy, model, tokenizer, prompt)
+            assert tokens == expected[prompt], f"request {prompt!r}: the liar's outputs reached the tokens"
+        deadline = time.monotonic() + 60
+        while not (bb.verifier.evidence_published or bb.verifier.evidence_errors) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return {"status": bb.status(), "served_by": set(bb.executor.served_by)}
+
+
+def test_without_weights_a_second_and_third_holder_outvote_the_liar(tmp_path: Path) -> None:
+    """Every expert held by two honest nodes and the liar; the backbone checks by asking other
+    holders only: a disagreement goes to a third holder and the majority wins."""
+    reference = load_model(str(CHECKPOINT))
+    tokenizer = Tokenizer.from_folder(str(CHECKPOINT), reference.config.bos_token_id)
+    expected = {p: greedy(reference, tokenizer, p) for p in PROMPTS[:2]}
+    liar_dir = liar_checkpoint(tmp_path / "liar-copy")
+    honest_a = start_daemon("honest a", ["node", "--model", str(CHECKPOINT), "--experts", "0-7"])
+    boot = honest_a.info["multiaddrs"][0]
+    started = [honest_a]
+    try:
+        started.append(start_daemon("liar", ["node", "--model", str(liar_dir), "--experts", "0-7", "--bootstrap", boot]))
+        started.append(start_daemon("honest b", ["node", "--model", str(CHECKPOINT), "--experts", "0-7",
+                                                 "--bootstrap", boot]))
+        run = asyncio.run(backbone_checking_by_holders(boot, expected))
+    finally:
+        for d in reversed(started):
+            stop_daemon(d)
+    liar_s = started[1].info["peer_id"]
+    honest = {peer_id_from_str(d.info["peer_id"]) for d in (started[0], started[2])}
+    v = run["status"]["verification"]
+    assert v["method"] == "holders" and list(v["excluded"]) == [liar_s]
+    assert v["excluded"][liar_s] == "outputs differ from two other holders'"
+    assert v["disagreements"] >= 1 and v["verification_calls"] >= 2 * v["disagreements"]
+    assert run["served_by"] <= honest and v["evidence_published"] == 1, v["evidence_errors"]
