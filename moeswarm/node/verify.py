@@ -113,6 +113,7 @@ class Verifier:
         self._loop_task: asyncio.Task[None] | None = None
         self.checked = self.passed = self.disagreements = self.unverifiable = 0
         self.verification_calls = 0  # extra calls to other holders made to check one
+        self.check_s = 0.0  # time the checks added to the token path, seconds
         self.evidence_published = self.evidence_accepted = 0
         self.evidence_errors: list[str] = []
 
@@ -161,13 +162,17 @@ class Verifier:
         s.calls += 1
         if not self.config.enabled or (self.trusted(peer) and self._rng.random() >= self.config.fraction):
             return outputs, True
-        local = await self._recompute(request) if self.weights is not None else None
-        if local is not None:
-            return self._judge_local(peer, request, response, outputs, local)
-        if self.config.method == "local":
-            self.unverifiable += 1
-            return outputs, True
-        return await self._judge_by_holders(peer, request, response, outputs)
+        t0 = time.perf_counter()
+        try:
+            local = await self._recompute(request) if self.weights is not None else None
+            if local is not None:
+                return self._judge_local(peer, request, response, outputs, local)
+            if self.config.method == "local":
+                self.unverifiable += 1
+                return outputs, True
+            return await self._judge_by_holders(peer, request, response, outputs)
+        finally:
+            self.check_s += time.perf_counter() - t0
 
     def _judge_local(self, peer: bytes, request: ExpertRequest, response: ExpertResponse, outputs: np.ndarray,
                      reference: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -351,6 +356,7 @@ class Verifier:
                 else "holders" if c.method != "local" else "none",
                 "checked": self.checked, "passed": self.passed, "disagreements": self.disagreements,
                 "unverifiable": self.unverifiable, "verification_calls": self.verification_calls,
+                "check_ms": round(self.check_s * 1e3, 1),
                 "evidence_published": self.evidence_published, "evidence_accepted": self.evidence_accepted,
                 "evidence_errors": self.evidence_errors[-5:],
                 "excluded": {peer_id_to_str(p): why for p, why in self.table.excluded.items()},
