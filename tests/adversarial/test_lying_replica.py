@@ -26,8 +26,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import click
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
 from moeswarm.daemon import SwarmConfig
@@ -36,6 +38,7 @@ from moeswarm.demo.swarm import start_daemon, stop_daemon
 from moeswarm.model import SamplingParams, Tokenizer, generate, load_model
 from moeswarm.node.backbone import SwarmBackbone
 from moeswarm.node.config import BackboneConfig
+from moeswarm.node.status import _gauges, render_report
 from moeswarm.node.verify import VerifyConfig
 from moeswarm.protocol import peer_id_from_str
 
@@ -64,6 +67,16 @@ def liar_checkpoint(folder: Path) -> Path:
 
 def greedy(model: Any, tokenizer: Tokenizer, prompt: str) -> list[int]:
     return list(generate(model, tokenizer.encode(prompt), SamplingParams(max_new_tokens=TOKENS)))
+
+
+def rendered(report: dict[str, Any]) -> str:
+    @click.command()
+    def show() -> None:
+        render_report(report)
+
+    result = CliRunner().invoke(show, env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    return result.output
 
 
 def config(boot: str) -> BackboneConfig:
@@ -126,6 +139,12 @@ def test_a_lying_replica_is_excluded_and_never_changes_an_answer(tmp_path: Path)
     assert v1["disagreements"] >= 1 and v1["checked"] > v1["disagreements"]
     assert first["served_by"] == honest  # no output of the liar was used
     assert v1["evidence_published"] == 1, v1["evidence_errors"]
+
+    shown = rendered({**first["status"], "url": "in-process"})  # what `moeswarm node status` prints of it
+    assert f"{v1['checked']} calls checked, {v1['disagreements']} disagreements" in shown
+    assert f"excluded {liar_s}: outputs differ from this backbone's recomputation" in shown
+    metrics = {g.name: g.samples[0].value for g in _gauges(first["status"])}
+    assert metrics["moeswarm_excluded_holders"] == 1 and metrics["moeswarm_verified_calls"] == v1["checked"]
 
     v2 = second["decided"]["verification"]
     assert list(v2["excluded"]) == [liar_s]
