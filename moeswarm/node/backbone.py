@@ -86,19 +86,24 @@ class SwarmBackbone:
         c = self.config.verify
         if not c.enabled:
             return None
-        weights = local
-        if weights is None and c.method != "holders":
+        # recomputation decides only for this checkpoint's own id: a --model-id naming another encoding
+        # (Q8_0 nodes for a float backbone) accepts their numbers, so their outputs are compared with each other's
+        own = model_id_for(self.config.swarm.model_dir, self.cfg) == self.model_id
+        weights = local if own else None
+        if weights is None and own and c.method != "holders":
             try:
                 weights = load_weights(self.config.swarm.model_dir, config=self.cfg)
             except CheckpointError as e:
                 log.info("the checkpoint holds no experts to recompute from (%s): other holders check", e)
+        elif not own:
+            log.info("--model-id %s is not this checkpoint's own id: other holders check", self.model_id)
         assert self.executor is not None
         verifier = Verifier(self.cfg, self.identity, self.table, c, weights=weights, call=self.executor.call_holder,
                             dht=self.p2p, wire_dtype=self.config.dispatch.wire_dtype)
         await verifier.start()  # evidence in the DHT against holders found so far: excluded before any call
         self._stack.push_async_callback(verifier.aclose)
         self.executor.verifier = self.verifier = verifier
-        return weights if local is None else None
+        return weights if local is None and own else None
 
     def _local_experts(self) -> Weights | None:
         """The whole checkpoint mapped, for --local-fallback or --tiers auto; with --tiers auto a
