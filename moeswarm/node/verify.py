@@ -281,6 +281,7 @@ class Verifier:
         first), check the record as its readers will, publish it."""
         try:
             _, accused_answer = await self.call(accused, challenge, False)
+            mine = await self._recompute(challenge) if self.weights is not None else None
             answers = []
             for w in witnesses or self._evidence_witnesses(challenge, accused):
                 try:
@@ -288,6 +289,9 @@ class Verifier:
                 except (SwarmError, OSError) as e:
                     log.info("evidence witness %s failed: %s", peer_id_to_str(w), e)
                     continue
+                if mine is not None and relative_error(answer.outputs, mine) > self.tolerance:
+                    self._caught(w, challenge, answer, "outputs differ from this backbone's recomputation", (), mine)
+                    continue  # a witness that is wrong too: caught in turn, not a witness
                 answers.append(answer)
                 if len(answers) == max(1, len(witnesses)):
                     break
