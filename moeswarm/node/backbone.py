@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -67,8 +68,10 @@ class SwarmBackbone:
                                           audit=self.audits.offer if self.audits is not None else None)
             self._stack.push_async_callback(self.executor.aclose)
             checkpoint = await self._start_verifier(local)
-            # the backbone's own tensors; with --local-fallback (or checks by recomputation) the full map holds them
-            weights = local or checkpoint or load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
+            # the backbone's own tensors; with --local-fallback the full map holds them; the map loaded for
+            # checks by recomputation lends its non-expert tensors (the model itself holds no experts)
+            weights = local or (dataclasses.replace(checkpoint, experts={}) if checkpoint is not None else
+                                load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False))
             self.model = Model(weights, experts=self.executor)
             await self._start_demand_reports(moe)
             await self._start_planner(local, weights)

@@ -69,6 +69,7 @@ class VerifyConfig:
     # "local": recompute only (calls whose experts are not here go unchecked); "holders": ask other holders only
     publish_evidence: bool = True  # put signed evidence against a caught holder into the DHT
     evidence_interval_s: float = 10.0  # read the DHT's evidence against known holders this often
+    republish_s: float = 240.0  # put the evidence this backbone published again this often (DHT churn)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
@@ -116,6 +117,7 @@ class Verifier:
         self.check_s = 0.0  # time the checks added to the token path, seconds
         self.evidence_published = self.evidence_accepted = 0
         self.evidence_errors: list[str] = []
+        self._published: dict[str, bytes] = {}  # evidence key -> the record this backbone put there
 
     # ------------------------------------------------------------------ choosing holders
 
@@ -301,7 +303,9 @@ class Verifier:
                                 challenge, (accused_answer, *answers)).signed(self.identity)
             check_evidence(ev)  # what readers will check: the accused may have answered this one honestly
             assert self.dht is not None
-            await self.dht.put(evidence_key(self.table.model_id, accused), ev.encode())
+            key, value = evidence_key(self.table.model_id, accused), ev.encode()
+            await self.dht.put(key, value)
+            self._published[key] = value
             self.evidence_published += 1
         except (SwarmError, OSError) as e:
             self.evidence_errors.append(f"{type(e).__name__}: {e}")
@@ -342,9 +346,18 @@ class Verifier:
         self._loop_task = asyncio.create_task(self._read_loop())
 
     async def _read_loop(self) -> None:
+        republished = time.monotonic()
         while True:
             await asyncio.sleep(self.config.evidence_interval_s)
             await self.read_evidence()
+            if self._published and time.monotonic() - republished >= self.config.republish_s:
+                republished = time.monotonic()
+                for key, value in list(self._published.items()):
+                    try:
+                        assert self.dht is not None
+                        await self.dht.put(key, value)
+                    except SwarmError as e:
+                        log.info("republishing %s failed: %s", key, e)
 
     async def aclose(self) -> None:
         if self._loop_task is not None:
