@@ -6,9 +6,12 @@
 3. decode tokens/s of a backbone + 4 expert-node processes vs the single-process engine;
 4. (``overlap``) what computing the shared expert while the routed experts are in flight saves:
    decode tokens/s with and without that overlap, with every data-plane connection through a
-   delay proxy (3.4 ms round trip, benchmarks/_links.py ``delayed_swarm``).
+   delay proxy (3.4 ms round trip, benchmarks/_links.py ``delayed_swarm``);
+5. (``verify``) what checking holders' outputs costs: decode tokens/s of a backbone with the
+   default verification (node/verify.py: a 5% sample of trusted holders' calls recomputed from its
+   checkpoint) and with it off, alternating, after probation is over.
 
-    python benchmarks/swarm.py [--tokens 32] [--keep DIR] [--only dispatch|overlap] [--rtt-ms 3.4]
+    python benchmarks/swarm.py [--tokens 32] [--keep DIR] [--only dispatch|overlap|verify] [--rtt-ms 3.4]
 
 Models: the shipped demo checkpoint (tiny: dispatch overhead dominates), a random 1.1 GB
 Mixtral-style checkpoint written with numpy (expert math dominates, as in real models), and for
@@ -206,12 +209,51 @@ def dispatch_section(folder: Path, tokens: int, reps: int) -> None:
               f"{overhead / rtt:.1f}x | {single:.1f} tok/s | {swarm:.1f} tok/s | {swarm / single:.0%} |")
 
 
+# ---------------------------------------------------------------- 5. the cost of checking outputs
+
+
+async def verify_side(model_dir: str, bootstrap: str, tokens: int, rounds: int) -> tuple[dict[bool, list[float]], float]:
+    config = BackboneConfig(SwarmConfig(model_dir, bootstrap=(bootstrap,), client_mode=True))  # default checks
+    async with SwarmBackbone(config) as bb:
+        assert bb.model is not None and bb.executor is not None and bb.verifier is not None
+        verifier, ids = bb.verifier, list(range(3, 19))
+        await asyncio.to_thread(decode_rate, bb.model, ids, 8)  # warm-up: connections, probation of every holder
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        spent = verifier.check_s
+        for _ in range(rounds):  # alternate, so drift hits both alike
+            for on in (True, False):
+                bb.executor.verifier = verifier if on else None
+                rates[on].append(await asyncio.to_thread(decode_rate, bb.model, ids, tokens))
+        bb.executor.verifier = verifier
+        print(f"  ({verifier.status()['method']} checks: {verifier.checked} calls checked, "
+              f"{verifier.verification_calls} extra calls)")
+        return rates, (verifier.check_s - spent) / (rounds * tokens)
+
+
+def verify_section(folder: Path, tokens: int, rounds: int) -> None:
+    rows = []
+    for name, model_dir in (("demo (4.4M params, fp16)", str(CHECKPOINT)),
+                            ("random Mixtral 1.1 GB (H 1024, I 2816)", str(random_mixtral(folder / "mixtral-1.1GB")))):
+        with local_swarm(model_dir, 2, experts_per_layer=load_config(model_dir).num_experts) as daemons:
+            rates, per_token = asyncio.run(verify_side(model_dir, daemons[0].info["multiaddrs"][0], tokens, rounds))
+        rows.append((name, *(statistics.median(rates[k]) for k in (True, False)), per_token, rates))
+    print(f"\nchecking outputs: backbone + 2 expert nodes on loopback; medians of {rounds} alternating runs of "
+          f"{tokens} tokens, after probation")
+    print("| model | decode, default checks (5% recomputed) | decode, --verify-fraction 0 | tok/s lost "
+          "| time in checks per token (measured inside) |")
+    print("|---|---|---|---|---|")
+    for name, on, off, per_token, rates in rows:
+        print(f"| {name} | {on:.1f} tok/s | {off:.1f} tok/s | {1 - on / off:+.1%} | {per_token * 1e3:.2f} ms "
+              f"({per_token * off:.1%} of an unchecked token) |")
+        print(f"runs, tok/s: on {[round(v, 1) for v in rates[True]]}, off {[round(v, 1) for v in rates[False]]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     ap.add_argument("--reps", type=int, default=100, help="single-layer dispatches timed")
     ap.add_argument("--keep", type=Path, default=None, help="build/reuse the random models here, not in a temp dir")
-    ap.add_argument("--only", choices=["dispatch", "overlap"], default=None, help="run one section (default both)")
+    ap.add_argument("--only", choices=["dispatch", "overlap", "verify"], default=None, help="run one section (default both)")
     ap.add_argument("--rtt-ms", type=float, default=3.4, help="overlap section: round trip added to the data plane")
     ap.add_argument("--rounds", type=int, default=5, help="overlap section: alternating on/off runs")
     args = ap.parse_args()
@@ -220,6 +262,8 @@ def main() -> None:
         dispatch_section(folder, args.tokens, args.reps)
     if args.only in (None, "overlap"):
         overlap_section(folder, args.tokens, args.rounds, args.rtt_ms)
+    if args.only in (None, "verify"):
+        verify_section(folder, args.tokens, args.rounds)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ class SwarmTable:
     def __init__(self, model_id: str) -> None:
         self.model_id = model_id
         self.holders: dict[bytes, Holder] = {}
+        self.excluded: dict[bytes, str] = {}  # peer -> why: caught returning wrong outputs; never live again
 
     def update(self, ann: Announcement) -> None:
         if ann.model_id != self.model_id:
@@ -69,7 +70,8 @@ class SwarmTable:
     def live(self, now_ms: int | None = None, now: float | None = None) -> list[Holder]:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         now = time.monotonic() if now is None else now
-        return [h for h in self.holders.values() if h.expires_at_ms > now_ms and h.banned_until <= now]
+        return [h for h in self.holders.values()
+                if h.expires_at_ms > now_ms and h.banned_until <= now and h.peer_id not in self.excluded]
 
     def coverage(self, layers: Iterable[int], num_experts: int) -> set[tuple[int, int]]:
         """The (layer, expert) pairs that no live holder serves."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -22,6 +23,7 @@ from ..net.discovery import Discovery
 from ..net.routing_table import SwarmTable
 from .config import BackboneConfig
 from .dispatch import RemoteExperts
+from .verify import Verifier
 from .links import ProbeConfig
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class SwarmBackbone:
         self.executor: RemoteExperts | None = None
         self.audits: Any = None  # moeswarm.ledger.AuditRunner when audit_fraction > 0
         self.tiers: Any = None  # moeswarm.node.tiers.TierPlanner
+        self.verifier: Verifier | None = None  # checks holders' outputs (on unless verify.fraction == 0)
 
     async def __aenter__(self) -> "SwarmBackbone":
         sc, cfg = self.config.swarm, self.cfg
@@ -64,8 +67,11 @@ class SwarmBackbone:
                                           config=self.config.dispatch, local=local, receipts=receipts,
                                           audit=self.audits.offer if self.audits is not None else None)
             self._stack.push_async_callback(self.executor.aclose)
-            # the backbone's own tensors; with --local-fallback the full map already holds them
-            weights = local or load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False)
+            checkpoint = await self._start_verifier(local)
+            # the backbone's own tensors; with --local-fallback the full map holds them; the map loaded for
+            # checks by recomputation lends its non-expert tensors (the model itself holds no experts)
+            weights = local or (dataclasses.replace(checkpoint, experts={}) if checkpoint is not None else
+                                load_weights(sc.model_dir, config=cfg, keep_expert=lambda L, e: False))
             self.model = Model(weights, experts=self.executor)
             await self._start_demand_reports(moe)
             await self._start_planner(local, weights)
@@ -76,6 +82,31 @@ class SwarmBackbone:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
+
+    async def _start_verifier(self, local: Weights | None) -> Weights | None:
+        """Check holders' outputs (verify.py); returns the checkpoint's full map if it was loaded
+        to recompute from (None: checks ask other holders, or checks are off)."""
+        c = self.config.verify
+        if not c.enabled:
+            return None
+        # recomputation decides only for this checkpoint's own id: a --model-id naming another encoding
+        # (Q8_0 nodes for a float backbone) accepts their numbers, so their outputs are compared with each other's
+        own = model_id_for(self.config.swarm.model_dir, self.cfg) == self.model_id
+        weights = local if own else None
+        if weights is None and own and c.method != "holders":
+            try:
+                weights = load_weights(self.config.swarm.model_dir, config=self.cfg)
+            except CheckpointError as e:
+                log.info("the checkpoint holds no experts to recompute from (%s): other holders check", e)
+        elif not own:
+            log.info("--model-id %s is not this checkpoint's own id: other holders check", self.model_id)
+        assert self.executor is not None
+        verifier = Verifier(self.cfg, self.identity, self.table, c, weights=weights, call=self.executor.call_holder,
+                            dht=self.p2p, wire_dtype=self.config.dispatch.wire_dtype)
+        await verifier.start()  # evidence in the DHT against holders found so far: excluded before any call
+        self._stack.push_async_callback(verifier.aclose)
+        self.executor.verifier = self.verifier = verifier
+        return weights if local is None and own else None
 
     def _local_experts(self) -> Weights | None:
         """The whole checkpoint mapped, for --local-fallback or --tiers auto; with --tiers auto a
@@ -123,6 +154,8 @@ class SwarmBackbone:
             out["dispatch"] = {"calls": ex.calls, "fallbacks": ex.fallbacks, "local_pairs": ex.local_pairs,
                                "bad_receipts": ex.bad_receipts,
                                "served_by": {p.hex(): len(s) for p, s in ex.served_by.items()}}
+        if self.verifier is not None:
+            out["verification"] = self.verifier.status()
         if self.tiers is not None:
             out["tiers"] = self.tiers.status()
         return out

@@ -156,10 +156,19 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
               help="With --tiers auto or fetch: memory for expert weights fetched from holders.")
 @click.option("--probe-interval", default=30.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
               help="Re-measure round trip and bandwidth (each direction) to the holders this often; 0 = never.")
+@click.option("--verify-fraction", default=0.05, show_default=True, type=click.FloatRange(0, 1), metavar="F",
+              help="Check this share of a trusted holder's expert calls before using their outputs (by recomputing "
+                   "from this checkpoint, else by asking a second and third holder); a holder caught returning "
+                   "wrong numbers is excluded at once and signed evidence goes into the DHT. 0 turns checks off.")
+@click.option("--probation-calls", default=8, show_default=True, type=click.IntRange(min=0), metavar="N",
+              help="Check every one of a new holder's first N calls; holders that passed are preferred.")
+@click.option("--verify-by", default="auto", show_default=True, type=click.Choice(["auto", "local", "holders"]),
+              help="auto: recompute where the checkpoint holds the experts, else ask other holders; "
+                   "local: recompute only; holders: ask other holders only.")
 @friendly_errors
 def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_url: str | None,
              ledger_queue: str | None, audit_fraction: float, tiers: str, fetch_cache: str, probe_interval: float,
-             **swarm: object) -> None:
+             verify_fraction: float, probation_calls: int, verify_by: str, **swarm: object) -> None:
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
 
     Serves /v1/models, /v1/completions and /v1/chat/completions, and /status and /metrics.
@@ -168,10 +177,12 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
     from ..model.memory import parse_size
     from .backbone import run_backbone
     from .config import BackboneConfig
+    from .verify import VerifyConfig
 
     config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout,  # type: ignore[arg-type]
                             ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction,
-                            tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval)
+                            tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval,
+                            verify=VerifyConfig(verify_fraction, probation_calls, verify_by))
     asyncio.run(run_backbone(config))
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from ..daemon import SwarmConfig
 from ..errors import ConfigError
 from .dispatch import DispatchConfig
+from .verify import VerifyConfig
 
 if TYPE_CHECKING:
     from ..market import RebalanceConfig
@@ -44,6 +45,7 @@ class BackboneConfig:
     coverage_timeout_s: float = 60.0  # wait this long for every expert to be announced
     discovery_interval_s: float = 10.0
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)  # check holders' outputs (fraction 0: off)
     demand_interval_s: float = 120.0  # publish the routers' decayed expert counts (signed) this often
     ledger_url: str | None = None  # submit countersigned receipts to this ledger service
     ledger_queue_dir: str | None = None  # receipts spooled here until the ledger acknowledges them

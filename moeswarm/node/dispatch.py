@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -43,6 +44,7 @@ from ..protocol import (
 
 if TYPE_CHECKING:
     from .tiers import TierPlanner
+    from .verify import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class RemoteExperts:
         self.receipts = receipts
         self.audit = audit  # e.g. moeswarm.ledger.AuditRunner.offer: must not block
         self.tiers = tiers  # acting tier planner: experts it places here are computed here
+        self.verifier: "Verifier | None" = None  # checks a sample of responses and chooses holders (verify.py)
         self._f32 = F32Cache(256 << 20)
         self.local_pairs = 0  # (token, expert) pairs computed here on the planner's word
         self.connections = Connections(identity)
@@ -147,8 +150,9 @@ class RemoteExperts:
         for _ in range(self.config.attempts):
             if not pending:
                 break
-            plan, unheld = plan_dispatch(layer, pending, self.table.live(),
-                                         exclude=set().union(*(tried[e] for e in pending)))
+            exclude = set().union(*(tried[e] for e in pending))
+            plan, unheld = (self.verifier.plan(layer, pending, exclude) if self.verifier is not None
+                            else plan_dispatch(layer, pending, self.table.live(), exclude=exclude))
             calls = [self._call(peer, layer, x, ids, experts, y) for peer, experts in plan.items()]
             results = await asyncio.gather(*calls, return_exceptions=True)
             failed = list(unheld)
@@ -220,15 +224,30 @@ class RemoteExperts:
                 await self.connections.drop(peer)
             raise
         holder.observe(max(0.0, time.perf_counter() - t0 - response.compute_us / 1e6), response.load_permille)
-        self.calls += 1
         outputs = response.outputs.astype(np.float32, copy=False)
+        honest = True
+        if self.verifier is not None:  # a sample is checked before its outputs are used
+            outputs, honest = await self.verifier.check(peer, request, response, outputs)
+        self.calls += 1
         offset = 0
         for e, tokens in zip(experts, token_sets):
             slots = np.argmax(ids[tokens] == e, axis=1)
             y[tokens, slots] = outputs[offset : offset + tokens.size]
             offset += tokens.size
-        self.served_by.setdefault(peer, set()).update((layer, e) for e in experts)
-        self._unchecked.append((request, response, peer))  # receipts: checked off the token path
+        if honest:
+            self.served_by.setdefault(peer, set()).update((layer, e) for e in experts)
+            self._unchecked.append((request, response, peer))  # receipts: checked off the token path
+
+    async def call_holder(self, peer: bytes, request: ExpertRequest, settle: bool = True
+                          ) -> tuple[ExpertRequest, ExpertResponse]:
+        """``request`` (with a new id and seq) to one holder, for checks: returns it and the response
+        whose receipt was checked; with ``settle`` the receipt is countersigned like any other."""
+        sent = dataclasses.replace(request, request_id=os.urandom(16), seq=next(self._seq))
+        response = await self._call_once_or_reconnect(self.table.holders[peer], sent)
+        check_response(sent, response, client=self.identity.peer_id, server=peer)
+        if settle:
+            self._unchecked.append((sent, response, peer))
+        return sent, response
 
     def settle_receipts(self) -> int:
         """Check, countersign and hand over the receipts of finished calls; returns how many were bad.

@@ -56,6 +56,7 @@ def _gauges(snap: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
         return g
 
     serving = snap.get("serving", {})
+    verification = snap.get("verification", {})
     memory = snap.get("memory", {})
     cache = snap.get("expert_cache", {})
     tiers = snap.get("tiers", {})
@@ -65,6 +66,10 @@ def _gauges(snap: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
         gauge("requests_served", "Expert requests answered", serving.get("requests")),
         gauge("pairs_served", "(token, expert) pairs computed for peers", serving.get("pairs")),
         gauge("load_permille", "Queue load, 0 idle .. 1000 saturated", serving.get("load_permille")),
+        gauge("verified_calls", "Holders' expert calls checked", verification.get("checked")),
+        gauge("verification_disagreements", "Checked calls whose outputs were wrong", verification.get("disagreements")),
+        gauge("excluded_holders", "Holders excluded for wrong outputs",
+              len(verification["excluded"]) if "excluded" in verification else None),
         gauge("vm_rss_bytes", "Resident set", memory.get("vm_rss")),
         gauge("vm_size_bytes", "Virtual size", memory.get("vm_size")),
         gauge("vm_swap_bytes", "Swapped out", memory.get("vm_swap")),
@@ -221,6 +226,14 @@ def render_report(report: dict[str, Any], show_experts: bool = False) -> None:
         d = report["dispatch"]
         console.print(f"  dispatched {d.get('calls', 0)} calls to {len(d.get('served_by', {}))} holders, "
                       f"{d.get('local_pairs', 0)} pairs computed here by plan, {d.get('fallbacks', 0)} fallbacks")
+    if "verification" in report:
+        v = report["verification"]
+        console.print(f"  verification ({v.get('method')}, {v.get('fraction', 0):.0%} of trusted calls, first "
+                      f"{v.get('probation_calls')} of each holder): {v.get('checked', 0)} calls checked, "
+                      f"{v.get('disagreements', 0)} disagreements, {v.get('verification_calls', 0)} extra calls, "
+                      f"evidence {v.get('evidence_published', 0)} published / {v.get('evidence_accepted', 0)} read")
+        for peer, why in sorted(v.get("excluded", {}).items()):
+            console.print(f"  [red]excluded {peer}: {why}[/red]")
     m = report.get("memory", {})
     console.print(f"  memory: VmSize {_mb(m.get('vm_size'))}, VmRSS {_mb(m.get('vm_rss'))}, VmSwap "
                   f"{_mb(m.get('vm_swap'))}, {m.get('major_faults', 0)} major / {m.get('minor_faults', 0)} minor "

@@ -1,5 +1,6 @@
 """Audits in a running backbone: a local swarm in which one node lies, a backbone generating with
-``audit_fraction=1.0`` and a ledger service (``moeswarm-ledger serve --model-dir``) judging.
+``audit_fraction=1.0`` (and checks before use turned off, so the liar's outputs are used and only
+the ledger's re-execution catches it) and a ledger service (``moeswarm-ledger serve --model-dir``) judging.
 
 The honest node is a ``moeswarm node`` subprocess. The liar is the real node code (``run_node``)
 in this process with its ``ExpertServer`` swapped for ``LyingServer``, so no test hook exists in
@@ -37,6 +38,7 @@ from moeswarm.model import SamplingParams, generate
 from moeswarm.node import volunteer
 from moeswarm.node.backbone import SwarmBackbone
 from moeswarm.node.config import BackboneConfig, NodeConfig
+from moeswarm.node.verify import VerifyConfig
 from moeswarm.node.volunteer import run_node
 from moeswarm.protocol import Identity, peer_id_from_str
 
@@ -60,7 +62,7 @@ async def generate_beside_a_liar(boot: str, ledger_url: str, queue: Path, key_fi
         config = BackboneConfig(SwarmConfig(str(CHECKPOINT), bootstrap=(boot,), client_mode=True,
                                             identity_file=str(key_file)),
                                 coverage_timeout_s=60, ledger_url=ledger_url, ledger_queue_dir=str(queue),
-                                audit_fraction=1.0)
+                                audit_fraction=1.0, verify=VerifyConfig(fraction=0))  # after-the-fact audits only
         async with SwarmBackbone(config) as bb:
             assert bb.model is not None and bb.executor is not None and bb.audits is not None
             ids = bb.tokenizer().encode(DEFAULT_PROMPT)
