@@ -1,0 +1,217 @@
+"""Many sequences in one forward pass, each with its own cache in fixed-size blocks of one pool.
+
+``forward_batch`` flattens every sequence's new tokens into one ``(N, H)`` array: norms,
+routers, the routed experts (one ``ExpertExecutor.submit`` per MoE layer carrying every
+sequence's rows, so one request per holder per layer) and the LM head see the whole batch;
+attention runs per sequence over its own cache.  A sequence's logits are those it gets alone
+(up to float rounding of the batched matmuls), whatever else is in the batch.
+
+``CachePool`` is the cache memory of every sequence, sized in bytes.  A KV-attention layer keeps
+``block_tokens`` tokens of keys and values per block; a sequence's block table is shared by its
+layers, so a block id covers one span of tokens in every layer.  Blocks are handed out on demand
+from a reservation the sequence made when it was admitted (all or nothing), so a running sequence
+never runs out and nothing is copied when others join or leave.
+
+Other attention kinds plug in through ``LayerSpec``: a layer with a fixed-size per-sequence state
+(a recurrent DeltaNet state, a sparse-attention index) declares ``state_bytes`` and a ``make``
+that builds its per-sequence cache object; the pool charges that state in whole blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from .attention import gqa, mla, rms_norm
+from .config import ModelConfig
+from .experts import f32
+from .transformer import Model
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer keeps per sequence.  ``kv``: (heads, key dim, value dim) of a paged KV
+    cache, or None; ``state_bytes`` and ``make`` for other kinds (see the module docstring)."""
+
+    kv: tuple[int, int, int] | None
+    state_bytes: int = 0
+    make: Callable[["SequenceCache", int], Any] | None = None  # (sequence, layer) -> the layer's cache
+
+
+def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    """Per-layer cache shapes of the attention kinds this package implements."""
+    if cfg.attention == "mla":
+        kv = (cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+    elif cfg.attention == "gqa":
+        kv = (cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
+    else:
+        raise ConfigError(f"no batched cache for attention {cfg.attention!r}")
+    return [LayerSpec(kv) for _ in range(cfg.num_layers)]
+
+
+class CachePool:
+    """Every sequence's cache, in ``block_tokens``-token blocks from one budget of ``budget_bytes``."""
+
+    def __init__(self, specs: Sequence[LayerSpec], budget_bytes: int, block_tokens: int = 16) -> None:
+        if block_tokens < 1:
+            raise ConfigError("block_tokens must be >= 1")
+        self.specs, self.block_tokens = list(specs), block_tokens
+        self.block_bytes = sum(block_tokens * h * (dk + dv) * 4 for h, dk, dv in (s.kv for s in specs if s.kv))
+        state = sum(s.state_bytes for s in specs)
+        self.state_blocks = math.ceil(state / self.block_bytes) if state and self.block_bytes else (1 if state else 0)
+        unit = self.block_bytes or state or 1
+        self.num_blocks = budget_bytes // unit
+        if self.num_blocks < 1:
+            raise ConfigError(f"--kv-cache {budget_bytes} bytes holds no block (one block is {unit} bytes)")
+        # np.zeros maps untouched pages lazily: resident memory grows with the blocks used, up to the pool
+        self.k = [np.zeros((self.num_blocks, s.kv[0], block_tokens, s.kv[1]), np.float32) if s.kv else None
+                  for s in specs]
+        self.v = [np.zeros((self.num_blocks, s.kv[0], block_tokens, s.kv[2]), np.float32) if s.kv else None
+                  for s in specs]
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self.reserved = 0  # blocks promised to admitted sequences (allocated or not yet)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * (self.block_bytes or 1)
+
+    def blocks_for(self, tokens: int) -> int:
+        return (math.ceil(tokens / self.block_tokens) if self.block_bytes else 0) + self.state_blocks
+
+    @property
+    def available(self) -> int:
+        """Blocks not promised to anyone."""
+        return self.num_blocks - self.reserved
+
+    def admit(self, tokens: int) -> "SequenceCache | None":
+        """A cache for a sequence of at most ``tokens`` tokens, or None when the pool cannot promise it."""
+        need = self.blocks_for(tokens)
+        if need > self.num_blocks:
+            raise ConfigError(f"a sequence of {tokens} tokens needs {need} cache blocks; the pool has "
+                              f"{self.num_blocks} ({self.nbytes} bytes): raise --kv-cache")
+        if need > self.available:
+            return None
+        self.reserved += need
+        return SequenceCache(self, tokens, need)
+
+    def _take(self) -> int:
+        return self._free.pop()
+
+    def _give_back(self, blocks: list[int], reserved: int) -> None:
+        self._free.extend(reversed(blocks))
+        self.reserved -= reserved
+
+
+class SequenceCache:
+    """One sequence's cache: a block table shared by its layers (``KVCache``'s interface)."""
+
+    def __init__(self, pool: CachePool, max_tokens: int, reserved: int) -> None:
+        self.pool, self.max_tokens, self._reserved = pool, max_tokens, reserved
+        self.blocks: list[int] = [pool._take() for _ in range(pool.state_blocks)]
+        self._state = len(self.blocks)
+        self.layers = [PagedLayerCache(self, L) if s.kv else s.make(self, L)  # type: ignore[misc]
+                       for L, s in enumerate(pool.specs)]
+        self.released = False
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            layer.truncate(length)
+
+    def table(self, tokens: int) -> np.ndarray:
+        """Block ids holding the first ``tokens`` tokens, allocating from the reservation as needed."""
+        if tokens > self.max_tokens:
+            raise ConfigError(f"the sequence outgrew its reservation of {self.max_tokens} tokens")
+        bs = self.pool.block_tokens
+        while (len(self.blocks) - self._state) * bs < tokens:
+            self.blocks.append(self.pool._take())
+        return np.asarray(self.blocks[self._state : self._state + math.ceil(tokens / bs)], np.int64)
+
+    def release(self) -> None:
+        """Give every block back to the pool (once)."""
+        if not self.released:
+            self.released = True
+            self.pool._give_back(self.blocks, self._reserved)
+            self.blocks = []
+
+
+@dataclass
+class PagedLayerCache:
+    """One layer's keys and values of one sequence, in the pool's blocks (``LayerCache``'s interface)."""
+
+    seq: SequenceCache
+    layer: int
+    length: int = 0
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """k (1, h, T, Dk), v (1, h, T, Dv) -> every key and value so far, (1, h, S, D)."""
+        if k.shape[0] != 1:
+            raise ConfigError("a paged cache holds one sequence: batch size 1")
+        T, need = k.shape[2], self.length + k.shape[2]
+        pool, bs = self.seq.pool, self.seq.pool.block_tokens
+        table = self.seq.table(need)
+        pos = np.arange(self.length, need)
+        pk, pv = pool.k[self.layer], pool.v[self.layer]
+        assert pk is not None and pv is not None
+        pk[table[pos // bs], :, pos % bs] = k[0].transpose(1, 0, 2)  # (T, h, Dk)
+        pv[table[pos // bs], :, pos % bs] = v[0].transpose(1, 0, 2)
+        self.length = need
+        keys = pk[table].transpose(1, 0, 2, 3).reshape(pk.shape[1], -1, pk.shape[3])[:, :need]
+        values = pv[table].transpose(1, 0, 2, 3).reshape(pv.shape[1], -1, pv.shape[3])[:, :need]
+        return keys[None], values[None]
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+@dataclass
+class Step:
+    """One sequence's share of a batched forward pass."""
+
+    cache: Any  # SequenceCache (or a KVCache with batch 1)
+    ids: Sequence[int]  # new tokens, fed after what the cache holds
+    all_logits: bool = False  # logits at every new position (speculative verification), else the last only
+    logits: np.ndarray | None = field(default=None, repr=False)  # (T or 1, V), set by forward_batch
+
+
+def forward_batch(model: Model, steps: Sequence[Step]) -> None:
+    """Advance every step's sequence by its ``ids`` in one pass; sets each ``step.logits``."""
+    cfg, w = model.config, model.weights
+    lens = [len(s.ids) for s in steps]
+    if not steps or min(lens) < 1:
+        raise ConfigError("every sequence in a batch needs at least one new token")
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    x = f32(w["embed"][np.concatenate([np.asarray(s.ids, np.int64) for s in steps])])  # (N, H)
+    positions = [np.arange(s.cache.length, s.cache.length + n) for s, n in zip(steps, lens)]
+    for L in range(cfg.num_layers):
+        h = rms_norm(x, w[f"{L}.attn_norm"], cfg.rms_norm_eps)
+        attn = np.empty_like(x)
+        for s, a, b, pos in zip(steps, starts, ends, positions):
+            part = h[None, a:b]  # (1, T, H)
+            if cfg.attention == "mla":
+                attn[a:b] = mla(model._attn[L], part, cfg, model.rope, s.cache.layers[L], pos)[0]
+            else:
+                attn[a:b] = gqa(model._attn[L], part, cfg, model.rope, s.cache.layers[L], pos,
+                                cfg.sliding_windows[L])[0]
+        x = x + attn
+        for observe_state in model.state_observers:
+            observe_state(L, x)
+        x = x + model._mlp(L, rms_norm(x, w[f"{L}.mlp_norm"], cfg.rms_norm_eps))
+    model.experts.end_step()
+    rows = np.concatenate([np.arange(a, b) if s.all_logits else np.asarray([b - 1])
+                           for s, a, b in zip(steps, starts, ends)])
+    logits = (rms_norm(x[rows], w["final_norm"], cfg.rms_norm_eps) @ f32(w["lm_head"]).T).astype(np.float32)
+    at = 0
+    for s, n in zip(steps, lens):
+        k = n if s.all_logits else 1
+        s.logits = logits[at : at + k]
+        at += k
