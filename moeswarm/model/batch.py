@@ -8,9 +8,10 @@ attention runs per sequence over its own cache.  A sequence's logits are those i
 
 ``CachePool`` is the cache memory of every sequence, sized in bytes.  A KV-attention layer keeps
 ``block_tokens`` tokens of keys and values per block; a sequence's block table is shared by its
-layers, so a block id covers one span of tokens in every layer.  Blocks are handed out on demand
-from a reservation the sequence made when it was admitted (all or nothing), so a running sequence
-never runs out and nothing is copied when others join or leave.
+layers, so a block id covers one span of tokens in every layer.  A sequence holds blocks as it
+grows (``grow``) and gives them all back when it ends (``release``); nothing is copied when
+others join or leave.  Resident memory never exceeds the pool: its arrays are mapped once,
+untouched pages lazily.
 
 Other attention kinds plug in through ``LayerSpec``: a layer with a fixed-size per-sequence state
 (a recurrent DeltaNet state, a sparse-attention index) declares ``state_bytes`` and a ``make``
@@ -74,45 +75,39 @@ class CachePool:
         self.v = [np.zeros((self.num_blocks, s.kv[0], block_tokens, s.kv[2]), np.float32) if s.kv else None
                   for s in specs]
         self._free = list(range(self.num_blocks - 1, -1, -1))
-        self.reserved = 0  # blocks promised to admitted sequences (allocated or not yet)
 
     @property
     def nbytes(self) -> int:
         return self.num_blocks * (self.block_bytes or 1)
 
+    @property
+    def free(self) -> int:
+        """Blocks no sequence holds."""
+        return len(self._free)
+
     def blocks_for(self, tokens: int) -> int:
+        """Blocks a sequence of ``tokens`` tokens holds (its fixed-size state included)."""
         return (math.ceil(tokens / self.block_tokens) if self.block_bytes else 0) + self.state_blocks
 
-    @property
-    def available(self) -> int:
-        """Blocks not promised to anyone."""
-        return self.num_blocks - self.reserved
-
-    def admit(self, tokens: int) -> "SequenceCache | None":
-        """A cache for a sequence of at most ``tokens`` tokens, or None when the pool cannot promise it."""
+    def admit(self, tokens: int, headroom: int = 0) -> "SequenceCache | None":
+        """A cache holding room for ``tokens`` tokens, or None unless ``headroom`` blocks stay free after."""
         need = self.blocks_for(tokens)
         if need > self.num_blocks:
             raise ConfigError(f"a sequence of {tokens} tokens needs {need} cache blocks; the pool has "
                               f"{self.num_blocks} ({self.nbytes} bytes): raise --kv-cache")
-        if need > self.available:
+        if need + headroom > self.free:
             return None
-        self.reserved += need
-        return SequenceCache(self, tokens, need)
-
-    def _take(self) -> int:
-        return self._free.pop()
-
-    def _give_back(self, blocks: list[int], reserved: int) -> None:
-        self._free.extend(reversed(blocks))
-        self.reserved -= reserved
+        seq = SequenceCache(self)
+        seq.grow(tokens)
+        return seq
 
 
 class SequenceCache:
     """One sequence's cache: a block table shared by its layers (``KVCache``'s interface)."""
 
-    def __init__(self, pool: CachePool, max_tokens: int, reserved: int) -> None:
-        self.pool, self.max_tokens, self._reserved = pool, max_tokens, reserved
-        self.blocks: list[int] = [pool._take() for _ in range(pool.state_blocks)]
+    def __init__(self, pool: CachePool) -> None:
+        self.pool = pool
+        self.blocks: list[int] = [pool._free.pop() for _ in range(pool.state_blocks)]
         self._state = len(self.blocks)
         self.layers = [PagedLayerCache(self, L) if s.kv else s.make(self, L)  # type: ignore[misc]
                        for L, s in enumerate(pool.specs)]
@@ -122,24 +117,36 @@ class SequenceCache:
     def length(self) -> int:
         return self.layers[0].length if self.layers else 0
 
+    @property
+    def capacity(self) -> int:
+        """Tokens the blocks held now can take."""
+        return (len(self.blocks) - self._state) * self.pool.block_tokens if self.pool.block_bytes else 1 << 62
+
+    def grow(self, tokens: int) -> bool:
+        """Hold blocks for ``tokens`` tokens; False (holding what it had) when the pool has too few free."""
+        bs = self.pool.block_tokens
+        more = math.ceil(tokens / bs) - (len(self.blocks) - self._state) if self.pool.block_bytes else 0
+        if more > self.pool.free:
+            return False
+        self.blocks.extend(self.pool._free.pop() for _ in range(max(0, more)))
+        return True
+
     def truncate(self, length: int) -> None:
         for layer in self.layers:
             layer.truncate(length)
 
     def table(self, tokens: int) -> np.ndarray:
-        """Block ids holding the first ``tokens`` tokens, allocating from the reservation as needed."""
-        if tokens > self.max_tokens:
-            raise ConfigError(f"the sequence outgrew its reservation of {self.max_tokens} tokens")
+        """Block ids holding the first ``tokens`` tokens (``grow`` first)."""
+        if tokens > self.capacity:
+            raise ConfigError(f"the sequence holds cache for {self.capacity} tokens, not {tokens}")
         bs = self.pool.block_tokens
-        while (len(self.blocks) - self._state) * bs < tokens:
-            self.blocks.append(self.pool._take())
         return np.asarray(self.blocks[self._state : self._state + math.ceil(tokens / bs)], np.int64)
 
     def release(self) -> None:
         """Give every block back to the pool (once)."""
         if not self.released:
             self.released = True
-            self.pool._give_back(self.blocks, self._reserved)
+            self.pool._free.extend(reversed(self.blocks))
             self.blocks = []
 
 

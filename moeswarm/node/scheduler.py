@@ -1,7 +1,9 @@
 """Continuous batching: every running sequence advances in the same forward pass.
 
 One engine thread loops: admit waiting requests (FIFO) while fewer than ``max_batch`` run and
-the cache pool can promise each its worst case (prompt + max_new_tokens + draft); build one
+the cache pool has the blocks for the prompt (caches then grow block by block; when the pool
+runs dry the youngest sequence is preempted: its blocks go back, it waits first in line, and
+once readmitted recomputes its cache from its tokens and carries on, output unchanged); build one
 batched step -- the next ``prefill_chunk`` prompt tokens of sequences still prefilling (shared
 among them, so a long prompt does not stall the streams already decoding), one token (or, with
 ``speculative`` > 0, one token plus a draft) per decoding sequence -- run ``forward_batch``, then
@@ -58,9 +60,9 @@ class Sequence:
     runs on the engine thread and must not block; ``left`` resolves (on the request's loop) once
     the sequence has left the engine and given its cache back."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, reserve: int,
+    def __init__(self, prompt: list[int], params: SamplingParams,
                  on_tokens: Callable[[list[int]], bool], queue: asyncio.Queue[Any]) -> None:
-        self.prompt, self.params, self.reserve = prompt, params, reserve
+        self.prompt, self.params = prompt, params
         self.on_tokens = on_tokens  # -> False once it wants no more (stop string, budget, stop token)
         self.queue = queue  # the consumer's; a failure is put here as the exception
         loop = self.loop = asyncio.get_running_loop()
@@ -68,6 +70,7 @@ class Sequence:
         self.rng = np.random.default_rng(params.seed)
         self.tokens = list(prompt)  # prompt + generated, fed or pending
         self.fed = 0  # tokens the cache holds
+        self.prefill_to = len(prompt)  # tokens to feed before decoding (more after a preemption)
         self.cache: Any = None
         self.draft_state: Any = None
         self.cancelled = False
@@ -98,6 +101,8 @@ class BatchEngine:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.steps = 0  # forward passes run
+        self.preemptions = 0  # sequences sent back to the queue for cache, to recompute it later
+        self.context = model.config.max_position_embeddings or 1 << 62
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -106,10 +111,9 @@ class BatchEngine:
 
     def submit(self, seq: Sequence) -> None:
         """Queue ``seq`` (the caller checked ``full``); the engine thread starts if it was idle."""
-        need = self.pool.blocks_for(seq.reserve)
-        if need > self.pool.num_blocks:
-            raise ConfigError(f"this request needs {seq.reserve} tokens of cache ({need} blocks) but the pool "
-                              f"holds {self.pool.num_blocks} blocks ({self.pool.nbytes} bytes): raise --kv-cache")
+        if self.pool.blocks_for(len(seq.prompt) + 1 + self.config.speculative) > self.pool.num_blocks:
+            raise ConfigError(f"a prompt of {len(seq.prompt)} tokens does not fit the cache pool "
+                              f"({self.pool.nbytes} bytes): raise --kv-cache")
         with self._cond:
             self.waiting.append(seq)
             if self._thread is None:
@@ -156,11 +160,14 @@ class BatchEngine:
             self._leave(seq, None)  # the engine thread is the only one stepping: safe under the lock
 
     def _admit(self) -> None:
+        """First come, first served, while a place and the cache for the prompt (plus a block of
+        headroom per running sequence, so the batch does not thrash) are free."""
         while self.waiting and len(self.running) < self.config.max_batch:
-            cache = self.pool.admit(self.waiting[0].reserve)
+            seq = self.waiting[0]
+            cache = self.pool.admit(seq.prefill_to + 1 + self.config.speculative, headroom=len(self.running))
             if cache is None:
-                return  # first come, first served: later requests wait behind it
-            seq = self.waiting.popleft()
+                return  # later requests wait behind it
+            self.waiting.popleft()
             seq.cache = cache
             if self.drafter is not None:
                 seq.draft_state = self.drafter.new_state()
@@ -169,24 +176,61 @@ class BatchEngine:
     def _plan(self) -> list[tuple[Step, Sequence, list[int]]]:
         """This step's work: (step, sequence, draft tokens) for every sequence that can move."""
         steps, budget, k = [], self.config.prefill_chunk, self.config.speculative
-        for seq in self.running:
-            if seq.fed < len(seq.prompt):  # prefilling
-                n = min(budget, len(seq.prompt) - seq.fed)
-                if n > 0:
-                    budget -= n
-                    steps.append((Step(seq.cache, seq.prompt[seq.fed : seq.fed + n]), seq, []))
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below for an older one
+                continue
+            draft: list[int] = []
+            if seq.fed < seq.prefill_to:  # prefilling (or re-prefilling after a preemption)
+                n = min(budget, seq.prefill_to - seq.fed)
+                if n <= 0:
+                    continue
+                budget -= n
+                ids = seq.tokens[seq.fed : seq.fed + n]
             elif seq.sent - seq.read < self.config.backlog:
-                draft: list[int] = []
-                room = min(seq.params.max_new_tokens - seq.generated, seq.reserve - len(seq.tokens))
+                room = min(seq.params.max_new_tokens - seq.generated, self.context - len(seq.tokens))
                 if self.drafter is not None and k and room > 0:
                     draft, seq.q = self.drafter.propose(seq.draft_state, seq.tokens, min(k, room), seq.params, seq.rng)
-                steps.append((Step(seq.cache, seq.tokens[seq.fed :] + draft, all_logits=bool(draft)), seq, draft))
+                ids = seq.tokens[seq.fed :] + draft
+            else:
+                continue  # its consumer is behind
+            if not self._make_room(seq, seq.fed + len(ids)):
+                continue
+            steps.append((Step(seq.cache, ids, all_logits=bool(draft)), seq, draft))
         return steps
+
+    def _make_room(self, seq: Sequence, tokens: int) -> bool:
+        """Grow ``seq``'s cache to ``tokens``, preempting the youngest sequences if the pool is dry;
+        False if ``seq`` itself had to step aside (or failed: alone, it does not fit)."""
+        while not seq.cache.grow(tokens):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                self._leave(seq, ConfigError(f"this generation needs cache for {tokens} tokens, more than the "
+                                             f"pool's {self.pool.num_blocks} blocks ({self.pool.nbytes} bytes) "
+                                             "hold: raise --kv-cache"))
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give ``seq``'s cache back and queue it first; when readmitted it recomputes its cache
+        from its tokens (prompt and generated) and goes on where it was."""
+        self.running.remove(seq)
+        seq.cache.release()
+        seq.cache, seq.fed, seq.prefill_to = None, 0, len(seq.tokens) - (1 if seq.generated else 0)
+        if self.drafter is not None and seq.draft_state is not None:
+            self.drafter.release(seq.draft_state)
+            seq.draft_state = None
+        self.preemptions += 1
+        with self._cond:
+            self.waiting.appendleft(seq)
 
     def _advance(self, step: Step, seq: Sequence, draft: list[int]) -> None:
         assert step.logits is not None
+        resumed = seq.generated > 0 and seq.fed < seq.prefill_to  # a re-prefill: its next token is known
         seq.fed += len(step.ids) - len(draft)
-        if seq.fed < len(seq.prompt) or seq.cancelled:
+        if seq.fed < seq.prefill_to or seq.cancelled or resumed:
             return  # more prompt to feed first
         if draft:
             new = verify(step.logits, draft, seq.q, seq.params, seq.rng)
@@ -197,8 +241,7 @@ class BatchEngine:
             seq.fed += len(new) - 1
         else:
             new = [sample(step.logits[-1], seq.params, seq.rng)]
-        room = seq.params.max_new_tokens - seq.generated
-        new = new[:room]
+        new = new[: seq.params.max_new_tokens - seq.generated]
         seq.tokens.extend(new)
         seq.sent += len(new)
         more = seq.on_tokens(new) and seq.generated < seq.params.max_new_tokens

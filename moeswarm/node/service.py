@@ -178,8 +178,7 @@ class GenerationService:
             return
         queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
         output = _Output(self.tokenizer, prompt, params, stop, queue)
-        seq = _Sequence(prompt, params, len(prompt) + params.max_new_tokens + self.engine.config.speculative,
-                        output.push, queue)
+        seq = _Sequence(prompt, params, output.push, queue)
         self.engine.submit(seq)
         try:
             while True:
