@@ -102,6 +102,7 @@ class BatchEngine:
         self.running: list[Sequence] = []
         self.steps = 0  # forward passes run
         self.preemptions = 0  # sequences sent back to the queue for cache, to recompute it later
+        self.drafted = self.accepted = 0  # speculative draft tokens proposed, and accepted
         self.context = model.config.max_position_embeddings or 1 << 62
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -237,6 +238,8 @@ class BatchEngine:
             seq.stats.steps += 1
             seq.stats.drafted += len(draft)
             seq.stats.accepted += len(new) - 1
+            self.drafted += len(draft)
+            self.accepted += len(new) - 1
             seq.cache.truncate(seq.fed + len(new) - 1)  # the accepted drafts stay, the rest is forgotten
             seq.fed += len(new) - 1
         else:
