@@ -187,7 +187,7 @@ async def swarm_side(model_dir: str, daemons: list[Daemon], ids: list[int], toke
         threaded = await asyncio.to_thread(token_path)
         text = ""
         if profile:
-            prof = cProfile.Profile()
+            prof = cProfile.Profile(time.thread_time)  # CPU time: robust to a loaded machine
             prof.enable()
             for _ in range(reps):
                 await ex.dispatch(layer, x, ids1, weights)

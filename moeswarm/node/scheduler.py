@@ -130,6 +130,17 @@ class BatchEngine:
     # ---- the engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a bug here must not leave requests waiting forever
+            log.exception("the batch engine failed")
+            with self._cond:
+                self._thread = None
+                for seq in list(self.running) + list(self.waiting):
+                    self._leave(seq, e if isinstance(e, Exception) else RuntimeError("the batch engine stopped"))
+                self.waiting.clear()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 self._drop_cancelled()
@@ -151,7 +162,10 @@ class BatchEngine:
                 continue
             self.steps += 1
             for step, seq, draft in steps:
-                self._advance(step, seq, draft)
+                try:
+                    self._advance(step, seq, draft)
+                except Exception as e:  # noqa: BLE001 - e.g. detokenizing: this sequence fails, the others go on
+                    self._leave(seq, e)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.waiting if s.cancelled]:
@@ -190,7 +204,12 @@ class BatchEngine:
             elif seq.sent - seq.read < self.config.backlog:
                 room = min(seq.params.max_new_tokens - seq.generated, self.context - len(seq.tokens))
                 if self.drafter is not None and k and room > 0:
-                    draft, seq.q = self.drafter.propose(seq.draft_state, seq.tokens, min(k, room), seq.params, seq.rng)
+                    try:
+                        draft, seq.q = self.drafter.propose(seq.draft_state, seq.tokens, min(k, room), seq.params,
+                                                            seq.rng)
+                    except Exception as e:  # noqa: BLE001 - a failing draft model fails this sequence only
+                        self._leave(seq, e)
+                        continue
                 ids = seq.tokens[seq.fed :] + draft
             else:
                 continue  # its consumer is behind

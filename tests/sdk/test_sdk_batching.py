@@ -275,3 +275,27 @@ def test_speculative_sampling_keeps_the_models_distribution(engine: tuple[Model,
     assert 0.5 * np.abs(observed - expected).sum() / N < 0.06
     engine_ = service.engine
     assert 0.2 * engine_.drafted < engine_.accepted < 0.9 * engine_.drafted  # both paths taken, often
+
+
+class BrokenDraft(TargetDraft):
+    """A draft source that fails for one prompt: only that request fails."""
+
+    def propose(self, state: None, tokens: list[int], k: int, params: SamplingParams, rng: Any) -> tuple[list[int], None]:
+        if tokens[0] == 13:
+            raise RuntimeError("the draft model broke")
+        return super().propose(state, tokens, k, params, rng)
+
+
+def test_a_failure_in_one_sequence_fails_only_that_request(engine: tuple[Model, Tokenizer]) -> None:
+    model, tok = engine
+    service = GenerationService(model, tok, "m", engine=EngineConfig(speculative=2), drafter=BrokenDraft(model))
+    params = SamplingParams(max_new_tokens=6)
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(service.complete([13, 14, 15], params, ignore_eos=True),
+                                    service.complete([5, 6, 7], params, ignore_eos=True), return_exceptions=True)
+
+    broken, fine = asyncio.run(main())
+    assert isinstance(broken, RuntimeError) and "draft model broke" in str(broken)
+    assert list(fine.token_ids) == alone(model, [5, 6, 7], params)
+    assert service.stats() == ServiceStats(running=0, waiting=0)
