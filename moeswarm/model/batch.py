@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .attention import gqa, mla, rms_norm
+from .attention import gqa_attend, gqa_qkv, linear, mla, rms_norm
 from .config import ModelConfig
 from .experts import f32
 from .transformer import Model
@@ -201,15 +201,7 @@ def forward_batch(model: Model, steps: Sequence[Step]) -> None:
     positions = [np.arange(s.cache.length, s.cache.length + n) for s, n in zip(steps, lens)]
     for L in range(cfg.num_layers):
         h = rms_norm(x, w[f"{L}.attn_norm"], cfg.rms_norm_eps)
-        attn = np.empty_like(x)
-        for s, a, b, pos in zip(steps, starts, ends, positions):
-            part = h[None, a:b]  # (1, T, H)
-            if cfg.attention == "mla":
-                attn[a:b] = mla(model._attn[L], part, cfg, model.rope, s.cache.layers[L], pos)[0]
-            else:
-                attn[a:b] = gqa(model._attn[L], part, cfg, model.rope, s.cache.layers[L], pos,
-                                cfg.sliding_windows[L])[0]
-        x = x + attn
+        x = x + _attention(model, L, h, steps, starts, ends, positions)
         for observe_state in model.state_observers:
             observe_state(L, x)
         x = x + model._mlp(L, rms_norm(x, w[f"{L}.mlp_norm"], cfg.rms_norm_eps))
@@ -222,3 +214,21 @@ def forward_batch(model: Model, steps: Sequence[Step]) -> None:
         k = n if s.all_logits else 1
         s.logits = logits[at : at + k]
         at += k
+
+
+def _attention(model: Model, L: int, h: np.ndarray, steps: Sequence[Step], starts: np.ndarray, ends: np.ndarray,
+               positions: list[np.ndarray]) -> np.ndarray:
+    """Layer ``L``'s attention over the flattened batch h (N, H) -> (N, H): projections over all
+    rows at once (GQA), heads, rope, cache and attention per sequence."""
+    cfg, w = model.config, model._attn[L]
+    if cfg.attention == "mla":  # its projections interleave with rope: per sequence
+        out = np.empty_like(h)
+        for s, a, b, pos in zip(steps, starts, ends, positions):
+            out[a:b] = mla(w, h[None, a:b], cfg, model.rope, s.cache.layers[L], pos)[0]
+        return out
+    q, k, v = gqa_qkv(w, h[None], cfg)  # (1, N, .)
+    heads = np.empty((h.shape[0], cfg.num_heads * cfg.head_dim), np.float32)
+    for s, a, b, pos in zip(steps, starts, ends, positions):
+        heads[a:b] = gqa_attend(w, q[:, a:b], k[:, a:b], v[:, a:b], cfg, model.rope, s.cache.layers[L], pos,
+                                cfg.sliding_windows[L])[0]
+    return linear(heads, w["o"], w.get("o_bias"))  # type: ignore[arg-type]
