@@ -105,7 +105,7 @@ def backbones(nodes: list[Daemon]) -> Iterator[dict[str, str]]:
         for name, flags in BACKBONES.items():
             started[name] = start_daemon(f"backbone {name}", [
                 "backbone", "--model", str(CHECKPOINT), "--bootstrap", nodes[0].info["multiaddrs"][0],
-                "--http", "127.0.0.1:0", *flags])
+                "--http", "127.0.0.1:0", *flags], timeout_s=600)  # a loaded machine starts slowly
         yield {name: d.info["http"] for name, d in started.items()}
     finally:
         for d in started.values():

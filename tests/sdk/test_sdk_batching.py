@@ -299,3 +299,22 @@ def test_a_failure_in_one_sequence_fails_only_that_request(engine: tuple[Model, 
     assert isinstance(broken, RuntimeError) and "draft model broke" in str(broken)
     assert list(fine.token_ids) == alone(model, [5, 6, 7], params)
     assert service.stats() == ServiceStats(running=0, waiting=0)
+
+
+def test_the_backbones_draft_model_must_share_the_vocabulary(oracle_checkpoints: Any, tmp_path: Path) -> None:
+    from moeswarm.daemon import SwarmConfig
+    from moeswarm.demo import CHECKPOINT
+    from moeswarm.errors import CheckpointError, ConfigError
+    from moeswarm.model import load_config
+    from moeswarm.node.backbone import _drafter
+    from moeswarm.node.config import BackboneConfig
+
+    folder, _ = oracle_checkpoints.get("qwen2_moe", "packed")
+    target = oracle_checkpoints.get("mixtral", "packed")[0]
+    config = BackboneConfig(SwarmConfig(str(target)), engine=EngineConfig(speculative=3), draft_model=str(folder))
+    assert isinstance(_drafter(config, load_config(target)), DraftModel)
+    config = BackboneConfig(SwarmConfig(str(CHECKPOINT)), engine=EngineConfig(speculative=3), draft_model=str(folder))
+    with pytest.raises(CheckpointError, match="has 512 tokens, the model.s 2048"):
+        _drafter(config, load_config(CHECKPOINT))
+    with pytest.raises(ConfigError, match="needs --speculative"):
+        BackboneConfig(SwarmConfig(str(target)), draft_model=str(folder))
