@@ -227,8 +227,8 @@ def main() -> None:
     prompt[0] = 1  # <s>
     print(f"\n{ARGS.threads} threads, prompt {ARGS.prefill} ids, {ARGS.decode} greedy tokens, medians of "
           f"{ARGS.rounds} alternating runs\n")
-    head = (f"| file | MiB | llama.cpp decode tok/s | moeswarm decode tok/s | ratio | llama.cpp prefill tok/s "
-            f"| moeswarm prefill tok/s | ratio | greedy tokens equal | same prefix | RSS MiB (both loaded) |")
+    head = ("| file | MiB | llama.cpp decode tok/s | moeswarm decode tok/s | ratio | llama.cpp prefill tok/s "
+            "| moeswarm prefill tok/s | ratio | greedy tokens equal | same prefix | RSS MiB (both loaded) |")
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     for name in ARGS.types.split(","):

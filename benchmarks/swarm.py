@@ -2,7 +2,9 @@
 
 1. raw asyncio TCP round trip of a 4 KB message (the floor);
 2. one MoE layer dispatched through the swarm (TLS, framing, msgpack, receipts signed and
-   countersigned) minus the same experts computed locally: the per-layer dispatch overhead;
+   countersigned), also from a worker thread as the forward pass does, minus the same experts
+   computed locally with the same parallelism (one thread per holder called): the per-layer
+   dispatch overhead, the CPU each side spends on it, and (``--profile``) where it goes;
 3. decode tokens/s of a backbone + 4 expert-node processes vs the single-process engine;
 4. (``overlap``) what computing the shared expert while the routed experts are in flight saves:
    decode tokens/s with and without that overlap, with every data-plane connection through a
@@ -12,6 +14,7 @@
    checkpoint) and with it off, alternating, after probation is over.
 
     python benchmarks/swarm.py [--tokens 32] [--keep DIR] [--only dispatch|overlap|verify] [--rtt-ms 3.4]
+                               [--models demo,mixtral] [--profile]
 
 Models: the shipped demo checkpoint (tiny: dispatch overhead dominates), a random 1.1 GB
 Mixtral-style checkpoint written with numpy (expert math dominates, as in real models), and for
@@ -27,11 +30,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import asyncio
+import cProfile
+import io
+import pstats
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +49,7 @@ from moeswarm.daemon import SwarmConfig
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import Daemon, local_swarm
 from moeswarm.model import SamplingParams, generate, load_config, load_model
-from moeswarm.model.experts import dense_ffn
+from moeswarm.model.experts import dense_ffn, expert_ffn
 from moeswarm.model.routing import route
 from moeswarm.model.synthetic import random_mixtral, random_qwen2_moe
 from moeswarm.net.client import ExpertClient
@@ -108,32 +115,102 @@ def first_moe_layer_inputs(bb: SwarmBackbone) -> tuple[int, np.ndarray, np.ndarr
     return layer, x, ids, weights
 
 
-async def swarm_side(model_dir: str, bootstrap: str, ids: list[int], tokens: int, reps: int) -> tuple[float, float, float]:
-    config = BackboneConfig(SwarmConfig(model_dir, bootstrap=(bootstrap,), client_mode=True))
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Dispatch:
+    on_loop_s: float  # one MoE layer via the swarm, awaited on the event loop
+    token_path_s: float  # ... submitted from a worker thread, as the forward pass does (thread hops included)
+    local_s: float  # the same experts computed here, one thread per holder called, in parallel
+    holders: int  # holders one dispatch calls (= threads of the local computation)
+    ping_s: float  # data-plane ping (TLS, framing) to the first holder
+    backbone_cpu_s: float  # CPU of the backbone's loop thread per dispatch
+    holders_cpu_s: float  # CPU of all holder processes per dispatch
+    profile: str  # cProfile of the loop thread, top lines by own time
+
+
+def local_same_parallelism(model, plan: dict[bytes, list[int]], layer: int, x: np.ndarray, ids: np.ndarray,  # type: ignore[no-untyped-def]
+                           pool: ThreadPoolExecutor) -> None:
+    """Each holder's share of the experts computed in its own thread (numpy releases the GIL)."""
+    store = model.experts.cache.layer(layer, model.experts.experts[layer], None)  # float32 copies, kept
+
+    def share(experts: list[int]) -> None:
+        for e in experts:
+            rows = np.nonzero((ids == e).any(axis=1))[0]
+            expert_ffn(store[e], x[rows], model.config)
+
+    for f in [pool.submit(share, experts) for experts in plan.values()]:
+        f.result()
+
+
+async def swarm_side(model_dir: str, daemons: list[Daemon], ids: list[int], tokens: int, reps: int,
+                     profile: bool) -> tuple[Dispatch, float]:
+    from moeswarm.net.routing_table import plan_dispatch
+
+    config = BackboneConfig(SwarmConfig(model_dir, bootstrap=(daemons[0].info["multiaddrs"][0],), client_mode=True))
     async with SwarmBackbone(config) as bb:
         assert bb.model is not None and bb.executor is not None
+        ex = bb.executor
         layer, x, ids1, weights = first_moe_layer_inputs(bb)
-        local = load_model(model_dir).experts
-        remote, computed = [], []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            await bb.executor.dispatch(layer, x, ids1, weights)
-            remote.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            local.submit(layer, x, ids1, weights).result()
-            computed.append(time.perf_counter() - t0)
+        plan, _ = plan_dispatch(layer, ids1.ravel().tolist(), bb.table.live())
+        local = load_model(model_dir)
+        probe = await ExpertClient.connect(daemons[0].info["endpoint"], Identity.generate())
+        pings = [await probe.ping() for _ in range(reps)]
+        await probe.aclose()
+        for _ in range(10):
+            await ex.dispatch(layer, x, ids1, weights)  # warm: connections, f32 copies
+        with ThreadPoolExecutor(len(plan)) as pool:
+            local_same_parallelism(local, plan, layer, x, ids1, pool)
+            on_loop, computed, thread_cpu = [], [], []
+            pids = [d.process.pid for d in daemons]
+            cpu0 = sum(proc_cpu_s(p) for p in pids)
+            for _ in range(reps):  # alternate, so drift hits both alike
+                t0, c0 = time.perf_counter(), time.thread_time()
+                await ex.dispatch(layer, x, ids1, weights)
+                on_loop.append(time.perf_counter() - t0)
+                thread_cpu.append(time.thread_time() - c0)
+                t0 = time.perf_counter()
+                local_same_parallelism(local, plan, layer, x, ids1, pool)
+                computed.append(time.perf_counter() - t0)
+            holders_cpu = (sum(proc_cpu_s(p) for p in pids) - cpu0) / reps
+
+        def token_path() -> list[float]:
+            out = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                ex.submit(layer, x, ids1, weights).result()
+                out.append(time.perf_counter() - t0)
+            return out
+
+        threaded = await asyncio.to_thread(token_path)
+        text = ""
+        if profile:
+            prof = cProfile.Profile(time.thread_time)  # CPU time: robust to a loaded machine
+            prof.enable()
+            for _ in range(reps):
+                await ex.dispatch(layer, x, ids1, weights)
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+            text = out.getvalue()
         rate = await asyncio.to_thread(decode_rate, bb.model, ids, tokens)
-        return statistics.median(remote), statistics.median(computed), rate
+        d = Dispatch(statistics.median(on_loop), statistics.median(threaded), statistics.median(computed), len(plan),
+                     statistics.median(pings), statistics.median(thread_cpu), holders_cpu, text)
+        return d, rate
 
 
-def measure(model_dir: str, tokens: int, reps: int) -> tuple[float, float, float, float, int]:
+def measure(model_dir: str, tokens: int, reps: int, profile: bool) -> tuple[Dispatch, float, float]:
     model = load_model(model_dir)
     ids = list(range(3, 19))
     single = decode_rate(model, ids, tokens)
     with local_swarm(model_dir, 4, experts_per_layer=model.config.num_experts) as daemons:
-        dispatch, compute, swarm = asyncio.run(
-            swarm_side(model_dir, daemons[0].info["multiaddrs"][0], ids, tokens, reps))
-    return dispatch, compute, single, swarm, model.config.top_k
+        dispatch, swarm = asyncio.run(swarm_side(model_dir, daemons, ids, tokens, reps, profile))
+    return dispatch, single, swarm
 
 
 # ---------------------------------------------------------------- 4. shared-expert overlap
@@ -194,19 +271,32 @@ def overlap_section(folder: Path, tokens: int, rounds: int, rtt_ms: float) -> No
     print(f"runs, tok/s: on {[round(v, 2) for v in r.rates[True]]}, off {[round(v, 2) for v in r.rates[False]]}")
 
 
-def dispatch_section(folder: Path, tokens: int, reps: int) -> None:
+def dispatch_section(folder: Path, tokens: int, reps: int, models: list[str], profile: bool) -> None:
     rtt = asyncio.run(raw_tcp_rtt())
-    big = random_mixtral(folder / "mixtral-1.1GB")
-    rows = [("demo (4.4M params, fp16)", measure(str(CHECKPOINT), tokens, reps)),
-            ("random Mixtral 1.1 GB (H 1024, I 2816)", measure(str(big), tokens // 2, reps // 3))]
-    print(f"\nloopback, medians; raw asyncio TCP 4 KB round trip to another process: {rtt * 1e3:.3f} ms")
-    print("| model | one MoE layer via swarm | same experts locally | dispatch overhead | overhead / raw RTT "
-          "| decode single process | decode backbone + 4 nodes | swarm / single |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, (dispatch, compute, single, swarm, k) in rows:
-        overhead = dispatch - compute
-        print(f"| {name} | {dispatch * 1e3:.2f} ms | {compute * 1e3:.2f} ms | {overhead * 1e3:.2f} ms | "
-              f"{overhead / rtt:.1f}x | {single:.1f} tok/s | {swarm:.1f} tok/s | {swarm / single:.0%} |")
+    rows = []
+    if "demo" in models:
+        rows.append(("demo (4.4M params, fp16)", measure(str(CHECKPOINT), tokens, reps, profile)))
+    if "mixtral" in models:
+        big = random_mixtral(folder / "mixtral-1.1GB")
+        rows.append(("random Mixtral 1.1 GB (H 1024, I 2816)", measure(str(big), tokens // 2, reps // 3, profile)))
+    print(f"\nloopback, medians of alternating runs; raw asyncio TCP 4 KB round trip to another process: "
+          f"{rtt * 1e3:.3f} ms.  Threads: every process OPENBLAS_NUM_THREADS=1; the swarm computes a layer's experts "
+          f"in the holder processes it calls, in parallel; 'locally' computes each holder's share in its own thread "
+          f"of this process, in parallel (the same parallelism); 'token path' submits from a worker thread, as the "
+          f"forward pass does (two thread hops per layer).  {os.cpu_count()} CPUs.")
+    print("| model | holders called (= local threads) | data-plane ping | one MoE layer via swarm, on the loop "
+          "| ... on the token path | same experts locally | dispatch overhead (token path - local) | overhead / raw RTT "
+          "| CPU per layer: backbone loop / holders | decode single process | decode backbone + 4 nodes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, (d, single, swarm) in rows:
+        overhead = d.token_path_s - d.local_s
+        print(f"| {name} | {d.holders} | {d.ping_s * 1e3:.3f} ms | {d.on_loop_s * 1e3:.2f} ms | "
+              f"{d.token_path_s * 1e3:.2f} ms | {d.local_s * 1e3:.2f} ms | {overhead * 1e3:.2f} ms | "
+              f"{overhead / rtt:.1f}x | {d.backbone_cpu_s * 1e3:.2f} / {d.holders_cpu_s * 1e3:.2f} ms | "
+              f"{single:.1f} tok/s | {swarm:.1f} tok/s |")
+    for name, (d, _, _) in rows:
+        if d.profile:
+            print(f"\ncProfile of the backbone's loop thread, {name}, {reps} dispatches:\n" + d.profile)
 
 
 # ---------------------------------------------------------------- 5. the cost of checking outputs
@@ -256,10 +346,12 @@ def main() -> None:
     ap.add_argument("--only", choices=["dispatch", "overlap", "verify"], default=None, help="run one section (default both)")
     ap.add_argument("--rtt-ms", type=float, default=3.4, help="overlap section: round trip added to the data plane")
     ap.add_argument("--rounds", type=int, default=5, help="overlap section: alternating on/off runs")
+    ap.add_argument("--models", default="demo,mixtral", help="dispatch section: demo, mixtral or both")
+    ap.add_argument("--profile", action="store_true", help="dispatch section: print a cProfile of the dispatches")
     args = ap.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="moeswarm-bench-"))
     if args.only in (None, "dispatch"):
-        dispatch_section(folder, args.tokens, args.reps)
+        dispatch_section(folder, args.tokens, args.reps, args.models.split(","), args.profile)
     if args.only in (None, "overlap"):
         overlap_section(folder, args.tokens, args.rounds, args.rtt_ms)
     if args.only in (None, "verify"):

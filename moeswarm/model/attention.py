@@ -146,16 +146,38 @@ def gqa(
     window: int | None,
 ) -> np.ndarray:
     """Grouped-query attention.  x (B, T, H) -> (B, T, H).  ``w`` holds this layer's attn.* tensors."""
-    B, T, _ = x.shape
-    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w["q"], w.get("q_bias"))  # (B, T, nh*hd)
-    k = linear(x, w["k"], w.get("k_bias"))
-    v = linear(x, w["v"], w.get("v_bias"))
+    out = gqa_attend(w, *gqa_qkv(w, x, cfg), cfg, rope, cache, positions, window)
+    return linear(out, w["o"], w.get("o_bias"))  # type: ignore[arg-type]
+
+
+def gqa_qkv(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The row-wise half of ``gqa``: x (B, T, H) -> q (B, T, nh*hd), k, v (B, T, nkv*hd)
+    (a batch of sequences projects all its rows at once: ``moeswarm.model.batch``)."""
+    q = linear(x, w["q"], w.get("q_bias"))  # type: ignore[arg-type]
+    k = linear(x, w["k"], w.get("k_bias"))  # type: ignore[arg-type]
+    v = linear(x, w["v"], w.get("v_bias"))  # type: ignore[arg-type]
     if cfg.clip_qkv is not None:
         q, k, v = (np.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
     if cfg.qk_norm == "full":  # OLMoE: over the whole projection
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
+    return q, k, v
+
+
+def gqa_attend(
+    w: dict[str, np.ndarray | None],
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cfg: ModelConfig,
+    rope: Rope,
+    cache: LayerCache,
+    positions: np.ndarray,
+    window: int | None,
+) -> np.ndarray:
+    """The per-sequence half of ``gqa``: heads, rope, cache, attention -> (B, T, nh*hd), before ``o``."""
+    B, T, _ = q.shape
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = q.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)  # (B, nh, T, hd)
     k = k.reshape(B, T, nkv, hd).transpose(0, 2, 1, 3)
     v = v.reshape(B, T, nkv, hd).transpose(0, 2, 1, 3)
@@ -166,8 +188,7 @@ def gqa(
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     past = cache.length
     keys, values = cache.append(k, v)
-    out = _attend(q, keys, values, past, cfg.scale, window, w.get("sinks"))
-    return linear(out, w["o"], w.get("o_bias"))  # type: ignore[arg-type]
+    return _attend(q, keys, values, past, cfg.scale, window, w.get("sinks"))
 
 
 def mla_qkv(

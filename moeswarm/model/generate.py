@@ -31,10 +31,9 @@ class SamplingParams:
             raise ConfigError("top_k must be >= 0")
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Pick the next token from logits (V,)."""
-    if params.temperature == 0:
-        return int(np.argmax(logits))
+def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution ``sample`` draws from at temperature > 0: logits (V,) -> p (V,) float64
+    after temperature, top-k and top-p."""
     z = logits.astype(np.float64) / params.temperature
     if params.top_k:
         kth = np.partition(z, -params.top_k)[-params.top_k]
@@ -49,6 +48,14 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         q = np.zeros_like(p)
         q[keep] = p[keep]
         p = q / q.sum()
+    return p
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """Pick the next token from logits (V,)."""
+    if params.temperature == 0:
+        return int(np.argmax(logits))
+    p = probs(logits, params)
     return int(rng.choice(p.size, p=p))
 
 

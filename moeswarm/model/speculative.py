@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError
-from .generate import SamplingParams
+from .generate import SamplingParams, probs
 from .transformer import Model
 
 
@@ -83,3 +84,95 @@ def generate_speculative(model: Model, prompt_ids: Sequence[int], params: Sampli
                 return
         cache.truncate(len(tokens))  # forget the rejected part of the draft
         pending = int(choice[accepted])
+
+
+# ---- speculative sampling: any temperature, drafts from prompt lookup or a draft model ----------
+
+
+def verify(logits: np.ndarray, draft: Sequence[int], q: Sequence[np.ndarray] | None, params: SamplingParams,
+           rng: np.random.Generator) -> list[int]:
+    """The tokens one verification step emits: the accepted prefix of ``draft``, then one more.
+
+    ``logits`` (len(draft) + 1, V) are the target model's at [last token] + draft.  Greedy
+    (temperature 0): drafts are accepted while they equal the argmax, the output is the greedy
+    output.  Otherwise standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023):
+    draft token d with draft probability q(d) is accepted with probability min(1, p(d) / q(d));
+    on the first rejection the replacement is drawn from max(0, p - q) renormalised, and when
+    every draft is accepted a bonus token is drawn from p at the last position.  ``q`` None
+    means deterministic drafts (prompt lookup: q is a point mass on d).  Every emitted token is
+    then distributed exactly as ``sample`` draws it from the target model alone.
+    """
+    if params.temperature == 0:
+        choice = logits.argmax(axis=-1)
+        out = []
+        for i, d in enumerate(draft):
+            if choice[i] != d:
+                break
+            out.append(int(d))
+        return out + [int(choice[len(out)])]
+    out = []
+    for i, d in enumerate(draft):
+        p = probs(logits[i], params)
+        qd = 1.0 if q is None else float(q[i][d])
+        if rng.random() * qd < p[d]:  # u < p(d) / q(d), without dividing by a tiny q(d)
+            out.append(int(d))
+            continue
+        residual = np.maximum(p - (np.eye(1, p.size, d)[0] if q is None else q[i]), 0.0)
+        total = residual.sum()
+        p = residual / total if total > 0 else p
+        return out + [int(rng.choice(p.size, p=p))]
+    p = probs(logits[len(draft)], params)
+    return out + [int(rng.choice(p.size, p=p))]
+
+
+class PromptLookup:
+    """Drafts that need no second model (see ``prompt_lookup_draft``); deterministic, so q is None."""
+
+    def new_state(self) -> None:
+        return None
+
+    def propose(self, state: None, tokens: Sequence[int], k: int, params: SamplingParams,
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
+        return prompt_lookup_draft(tokens, k), None
+
+    def release(self, state: None) -> None:
+        pass
+
+
+class DraftModel:
+    """Drafts from a small model with the same tokenizer, run here, sampling with the sequence's
+    own parameters (``q`` is its distribution at each draft position)."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+
+    def new_state(self) -> tuple[Any, list[int]]:
+        return self.model.new_cache(), []  # the draft model's cache, the tokens it holds
+
+    def propose(self, state: tuple[Any, list[int]], tokens: Sequence[int], k: int, params: SamplingParams,
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
+        if k <= 0:
+            return [], None
+        cache, fed = state
+        same = 0
+        while same < min(len(fed), len(tokens) - 1) and fed[same] == tokens[same]:
+            same += 1
+        cache.truncate(same)
+        del fed[same:]
+        new = list(tokens[same:])
+        draft: list[int] = []
+        qs: list[np.ndarray] = []
+        for j in range(k):
+            logits = self.model.forward(np.asarray([new], np.int64), cache, last_only=True)[0, -1]
+            fed.extend(new)
+            if params.temperature == 0:
+                d = int(np.argmax(logits))
+            else:
+                qs.append(probs(logits, params))
+                d = int(rng.choice(qs[-1].size, p=qs[-1]))
+            draft.append(d)
+            new = [d]
+        return draft, (qs if params.temperature else None)
+
+    def release(self, state: tuple[Any, list[int]]) -> None:
+        pass

@@ -232,7 +232,8 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
     stop = stop or stop_event()
     async with SwarmBackbone(config) as backbone:
         assert backbone.model is not None
-        service = GenerationService(backbone.model, backbone.tokenizer(), backbone.model_id)
+        service = GenerationService(backbone.model, backbone.tokenizer(), backbone.model_id, engine=config.engine,
+                                    drafter=_drafter(config, backbone.cfg))
         info: dict[str, Any] = {"peer_id": backbone.identity.peer_id_str,
                                 "multiaddrs": public_multiaddrs(backbone.p2p.multiaddrs, config.swarm),
                                 "model_id": backbone.model_id}
@@ -251,3 +252,17 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
         finally:
             if runner is not None:
                 await runner.cleanup()
+
+
+def _drafter(config: BackboneConfig, cfg: Any) -> Any:
+    """The draft model of --draft-model (computed here, experts and all), or None (prompt lookup)."""
+    if config.draft_model is None:
+        return None
+    from ..model import load_model
+    from ..model.speculative import DraftModel
+
+    draft = load_model(config.draft_model)
+    if draft.config.vocab_size != cfg.vocab_size:
+        raise CheckpointError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the model's "
+                              f"{cfg.vocab_size}: a draft model must share the tokenizer", path=config.draft_model)
+    return DraftModel(draft)

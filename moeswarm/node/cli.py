@@ -165,10 +165,29 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 @click.option("--verify-by", default="auto", show_default=True, type=click.Choice(["auto", "local", "holders"]),
               help="auto: recompute where the checkpoint holds the experts, else ask other holders; "
                    "local: recompute only; holders: ask other holders only.")
+@click.option("--max-batch", default=16, show_default=True, type=click.IntRange(min=1), metavar="N",
+              help="Sequences advanced together in one forward pass (continuous batching): one request per "
+                   "expert holder per MoE layer carries all of them. 1 serves one user at a time.")
+@click.option("--prefill-chunk", default=256, show_default=True, type=click.IntRange(min=1), metavar="TOKENS",
+              help="Prompt tokens fed per step, shared by the requests joining, so a long prompt does not "
+                   "stall the streams already decoding.")
+@click.option("--kv-cache", default="256MB", show_default=True, metavar="SIZE",
+              help="Memory for every sequence's attention cache, in fixed-size blocks; a request that cannot "
+                   "get its worst case (prompt + max_tokens) waits.")
+@click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=1), metavar="N",
+              help="Requests waiting for a place in the batch beyond which new ones get 503 with Retry-After.")
+@click.option("--speculative", default=0, show_default=True, type=click.IntRange(min=0), metavar="K",
+              help="Speculative decoding: verify up to K draft tokens per step and sequence (prompt lookup, "
+                   "or --draft-model); the output keeps the model's distribution exactly (greedy: the "
+                   "greedy tokens). 0 = off.")
+@click.option("--draft-model", default=None, type=click.Path(exists=True),
+              help="With --speculative: a small checkpoint with the same tokenizer, computed here, that "
+                   "proposes the drafts.")
 @friendly_errors
 def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_url: str | None,
              ledger_queue: str | None, audit_fraction: float, tiers: str, fetch_cache: str, probe_interval: float,
-             verify_fraction: float, probation_calls: int, verify_by: str, **swarm: object) -> None:
+             verify_fraction: float, probation_calls: int, verify_by: str, max_batch: int, prefill_chunk: int,
+             kv_cache: str, max_waiting: int, speculative: int, draft_model: str | None, **swarm: object) -> None:
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
 
     Serves /v1/models, /v1/completions and /v1/chat/completions, and /status and /metrics.
@@ -177,12 +196,16 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
     from ..model.memory import parse_size
     from .backbone import run_backbone
     from .config import BackboneConfig
+    from .scheduler import EngineConfig
     from .verify import VerifyConfig
 
+    engine = EngineConfig(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_cache_bytes=parse_size(kv_cache),
+                          max_waiting=max_waiting, speculative=speculative)
     config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout,  # type: ignore[arg-type]
                             ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction,
                             tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval,
-                            verify=VerifyConfig(verify_fraction, probation_calls, verify_by))
+                            verify=VerifyConfig(verify_fraction, probation_calls, verify_by),
+                            engine=engine, draft_model=draft_model)
     asyncio.run(run_backbone(config))
 
 

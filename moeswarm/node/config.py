@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from ..daemon import SwarmConfig
 from ..errors import ConfigError
 from .dispatch import DispatchConfig
+from .scheduler import EngineConfig
 from .verify import VerifyConfig
 
 if TYPE_CHECKING:
@@ -56,11 +57,15 @@ class BackboneConfig:
     fetch_cache_bytes: int = 1 << 30  # --tiers auto: memory for expert weights fetched from holders
     probe_interval_s: float = 30.0  # re-measure the links to holders this often (0: never)
     replan_s: float = 10.0  # recompute the tier plan this often
+    engine: EngineConfig = field(default_factory=EngineConfig)  # continuous batching, cache pool, speculative
+    draft_model: str | None = None  # with engine.speculative > 0: drafts from this local checkpoint, not prompt lookup
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.audit_fraction <= 1.0:
             raise ConfigError(f"the audit fraction must be within 0..1, not {self.audit_fraction}")
         if self.audit_fraction > 0 and self.ledger_url is None:
             raise ConfigError("audits are judged by the ledger: --audit-fraction needs --ledger")
+        if self.draft_model is not None and not self.engine.speculative:
+            raise ConfigError("--draft-model needs --speculative K (draft tokens per step)")
         if self.tiers not in ("remote", "auto", "fetch"):
             raise ConfigError(f"--tiers is 'remote', 'auto' or 'fetch', not {self.tiers!r}")

@@ -6,8 +6,8 @@ OpenAI's chunk format, ending with ``data: [DONE]``) and ``GET /healthz``.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid
 requests (malformed JSON, wrong types, out-of-range values, a prompt that does not fit), 404
-for an unknown model or route, 413 for an oversized body, 503/502 when the swarm fails, 500 for
-our own bugs.  A streamed generation that fails after its first chunk reports the error as one
+for an unknown model or route, 413 for an oversized body, 503/502 when the swarm fails, 503 with
+``Retry-After`` when the batch and its waiting queue are full, 500 for our own bugs.  A streamed generation that fails after its first chunk reports the error as one
 ``data: {"error": ...}`` event before ``[DONE]`` (the status line is already sent).
 
 Extensions beyond OpenAI (its clients ignore them): ``"model"`` may be omitted; ``top_k``;
@@ -31,7 +31,7 @@ from aiohttp import web
 
 from ..errors import ConfigError, NetworkError, ProtocolError, SwarmError
 from ..model import SamplingParams
-from .service import Chunk, GenerationService
+from .service import Chunk, GenerationService, ServiceBusy
 
 
 @dataclass(frozen=True)
@@ -352,6 +352,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         default = not e.text or e.text.startswith(f"{e.status}:")  # aiohttp's bare "404: Not Found"
         message = f"{e.reason}: {request.method} {request.path}" if default else e.text
         return _error_response(e.status, message or e.reason, "invalid_request_error")
+    except ServiceBusy as e:  # the batch and its queue are full: come back shortly
+        response = _error_response(503, str(e), "service_unavailable", code="server_busy")
+        response.headers["Retry-After"] = str(e.retry_after_s)
+        return response
     except SwarmError as e:
         status, kind = _status_of(e)
         return _error_response(status, str(e), kind)

@@ -1,17 +1,24 @@
 """The async face of generation: text pieces and token ids as they come, for the HTTP API.
 
-``GenerationService`` wraps any ``(Model, Tokenizer, model_id)``; it only calls ``generate()``,
-so it works the same whether the routed experts run in this process or across the swarm.
+``GenerationService`` wraps any ``(Model, Tokenizer, model_id)`` and works the same whether the
+routed experts run in this process or across the swarm.
 
-Threading.  Each generation runs the blocking ``generate()`` iterator in a worker thread (the
-event loop's default executor); the worker detokenizes, applies stop strings and hands
-``Chunk`` objects to the loop through a bounded ``asyncio.Queue`` (``queue_size`` chunks: the
-worker waits when the consumer falls behind).  The loop never blocks on the model.
+Batching.  Generations run in one ``scheduler.BatchEngine``: up to ``max_batch`` sequences
+advance together, one forward pass per step (so one request per expert holder per MoE layer
+carries every user's rows); new requests join at the next step, finished ones leave.  Cache
+memory comes from one pool (``kv_cache_bytes``); a request that cannot get its cache waits in
+FIFO order, and once ``max_waiting`` requests wait, new ones are refused with ``ServiceBusy``
+(the HTTP API answers 503 with ``Retry-After``).  Sampling parameters, seeds and stop strings are
+per sequence; a sequence's tokens do not depend on what else is in the batch.
+
+Threading.  The engine thread runs the model; it detokenizes, applies stop strings and hands
+``Chunk`` objects to the request's event loop through an ``asyncio.Queue``.  A consumer that
+falls ``backlog`` tokens behind makes only its own sequence sit out steps.  The loop never
+blocks on the model.
 
 Cancellation.  When the consumer stops -- the async iterator is closed, its task is cancelled,
-or the HTTP client hangs up -- the worker is told to stop and does so before its next forward
-pass.  The concurrency slot is released when the worker thread has really finished, so at most
-``max_concurrent`` generations ever compute at once; further requests wait in FIFO order.
+or the HTTP client hangs up -- its sequence leaves the batch before the next step and its
+cache blocks go back to the pool; ``stream`` returns only once that happened.
 """
 
 from __future__ import annotations
@@ -21,18 +28,27 @@ import contextlib
 import functools
 import json
 import os
-import threading
-from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import ConfigError
-from ..model import Model, SamplingParams, StreamDecoder, Tokenizer, generate
+from ..errors import ConfigError, SwarmError
+from ..model import Model, SamplingParams, StreamDecoder, Tokenizer
+from .scheduler import BatchEngine, EngineConfig
+from .scheduler import Sequence as _Sequence
 
 FinishReason = Literal["stop", "length"]
+
+
+class ServiceBusy(SwarmError):
+    """Too many requests wait already: try again later (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -56,12 +72,12 @@ class Completion:
 
 @dataclass(frozen=True)
 class ServiceStats:
-    running: int  # generations computing now (at most max_concurrent)
-    waiting: int  # generations queued for a slot
+    running: int  # sequences in the batch now (at most max_batch)
+    waiting: int  # requests queued for a place in the batch or for cache
 
 
 class GenerationService:
-    """Async streaming and non-streaming generation over one model, with bounded concurrency."""
+    """Async streaming and non-streaming generation over one model, continuously batched."""
 
     def __init__(
         self,
@@ -69,21 +85,28 @@ class GenerationService:
         tokenizer: Tokenizer,
         model_id: str,
         *,
-        max_concurrent: int = 1,
+        max_batch: int | None = None,
+        max_concurrent: int | None = None,
         queue_size: int = 8,
         chat_folder: str | os.PathLike[str] | None = None,
+        engine: EngineConfig | None = None,
+        drafter: Any = None,
     ) -> None:
-        """``chat_folder``: where ``tokenizer_config.json`` (chat template) lives; default: the model folder."""
-        if max_concurrent < 1 or queue_size < 1:
-            raise ConfigError("max_concurrent and queue_size must be >= 1")
+        """``max_batch`` (``max_concurrent`` is its older name) and ``queue_size`` (unread tokens
+        before a sequence sits out steps) override ``engine``'s; ``drafter``: a
+        ``moeswarm.model.speculative`` drafter for ``engine.speculative`` > 0 (default prompt
+        lookup).  ``chat_folder``: where ``tokenizer_config.json`` (chat template) lives; default:
+        the model folder."""
+        engine = engine or EngineConfig()
+        batch = max_batch if max_batch is not None else max_concurrent
+        if (batch is not None and batch < 1) or queue_size < 1:
+            raise ConfigError("max_batch and queue_size must be >= 1")
+        engine = replace(engine, max_batch=batch or engine.max_batch, backlog=queue_size)
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
-        self.queue_size = queue_size
         self.chat_template = ChatTemplate.from_folder(chat_folder or model.weights.folder)
-        self._slots = asyncio.Semaphore(max_concurrent)
-        self._running = 0
-        self._waiting = 0
+        self.engine = BatchEngine(model, engine, drafter)
 
     @property
     def context_length(self) -> int:
@@ -91,7 +114,7 @@ class GenerationService:
         return self.model.config.max_position_embeddings
 
     def stats(self) -> ServiceStats:
-        return ServiceStats(self._running, self._waiting)
+        return ServiceStats(len(self.engine.running), len(self.engine.waiting))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -105,14 +128,18 @@ class GenerationService:
     ) -> AsyncGenerator[Chunk, None]:
         """Generate, yielding chunks as they are produced; the last one has ``finish_reason``.
 
-        The prompt is checked now (``ConfigError``), before anything is queued.  The model's EOS
-        tokens are added to ``params.stop_token_ids`` unless ``ignore_eos``.  ``max_new_tokens``
-        is clamped so prompt + completion fit the context.  Close the iterator (``aclosing``) or
-        cancel its task to stop early.
+        The prompt is checked now (``ConfigError``), and a full queue refused now
+        (``ServiceBusy``), before anything is queued.  The model's EOS tokens are added to
+        ``params.stop_token_ids`` unless ``ignore_eos``.  ``max_new_tokens`` is clamped so
+        prompt + completion fit the context.  Close the iterator (``aclosing``) or cancel its
+        task to stop early.
         """
         prompt = self.check_prompt(prompt_ids)
-        job = _Job(self.model, self.tokenizer, prompt, self._effective(params, len(prompt), ignore_eos), stop, self.queue_size)
-        return self._run(job)
+        if self.engine.full():
+            raise ServiceBusy(f"{len(self.engine.waiting)} requests are waiting already; try again shortly",
+                              retry_after_s=1)
+        params = self._effective(params, len(prompt), ignore_eos)
+        return self._run(prompt, params, stop)
 
     async def complete(
         self, prompt_ids: Sequence[int], params: SamplingParams, stop: Sequence[str] = (), *, ignore_eos: bool = False
@@ -145,114 +172,67 @@ class GenerationService:
         room = self.context_length - prompt_len if self.context_length else params.max_new_tokens
         return replace(params, stop_token_ids=stop_ids, max_new_tokens=min(params.max_new_tokens, room))
 
-    async def _run(self, job: _Job) -> AsyncGenerator[Chunk, None]:
-        worker = await self._start(job)
+    async def _run(self, prompt: list[int], params: SamplingParams, stop: Sequence[str]) -> AsyncGenerator[Chunk, None]:
+        if params.max_new_tokens == 0:
+            yield Chunk("", (), "length")
+            return
+        queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+        output = _Output(self.tokenizer, prompt, params, stop, queue)
+        seq = _Sequence(prompt, params, output.push, queue)
+        self.engine.submit(seq)
         try:
             while True:
-                item = await job.queue.get()
-                if isinstance(item, Exception):
+                item = await queue.get()
+                if isinstance(item, BaseException):
                     raise item
+                seq.read += len(item.token_ids)
+                if seq.sent - seq.read < self.engine.config.backlog:
+                    self.engine.wake()
                 if item.finish_reason is not None:
-                    await asyncio.shield(worker)  # it is ending: free the slot before the last chunk goes out
+                    await asyncio.shield(seq.left)  # it has left the batch: its place is free before the last chunk
                     yield item
                     return
                 yield item
         finally:
-            job.cancel()
-            await asyncio.shield(worker)  # at most one forward pass; the slot is freed by the worker
-
-    async def _start(self, job: _Job) -> asyncio.Future[None]:
-        """Wait for a slot, then start the worker thread; the slot is released when it ends."""
-        self._waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
-        self._running += 1
-        try:
-            worker = job.start()
-        except BaseException:
-            self._release()
-            raise
-        worker.add_done_callback(lambda _: self._release())
-        return worker
-
-    def _release(self) -> None:
-        self._running -= 1
-        self._slots.release()
+            seq.cancel()
+            self.engine.wake()
+            await asyncio.shield(seq.left)  # at most one forward pass; then its cache is back in the pool
 
 
-class _Job:
-    """One generation: runs in a worker thread, talks to the loop only through ``queue``."""
+class _Output:
+    """Tokens -> chunks for one sequence, on the engine thread: detokenizes, applies stop tokens,
+    stop strings and the token budget, and puts the chunks on the request's queue."""
 
-    def __init__(
-        self, model: Model, tokenizer: Tokenizer, prompt: list[int], params: SamplingParams, stop: Sequence[str], queue_size: int
-    ) -> None:
-        self.model, self.tokenizer, self.prompt, self.params = model, tokenizer, prompt, params
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], params: SamplingParams, stop: Sequence[str],
+                 queue: asyncio.Queue[Chunk | BaseException]) -> None:
+        self.decoder = tokenizer.stream(prompt)
         self.stops = _StopFilter(stop)
-        self.queue: asyncio.Queue[Chunk | Exception] = asyncio.Queue(queue_size)
-        self.cancelled = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stop_ids, self.budget = set(params.stop_token_ids), params.max_new_tokens
+        self.queue, self.loop = queue, asyncio.get_running_loop()
+        self.n = 0
 
-    def start(self) -> asyncio.Future[None]:
-        self.loop = asyncio.get_running_loop()
-        return self.loop.run_in_executor(None, self._run)
-
-    def cancel(self) -> None:
-        """Called on the loop: stop the worker and unblock it if it waits for queue space."""
-        self.cancelled.set()
-        while not self.queue.empty():
-            self.queue.get_nowait()
-
-    def _run(self) -> None:
-        try:
-            self._produce()
-        except Exception as e:  # handed to the consumer, which raises it
-            self._put(e)
-
-    def _produce(self) -> None:
-        decoder = self.tokenizer.stream(self.prompt)
-        stop_ids, budget = set(self.params.stop_token_ids), self.params.max_new_tokens
-        if budget == 0 or self.cancelled.is_set():
-            self._put(Chunk("", (), "length"))
-            return
-        tokens = generate(self.model, self.prompt, self.params)
-        try:
-            for n, token in enumerate(tokens, start=1):
-                text, hit = self.stops.push(decoder.feed(token))
-                if hit:
-                    self._put(Chunk(text, (token,), "stop"))
-                    return
-                if token in stop_ids or n == budget:  # stop here: no forward pass for a token nobody reads
-                    tail, hit = self.stops.push(_flush(decoder))
-                    reason: FinishReason = "stop" if hit or token in stop_ids else "length"
-                    self._put(Chunk(text + tail + ("" if hit else self.stops.flush()), (token,), reason))
-                    return
-                if not self._put(Chunk(text, (token,))):
-                    return
-        finally:
-            if isinstance(tokens, Generator):
-                tokens.close()
-
-    def _put(self, item: Chunk | Exception) -> bool:
-        """Hand ``item`` to the loop, waiting for queue space; False once the consumer is gone."""
-        loop = self.loop
-        if self.cancelled.is_set() or loop is None:
-            return False
-        put = self.queue.put(item)
-        try:
-            done = asyncio.run_coroutine_threadsafe(put, loop)
-        except RuntimeError:  # the loop is closed
-            put.close()
-            return False
-        while True:
+    def push(self, tokens: list[int]) -> bool:
+        """Hand out ``tokens``; False once the generation is over (its last chunk is sent)."""
+        for token in tokens:
+            self.n += 1
+            chunk, more = self._chunk(token)
             try:
-                done.result(timeout=0.5)
-                return not self.cancelled.is_set()
-            except FutureTimeout:  # still full: give up only if nobody will ever read it
-                if self.cancelled.is_set() or loop.is_closed():
-                    done.cancel()
-                    return False
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, chunk)
+            except RuntimeError:  # the loop is closed: nobody reads
+                return False
+            if not more:
+                return False
+        return True
+
+    def _chunk(self, token: int) -> tuple[Chunk, bool]:
+        text, hit = self.stops.push(self.decoder.feed(token))
+        if hit:
+            return Chunk(text, (token,), "stop"), False
+        if token in self.stop_ids or self.n >= self.budget:  # the last token
+            tail, hit = self.stops.push(_flush(self.decoder))
+            reason: FinishReason = "stop" if hit or token in self.stop_ids else "length"
+            return Chunk(text + tail + ("" if hit else self.stops.flush()), (token,), reason), False
+        return Chunk(text, (token,)), True
 
 
 def _flush(decoder: StreamDecoder) -> str:

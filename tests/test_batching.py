@@ -1,0 +1,126 @@
+"""Batched forward passes over block-allocated caches against transformers, and against each
+sequence run alone; speculative sampling's verification step against the distribution it must keep."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from moeswarm.errors import ConfigError
+from moeswarm.model import SamplingParams, load_model
+from moeswarm.model.batch import CachePool, Step, forward_batch, layer_specs
+from moeswarm.model.generate import probs
+from moeswarm.model.speculative import verify
+
+TOL = 1e-4  # as tests/test_engine_oracle.py
+
+
+def run(model, seqs: list[list[list[int] | None]], pool: CachePool) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
+    """Feed each sequence its chunks, one chunk per step (None: not in that step), all sequences
+    that have one in the same batched pass; -> every sequence's logits at every position fed."""
+    caches = [pool.admit(sum(len(c) for c in chunks if c)) for chunks in seqs]
+    out: list[list[np.ndarray]] = [[] for _ in seqs]
+    for i in range(max(len(s) for s in seqs)):
+        batch = [(j, Step(caches[j], chunks[i], all_logits=True))
+                 for j, chunks in enumerate(seqs) if i < len(chunks) and chunks[i]]
+        forward_batch(model, [s for _, s in batch])
+        for j, step in batch:
+            out[j].append(step.logits)
+    for cache in caches:
+        cache.release()
+    return [np.concatenate(o) for o in out]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss",
+                                  "glm_moe_dsa", "qwen3_5_moe"])  # the last two: their own caches, not paged
+def test_batched_logits_match_transformers_and_running_alone(oracle_checkpoints, arch: str) -> None:
+    folder, ref = oracle_checkpoints.get(arch, "packed")
+    model = load_model(folder)
+    pool = CachePool(layer_specs(model.config), 4 << 20, block_tokens=4)  # small blocks: many per sequence
+    ids = ref.sequence_ids
+    T = len(ref.prompt_ids)
+    mine = [ids[:3], ids[3:T]] + [[t] for t in ids[T:]]  # a chunked prefill, then one token per step
+    rng = np.random.default_rng(0)
+    V = model.config.vocab_size
+    others = [  # sequences around it: longer chunks, a late joiner, one that leaves early
+        [rng.integers(3, V, 9).tolist(), rng.integers(3, V, 1).tolist(), rng.integers(3, V, 6).tolist()],
+        [None, None, rng.integers(3, V, 20).tolist()] + [rng.integers(3, V, 1).tolist()] * (len(mine) - 3),
+        [rng.integers(3, V, 2).tolist()] * len(mine),
+    ]
+    batched = run(model, [mine, *others], pool)[0]
+    alone = run(model, [mine], pool)[0]
+    assert pool.free == pool.num_blocks  # every block came back
+    assert np.abs(batched - alone).max() <= TOL
+    assert np.abs(batched - ref.all_logits).max() <= TOL
+
+
+def test_the_pool_refuses_what_it_cannot_hold(oracle_checkpoints) -> None:
+    folder, _ = oracle_checkpoints.get("mixtral", "packed")
+    specs = layer_specs(load_model(folder).config)
+    with pytest.raises(ConfigError, match="holds no block"):
+        CachePool(specs, 10, block_tokens=4)
+    pool = CachePool(specs, 3 * CachePool(specs, 1 << 20, block_tokens=4).block_bytes, block_tokens=4)
+    assert pool.num_blocks == 3
+    with pytest.raises(ConfigError, match="raise --kv-cache"):
+        pool.admit(13)
+    a = pool.admit(8)
+    assert a is not None and pool.free == 1
+    assert pool.admit(4, headroom=1) is None and pool.admit(4) is not None
+    assert not a.grow(9)  # the pool is dry: a keeps what it had
+    a.release()
+    assert pool.free == 2
+
+
+# ---- speculative sampling ------------------------------------------------------------------------
+
+
+def trust_every_draft(logits, draft, q, params, rng):  # type: ignore[no-untyped-def]
+    """A wrong verifier (accepts every draft), to show the test below can fail."""
+    return list(draft) + [int(rng.choice(logits.shape[1], p=probs(logits[len(draft)], params)))]
+
+
+def chi2_of_two_tokens(verifier, draft_kind: str, N: int) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
+    """The first two emitted tokens of a 5-token vocabulary against the target's joint
+    p0(a) p1(b | a): -> (chi-square, its 0.999 quantile, total variation)."""
+    V = 5
+    rng = np.random.default_rng(7)
+    params = SamplingParams(temperature=1.0)
+    logits0 = np.log(np.array([0.05, 0.4, 0.25, 0.2, 0.1]))
+    logits1 = {a: np.log(rng.dirichlet(np.ones(V))) for a in range(V)}  # p1 depends on the first token
+    bonus = np.log(np.full(V, 1.0 / V))
+    q0 = np.array([0.6, 0.1, 0.1, 0.1, 0.1])  # a draft that loves token 0, which the target rarely picks
+    observed = np.zeros(V * V)
+    for _ in range(N):
+        if draft_kind.startswith("point"):
+            d0, d1, q = 0, 3, None
+        else:
+            d0, d1 = int(rng.choice(V, p=q0)), int(rng.integers(V))
+            q = [q0, np.full(V, 1.0 / V)]
+        # logits at [last] + draft: row 0 is p0; row 1 is p1 given the draft's first token; row 2 a bonus
+        out = verifier(np.stack([logits0, logits1[d0], bonus]), [d0, d1], q, params, rng)
+        if len(out) == 1:  # rejected at once: the second token comes from the next step, p1(. | out[0])
+            out.append(int(rng.choice(V, p=probs(logits1[out[0]], params))))
+        observed[out[0] * V + out[1]] += 1
+    p0 = probs(logits0, params)
+    expected = np.concatenate([p0[a] * probs(logits1[a], params) for a in range(V)]) * N
+    keep = expected > 5
+    assert keep.sum() >= 20
+    chi2 = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return chi2, float(stats.chi2.ppf(0.999, keep.sum() - 1)), float(0.5 * np.abs(observed - expected).sum() / N)
+
+
+@pytest.mark.parametrize("draft_kind", ["point mass (prompt lookup)", "draft distribution"])
+def test_verification_keeps_the_target_distribution(draft_kind: str) -> None:
+    chi2, bound, tv = chi2_of_two_tokens(verify, draft_kind, 40_000)
+    assert chi2 < bound and tv < 0.01, (chi2, bound, tv)
+    chi2, bound, tv = chi2_of_two_tokens(trust_every_draft, draft_kind, 4_000)
+    assert chi2 > bound and tv > 0.1, (chi2, bound, tv)  # the test can tell a wrong verifier
+
+
+def test_greedy_verification_is_the_greedy_choice() -> None:
+    logits = np.array([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    params, rng = SamplingParams(), np.random.default_rng(0)
+    assert verify(logits, [1, 0], None, params, rng) == [1, 0, 2]  # both accepted, then the bonus
+    assert verify(logits, [1, 2], None, params, rng) == [1, 0]  # the second rejected: the argmax instead
+    assert verify(logits, [2, 0], None, params, rng) == [1]
