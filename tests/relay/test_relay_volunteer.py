@@ -1,0 +1,103 @@
+"""The volunteer page (issue 18): a browser tab in Debian's headless Chromium as a relay device.
+
+The relay runs as a process serving the page, its modules, the vendored onnxruntime-web and an
+``export-onnx`` folder; the page keeps its key in IndexedDB, downloads and checks the shards, opens
+its device session and serves experts with onnxruntime-web. It must pass the same conformance
+suite (``conformance.py device``, run as a process) as the Python bridge, and its receipts must
+pass the ledger's checks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import ssl
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from browser_device import BrowserDevice
+
+from moeswarm.ledger._chain import ModelShape, content_problem
+from moeswarm.mobile_bridge import export_onnx
+from moeswarm.protocol import Receipt, peer_id_from_str, verify_receipt
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def receipt_of(hex_body: str) -> Receipt:
+    m = msgpack.unpackb(bytes.fromhex(hex_body), raw=False)
+    return Receipt(**{k: tuple(v) if k == "experts" else v for k, v in m.items()})
+
+
+def get(url: str, ca: Path) -> tuple[int, dict[str, str], bytes]:
+    with urllib.request.urlopen(url, context=ssl.create_default_context(cafile=str(ca)), timeout=30) as r:
+        return r.status, dict(r.headers), r.read()
+
+
+def test_relay_serves_the_volunteer_page_its_assets_and_shards(certs: Any, spawn: Any, mixtral: tuple[Path, Any],
+                                                               tmp_path: Path) -> None:
+    folder, _ = mixtral
+    export_onnx(folder, tmp_path / "shards", experts=(1, 2))
+    relay = spawn("relay", "moeswarm.relay.cli", "--listen", "127.0.0.1:0", "--cert", str(certs.cert), "--key",
+                  str(certs.key), "--no-dht", "--volunteer-shards", str(tmp_path / "shards"))
+    base = "https" + relay.wait_ready()["url"][3:]
+    status, headers, body = get(f"{base}/volunteer/", certs.ca)
+    assert status == 200 and b"Volunteer this device" in body
+    assert headers["Cross-Origin-Opener-Policy"] == "same-origin"
+    assert headers["Cross-Origin-Embedder-Policy"] == "require-corp"
+    config = json.loads(get(f"{base}/volunteer/config.json", certs.ca)[2])
+    port = int(relay.info["url"].rsplit(":", 1)[1])
+    der = ssl.PEM_cert_to_DER_cert(ssl.get_server_certificate(("127.0.0.1", port)))  # what TLS presents
+    assert config["binding_hex"] == hashlib.sha256(der).hexdigest()  # the relay's tls-server-end-point
+    assert config["relay_url"] == relay.info["url"] and config["shards_url"] == "/volunteer/shards/"
+    wasm = get(f"{base}/volunteer/vendor/onnxruntime-web/ort-wasm-simd-threaded.wasm", certs.ca)
+    assert wasm[1]["Content-Type"] == "application/wasm" and wasm[2][:4] == b"\0asm"
+    manifest = json.loads(get(f"{base}/volunteer/shards/manifest.json", certs.ca)[2])
+    assert manifest["experts"] == [1, 2]
+    for outside in ("shards/../../../etc/passwd", "shards/%2e%2e/%2e%2e/__init__.py", "js/../../__init__.py",
+                    "vendor/%2e%2e/%2e%2e/volunteer.py"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            get(f"{base}/volunteer/{outside}", certs.ca)
+        e.value.close()
+        assert e.value.code == 404, outside
+
+
+def test_browser_device_passes_the_conformance_suite_and_its_receipts_verify(
+        certs: Any, spawn: Any, mixtral: tuple[Path, Any], tmp_path: Path) -> None:
+    folder, _ = mixtral
+    manifest = export_onnx(folder, tmp_path / "shards", experts=(1, 2))
+    relay = spawn("relay", "moeswarm.relay.cli", "--listen", "127.0.0.1:0", "--cert", str(certs.cert), "--key",
+                  str(certs.key), "--no-dht", "--volunteer-shards", str(tmp_path / "shards"))
+    url = relay.wait_ready()["url"]
+    with BrowserDevice("https" + url[3:] + "/volunteer/") as device:
+        endpoint = device.info["endpoint"]
+        assert endpoint == f"relay+{url}/{device.info['peer_id']}"
+        done = subprocess.run(  # the command line any implementer runs against a device
+            [sys.executable, str(REPO / "tests/relay/conformance.py"), "device", endpoint, "--model-id",
+             manifest.model_id, "--layer", "0", "--expert", "2", "--hidden", str(manifest.hidden_size),
+             "--ca", str(certs.ca)], capture_output=True, text=True, timeout=180)
+        print(done.stdout)
+        assert done.returncode == 0 and done.stdout.count("PASS") == 4, done.stdout + done.stderr + str(device.console)
+        stats = device.call(lambda page: page.evaluate(
+            "({calls: window.volunteer.device.stats.calls, receipts: window.volunteer.device.stats.receipts,"
+            " calls_shown: document.getElementById('calls').textContent})"))
+        assert stats["calls"] == 1 and stats["calls_shown"] == "1"
+        # the same identity after a reload: the key lives in IndexedDB
+        again = device.call(lambda page: (page.reload(), page.wait_for_function(
+            "() => window.volunteer && window.volunteer.state === 'volunteering'", timeout=240_000),
+            page.evaluate("window.volunteer.identity.peerIdStr"))[2], timeout=300)
+        assert again == device.info["peer_id"]
+        extractable = device.call(lambda page: page.evaluate("window.volunteer.identity.privateKey.extractable"))
+        assert extractable is False
+    (receipt_hex,) = stats["receipts"]
+    receipt = receipt_of(receipt_hex)
+    assert receipt.server == peer_id_from_str(device.info["peer_id"])
+    assert receipt.model_id == manifest.model_id and receipt.layer == 0 and receipt.experts == (2,)
+    verify_receipt(receipt)  # the server signature, as clients and the ledger check it
+    assert content_problem(receipt, {manifest.model_id: ModelShape(manifest.hidden_size,
+                                                                  manifest.intermediate_size)}) is None
