@@ -101,3 +101,58 @@ def test_browser_device_passes_the_conformance_suite_and_its_receipts_verify(
     verify_receipt(receipt)  # the server signature, as clients and the ledger check it
     assert content_problem(receipt, {manifest.model_id: ModelShape(manifest.hidden_size,
                                                                   manifest.intermediate_size)}) is None
+
+
+@pytest.mark.slow
+def test_a_swarm_with_experts_held_only_by_a_browser_generates_the_engine_tokens(
+        certs: Any, spawn: Any, mixtral: tuple[Path, Any], tmp_path: Path) -> None:
+    """An expert node (experts 0-3), a relay in the DHT, a browser tab holding experts 4-7 and a
+    backbone in this process: greedy generation equals the oracle's tokens, and every receipt the
+    browser signed passes the ledger's intake checks (both signatures, FLOPs bound)."""
+    import asyncio
+
+    from moeswarm.daemon import SwarmConfig
+    from moeswarm.ledger._chain import Prepared, prepare
+    from moeswarm.model import SamplingParams, generate
+    from moeswarm.node.backbone import SwarmBackbone
+    from moeswarm.node.config import BackboneConfig
+    from moeswarm.node.dispatch import DispatchConfig
+    from moeswarm.protocol import CountersignedReceipt
+    from moeswarm.relay import set_relay_ca
+
+    folder, ref = mixtral
+    manifest = export_onnx(folder, tmp_path / "shards", experts=(4, 7))
+    node = spawn("node", "moeswarm.cli", "node", "--model", str(folder), "--experts", "0-3")
+    boot = node.wait_ready()["multiaddrs"][0]
+    relay = spawn("relay", "moeswarm.relay.cli", "--listen", "127.0.0.1:0", "--cert", str(certs.cert), "--key",
+                  str(certs.key), "--bootstrap", boot, "--volunteer-shards", str(tmp_path / "shards"))
+    url = relay.wait_ready()["url"]
+    set_relay_ca(str(certs.ca))
+    params = SamplingParams(max_new_tokens=len(ref.greedy_tokens))
+    with BrowserDevice("https" + url[3:] + "/volunteer/") as device:
+        browser = peer_id_from_str(device.info["peer_id"])
+
+        async def main() -> tuple[list[int], set[bytes], list[CountersignedReceipt], int]:
+            config = BackboneConfig(SwarmConfig(str(folder), bootstrap=(boot,), client_mode=True),
+                                    coverage_timeout_s=90, discovery_interval_s=1.0,
+                                    dispatch=DispatchConfig(timeout_s=60.0))
+            receipts: list[CountersignedReceipt] = []
+            async with SwarmBackbone(config) as bb:
+                assert bb.model is not None and bb.executor is not None
+                bb.executor.receipts = receipts.append
+                tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
+                bb.executor.settle_receipts()
+                return tokens, set(bb.executor.served_by), receipts, bb.executor.bad_receipts
+
+        tokens, used, receipts, bad = asyncio.run(main())
+        served = device.call(lambda page: page.evaluate("window.volunteer.device.stats.calls"))
+        device.call(lambda page: page.screenshot(path=str(REPO / "docs/volunteer.png")))
+    assert tokens == ref.greedy_tokens
+    assert browser in used and bad == 0
+    mine = [cr for cr in receipts if cr.receipt.server == browser]
+    assert mine and len(mine) == served, (len(mine), served)
+    shapes = {manifest.model_id: ModelShape(manifest.hidden_size, manifest.intermediate_size)}
+    for cr in mine:
+        assert set(cr.receipt.experts) <= {4, 5, 6, 7}
+        checked = prepare(cr, shapes)
+        assert isinstance(checked, Prepared), checked
