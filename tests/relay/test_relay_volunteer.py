@@ -13,6 +13,7 @@ import json
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -101,6 +102,43 @@ def test_browser_device_passes_the_conformance_suite_and_its_receipts_verify(
     verify_receipt(receipt)  # the server signature, as clients and the ledger check it
     assert content_problem(receipt, {manifest.model_id: ModelShape(manifest.hidden_size,
                                                                   manifest.intermediate_size)}) is None
+
+
+
+def test_bridge_web_serves_the_page_for_a_private_swarm(certs: Any, spawn: Any, mixtral: tuple[Path, Any],
+                                                        tmp_path: Path) -> None:
+    """``moeswarm bridge --web``: the page comes from the bridge's own server, with the relay's
+    binding read from the relay's TLS; the browser dials the relay and serves through it."""
+    folder, _ = mixtral
+    manifest = export_onnx(folder, tmp_path / "shards", experts=(1, 2))
+    relay = spawn("relay", "moeswarm.relay.cli", "--listen", "127.0.0.1:0", "--cert", str(certs.cert), "--key",
+                  str(certs.key), "--no-dht")  # serves no shards itself
+    url = relay.wait_ready()["url"]
+    web = spawn("web", "moeswarm.mobile_bridge.cli", "bridge", "--relay", url, "--ca", str(certs.ca), "--shards",
+                str(tmp_path / "shards"), "--web", "127.0.0.1:0", "--web-cert", str(certs.cert), "--web-key",
+                str(certs.key))
+    page_url = web.wait_ready()["url"]
+    assert page_url.startswith("https://127.0.0.1:") and not page_url.startswith("https" + url[3:])
+    with BrowserDevice(page_url) as device:
+        endpoint = device.info["endpoint"]
+        assert endpoint == f"relay+{url}/{device.info['peer_id']}"
+        done = subprocess.run(
+            [sys.executable, str(REPO / "tests/relay/conformance.py"), "device", endpoint, "--model-id",
+             manifest.model_id, "--layer", "0", "--expert", "1", "--hidden", str(manifest.hidden_size),
+             "--ca", str(certs.ca)], capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0 and done.stdout.count("PASS") == 4, done.stdout + done.stderr
+        device.call(lambda page: page.click("#stop"))
+        state = device.call(lambda page: (page.wait_for_function(
+            "() => window.volunteer.state === 'stopped'", timeout=30_000), page.evaluate("window.volunteer.state"))[1])
+        assert state == "stopped"
+    port = int(url.rsplit(":", 1)[1])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the stop button ended the device's session at the relay
+        health = json.loads(get(f"https://127.0.0.1:{port}/healthz", certs.ca)[2])
+        if health["devices"] == 0:
+            break
+        time.sleep(0.2)
+    assert health["devices"] == 0, health
 
 
 @pytest.mark.slow

@@ -188,9 +188,8 @@ export class RelayDevice {
     clearTimeout(this.timer);
     if (this.session) {
       for (const stream of [...this.session.streams.values()]) stream.close();
-      this.session.ws.close(1000, "volunteer stopped");
-    }
-    this.emit("stopped");
+      this.session.ws.close(1000, "volunteer stopped");  // its onclose reports "stopped"
+    } else this.emit("stopped");
   }
 
   /** @param {() => void} onWelcome @returns {Promise<number | null>} the relay's retry delay, if it said goodbye */
@@ -212,7 +211,7 @@ export class RelayDevice {
       ws.onclose = (ev) => {
         this.session = null;
         clearInterval(this.announcer);
-        this.emit("disconnected", `${ev.code} ${ev.reason}`);
+        this.emit(this.stopped ? "stopped" : "disconnected", `${ev.code} ${ev.reason}`);
         if (state !== "open") reject(new Error(`relay closed the session during the handshake (${ev.code} ${ev.reason})`));
         else resolve(goaway);
       };
