@@ -8,8 +8,10 @@ pass the ledger's checks."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import os
 import ssl
 import subprocess
 import sys
@@ -38,6 +40,78 @@ def receipt_of(hex_body: str) -> Receipt:
 def get(url: str, ca: Path) -> tuple[int, dict[str, str], bytes]:
     with urllib.request.urlopen(url, context=ssl.create_default_context(cafile=str(ca)), timeout=30) as r:
         return r.status, dict(r.headers), r.read()
+
+
+async def edge_cases(conf: Any, endpoint: str, ca: str, shards: Path, model_id: str, hidden: int) -> dict[str, Any]:
+    """What the device answers, through the relay, to the cases README section 9 and 12 define."""
+    import numpy as np
+
+    from moeswarm.mobile_bridge import OnnxShards
+    from moeswarm.protocol import (ClientHandshake, Error, ExpertRequest, ExpertResponse, ExpertRows, Identity, Ping,
+                                   Pong, check_response, decode, frame)
+
+    url, device = conf.parse_relay_endpoint(endpoint)
+    seen: dict[str, Any] = {}
+
+    async def receive(ws: Any) -> Any:
+        return decode((await ws.receive_bytes(timeout=30))[4:])
+
+    http, ws = await conf.open_client(url, ca)  # a ping before the handshake: 12, and the stream ends
+    try:
+        await ws.send_bytes(frame(Ping(1)))
+        seen["ping before hello"] = (await receive(ws)).code
+        seen["then closed"] = (await ws.receive(timeout=30)).type.name
+    finally:
+        await ws.close()
+        await http.close()
+        await asyncio.sleep(0.25)  # aiohttp: let the TLS transport finish closing before the loop ends
+    client = Identity.generate()
+    http, ws = await conf.open_client(url, ca)
+    try:
+        hs = ClientHandshake(client, expected_server=device)
+        await ws.send_bytes(frame(hs.hello))
+        await ws.send_bytes(frame(hs.receive_ack(await receive(ws))))
+        x = np.random.default_rng(0).standard_normal((3, hidden)).astype(np.float32)
+        seq = int(time.time() * 1e6)
+        request = ExpertRequest(os.urandom(16), model_id, 0, seq, x,
+                                (ExpertRows(2, np.array([0, 2], np.uint32)), ExpertRows(1, np.array([1, 2], np.uint32))))
+        await ws.send_bytes(frame(request))
+        response = await receive(ws)
+        assert isinstance(response, ExpertResponse), response
+        check_response(request, response, client=client.peer_id, server=device)
+        native = OnnxShards(shards).run(0, {2: x[[0, 2]], 1: x[[1, 2]]})  # onnxruntime, natively
+        seen["max |browser - native|"] = float(np.abs(response.outputs - np.concatenate([native[2], native[1]])).max())
+        await ws.send_bytes(frame(request))  # the same seq again
+        again = await receive(ws)
+        seen["same seq"] = (again.code, again.request_id == request.request_id)
+        import ml_dtypes
+        bf16 = ExpertRequest(os.urandom(16), model_id, 0, seq + 1, x.astype(ml_dtypes.bfloat16), request.experts)
+        await ws.send_bytes(frame(bf16))
+        r16 = await receive(ws)
+        check_response(bf16, r16, client=client.peer_id, server=device)
+        seen["bf16 outputs"] = str(r16.outputs.dtype)
+        wide = ExpertRequest(os.urandom(16), model_id, 0, seq + 2, np.zeros((1, hidden + 1), np.float32),
+                             (ExpertRows(1, np.array([0], np.uint32)),))
+        await ws.send_bytes(frame(wide))
+        seen["hidden size + 1"] = (await receive(ws)).code
+        other = ExpertRequest(os.urandom(16), model_id, 99, seq + 3, x[:1], (ExpertRows(1, np.array([0], np.uint32)),))
+        await ws.send_bytes(frame(other))
+        seen["layer 99"] = (await receive(ws)).code
+        body = msgpack.packb({"type": "no_such_message"})
+        await ws.send_bytes(len(body).to_bytes(4, "big") + body)
+        unknown = await receive(ws)
+        await ws.send_bytes(frame(Ping(7)))
+        pong = await receive(ws)
+        seen["unknown type, then ping"] = (unknown.code, isinstance(pong, Pong) and pong.ts == 7)
+        await ws.send_bytes(b"\0\0\0\1\xc1")  # 0xc1 is never used in msgpack
+        garbage = await receive(ws)
+        seen["garbage body"] = (garbage.code, isinstance(garbage, Error))
+        seen["then closed "] = (await ws.receive(timeout=30)).type.name
+    finally:
+        await ws.close()
+        await http.close()
+        await asyncio.sleep(0.25)  # aiohttp: let the TLS transport finish closing before the loop ends
+    return seen
 
 
 def test_relay_serves_the_volunteer_page_its_assets_and_shards(certs: Any, spawn: Any, mixtral: tuple[Path, Any],
@@ -69,7 +143,7 @@ def test_relay_serves_the_volunteer_page_its_assets_and_shards(certs: Any, spawn
 
 
 def test_browser_device_passes_the_conformance_suite_and_its_receipts_verify(
-        certs: Any, spawn: Any, mixtral: tuple[Path, Any], tmp_path: Path) -> None:
+        conformance: Any, certs: Any, spawn: Any, mixtral: tuple[Path, Any], tmp_path: Path) -> None:
     folder, _ = mixtral
     manifest = export_onnx(folder, tmp_path / "shards", experts=(1, 2))
     relay = spawn("relay", "moeswarm.relay.cli", "--listen", "127.0.0.1:0", "--cert", str(certs.cert), "--key",
@@ -95,7 +169,14 @@ def test_browser_device_passes_the_conformance_suite_and_its_receipts_verify(
         assert again == device.info["peer_id"]
         extractable = device.call(lambda page: page.evaluate("window.volunteer.identity.privateKey.extractable"))
         assert extractable is False
-    (receipt_hex,) = stats["receipts"]
+        seen = asyncio.run(edge_cases(conformance, endpoint, str(certs.ca), tmp_path / "shards", manifest.model_id,
+                                      manifest.hidden_size))
+    print(seen)
+    assert seen.pop("max |browser - native|") < 1e-5
+    assert seen == {"ping before hello": 12, "then closed": "CLOSE", "same seq": (14, True), "bf16 outputs": "bfloat16",
+                    "hidden size + 1": 5, "layer 99": 7, "unknown type, then ping": (11, True),
+                    "garbage body": (1, True), "then closed ": "CLOSE"}
+    receipt_hex = stats["receipts"][0]
     receipt = receipt_of(receipt_hex)
     assert receipt.server == peer_id_from_str(device.info["peer_id"])
     assert receipt.model_id == manifest.model_id and receipt.layer == 0 and receipt.experts == (2,)
