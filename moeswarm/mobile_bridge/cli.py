@@ -109,6 +109,9 @@ def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: 
         moeswarm bridge --relay wss://relay.example.org --shards ./shards --web 0.0.0.0:8443 \\
             --web-cert cert.pem --web-key key.pem
 
+    With --experts auto (and --model, --bootstrap, --capacity of one phone) the page serves the
+    block the market assigns an edge device: the long tail.
+
     Prints `READY {json}` (peer_id, endpoint, layers, experts) once the relay has published it
     (with --web: the page's url).
     """
@@ -127,10 +130,24 @@ def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: 
         from ..relay.cli import _host_port
         from ..web.serve import WebConfig, serve_web
 
-        if shards_dir is None or auto:
-            raise ConfigError("--web serves an export-onnx folder: give --shards DIR")
         host, port = _host_port(web_listen)
-        asyncio.run(serve_web(WebConfig(host, port, relay_url, shards_dir, ca_file, web_cert, web_key)))
+
+        async def web_main() -> None:
+            folder = shards_dir
+            if auto:  # the market's block for an edge device of --capacity (a phone): the long tail
+                from ..model.memory import parse_size
+                from .auto import AutoConfig, market_shards
+
+                if capacity is None:
+                    raise ConfigError("--web with --experts auto: give --capacity, what one phone holds (e.g. 200MB)")
+                assert model_dir is not None  # checked above
+                path, _ = await market_shards(AutoConfig(model_dir, bootstrap, parse_size(capacity), dtype=dtype,
+                                                         cache_dir=shards_cache))
+                folder = str(path)
+            assert folder is not None  # checked above
+            await serve_web(WebConfig(host, port, relay_url, folder, ca_file, web_cert, web_key))
+
+        asyncio.run(web_main())
         return
 
     async def main() -> None:

@@ -275,3 +275,32 @@ def test_a_swarm_with_experts_held_only_by_a_browser_generates_the_engine_tokens
         assert set(cr.receipt.experts) <= {4, 5, 6, 7}
         checked = prepare(cr, shapes)
         assert isinstance(checked, Prepared), checked
+
+
+@pytest.mark.slow
+def test_bridge_web_with_experts_auto_gives_phones_the_markets_edge_block(certs: Any, spawn: Any,
+                                                                          tmp_path: Path) -> None:
+    """``bridge --web --experts auto --capacity``: the market assigns the page the block an edge
+    device of that capacity should hold (what the swarm lacks: experts 4-7 here, a node holds 0-3);
+    the browser serves it and announces it."""
+    from moeswarm.demo import CHECKPOINT
+    from moeswarm.model import load_config
+
+    cfg = load_config(CHECKPOINT)
+    expert_fp32 = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    capacity = 16 * expert_fp32 + expert_fp32 // 2  # 4 layers x 4 experts as fp32
+    node = spawn("node", "moeswarm.cli", "node", "--model", str(CHECKPOINT), "--experts", "0-3")
+    boot = node.wait_ready()["multiaddrs"][0]
+    relay = spawn("relay", "moeswarm.relay.cli", "--listen", "127.0.0.1:0", "--cert", str(certs.cert), "--key",
+                  str(certs.key), "--bootstrap", boot)
+    url = relay.wait_ready()["url"]
+    web = spawn("web", "moeswarm.mobile_bridge.cli", "bridge", "--relay", url, "--ca", str(certs.ca), "--model",
+                str(CHECKPOINT), "--experts", "auto", "--bootstrap", boot, "--capacity", str(capacity),
+                "--shards-cache", str(tmp_path / "cache"), "--web", "127.0.0.1:0", "--web-cert", str(certs.cert),
+                "--web-key", str(certs.key))
+    page_url = web.wait_ready(120)["url"]
+    with BrowserDevice(page_url) as device:
+        holding = device.call(lambda page: page.text_content("#holding"))
+        served = device.call(lambda page: page.evaluate(
+            "[window.volunteer.device.shards.moeLayers, window.volunteer.device.shards.served(0)]"))
+    assert served == [[0, 1, 2, 3], [4, 5, 6, 7]], (served, holding)
