@@ -19,8 +19,8 @@ class BrowserDevice:
     published); ``device.info`` has its peer ID and endpoint; ``device.call(fn)`` runs ``fn(page)``
     in the browser's thread and returns its result."""
 
-    def __init__(self, url: str, ready_timeout_s: float = 240.0) -> None:
-        self.url, self.ready_timeout_s = url, ready_timeout_s
+    def __init__(self, url: str, ready_timeout_s: float = 240.0, expect_error: bool = False) -> None:
+        self.url, self.ready_timeout_s, self.expect_error = url, ready_timeout_s, expect_error
         self.info: dict[str, Any] = {}
         self.console: list[str] = []
         self._commands: queue.Queue[Callable[[Any], Any] | None] = queue.Queue()
@@ -59,11 +59,16 @@ class BrowserDevice:
                     page.goto(self.url)
                     page.wait_for_function(READY_JS, timeout=self.ready_timeout_s * 1000)
                     error = page.evaluate("window.volunteer.error")
-                    if error:
+                    if self.expect_error:  # the page must fail: report what it says
+                        if error is None:
+                            raise AssertionError("the page did not fail")
+                        self._results.put((True, {"error": error, "state": page.evaluate("window.volunteer.state")}))
+                    elif error:
                         raise AssertionError(error)
-                    self._results.put((True, page.evaluate(
-                        "({peer_id: window.volunteer.identity.peerIdStr, endpoint: window.volunteer.device.endpoint,"
-                        " state: window.volunteer.state})")))
+                    else:
+                        self._results.put((True, page.evaluate(
+                            "({peer_id: window.volunteer.identity.peerIdStr, endpoint: window.volunteer.device.endpoint,"
+                            " state: window.volunteer.state})")))
                 except Exception as e:  # noqa: BLE001 - reported to the test's thread
                     self._results.put((False, e))
                     return

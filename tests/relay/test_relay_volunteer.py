@@ -134,6 +134,10 @@ def test_relay_serves_the_volunteer_page_its_assets_and_shards(certs: Any, spawn
     assert wasm[1]["Content-Type"] == "application/wasm" and wasm[2][:4] == b"\0asm"
     manifest = json.loads(get(f"{base}/volunteer/shards/manifest.json", certs.ca)[2])
     assert manifest["experts"] == [1, 2]
+    bare = spawn("bare", "moeswarm.relay.cli", "--listen", "127.0.0.1:0", "--cert", str(certs.cert), "--key",
+                 str(certs.key), "--no-dht")  # no --volunteer-shards: the page says so instead of failing obscurely
+    with BrowserDevice("https" + bare.wait_ready()["url"][3:] + "/volunteer/", expect_error=True) as page:
+        assert "offers no experts" in page.info["error"]
     for outside in ("shards/../../../etc/passwd", "shards/%2e%2e/%2e%2e/__init__.py", "js/../../__init__.py",
                     "vendor/%2e%2e/%2e%2e/volunteer.py"):
         with pytest.raises(urllib.error.HTTPError) as e:

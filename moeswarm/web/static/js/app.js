@@ -72,7 +72,9 @@ async function main() {
   const identity = await loadIdentity();
   volunteer.identity = identity;
   $("peer").textContent = identity.peerIdStr;
-  const shardsUrl = new URL(params.get("shards") ?? config.shards_url, location.href).href.replace(/\/?$/, "/");
+  const shardsAt = params.get("shards") ?? config.shards_url;
+  if (!shardsAt) throw new Error("this relay offers no experts to volunteer for (its operator gives --volunteer-shards)");
+  const shardsUrl = new URL(shardsAt, location.href).href.replace(/\/?$/, "/");
   setState("downloading experts");
   const shards = await OnnxShards.load(ort, shardsUrl, {
     layers: range(params.get("layers")) ?? config.layers ?? undefined,
