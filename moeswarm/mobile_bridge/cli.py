@@ -71,12 +71,19 @@ def export_onnx(model_dir: str, layers: str | None, experts: str | None, out_dir
 @click.option("--mmap", is_flag=True, help="Memory-map the weights instead of copying them (less RAM, slower batches).")
 @click.option("--max-backoff", default=30.0, show_default=True, help="Longest wait between reconnects, seconds.")
 @click.option("--announce-interval", default=240.0, show_default=True, help="Re-announce this often, seconds.")
+@click.option("--web", "web_listen", default=None, metavar="HOST:PORT",
+              help="Instead of serving the shards from this process, serve the volunteer page (and the shards) "
+                   "on HOST:PORT: phones that open it become the devices (see --web-cert).")
+@click.option("--web-cert", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="With --web: TLS certificate (PEM) for the page; phones' browsers need https (WebCrypto).")
+@click.option("--web-key", type=click.Path(dir_okay=False, exists=True), default=None, help="Its private key (PEM).")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr.")
 @friendly_errors
 def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: str | None, experts: str | None,
            model_dir: str | None, bootstrap: tuple[str, ...], capacity: str | None, dtype: str,
            shards_cache: str | None, identity_file: str | None, relay_peer: str | None, threads: int, mmap: bool,
-           max_backoff: float, announce_interval: float, verbose: int) -> None:
+           max_backoff: float, announce_interval: float, web_listen: str | None, web_cert: str | None,
+           web_key: str | None, verbose: int) -> None:
     """Serve ONNX expert shards from behind NAT, through a relay (this device never listens).
 
     Dials the relay over TLS, proves this device's identity, announces the shards' experts in
@@ -94,7 +101,19 @@ def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: 
         moeswarm bridge --relay wss://relay.example.org --model ./mixtral --experts auto \\
             --capacity 2GB --bootstrap /ip4/203.0.113.5/tcp/4001/p2p/12D3KooW...
 
-    Prints `READY {json}` (peer_id, endpoint, layers, experts) once the relay has published it.
+    Or let phones do the serving, for a private swarm: with --web the bridge serves the volunteer
+    page and the shards, and every browser that opens https://HOST:PORT/volunteer/ dials the relay
+    as a device and computes the experts with onnxruntime-web:
+
+    \b
+        moeswarm bridge --relay wss://relay.example.org --shards ./shards --web 0.0.0.0:8443 \\
+            --web-cert cert.pem --web-key key.pem
+
+    With --experts auto (and --model, --bootstrap, --capacity of one phone) the page serves the
+    block the market assigns an edge device: the long tail.
+
+    Prints `READY {json}` (peer_id, endpoint, layers, experts) once the relay has published it
+    (with --web: the page's url).
     """
     from ..errors import ConfigError
     from .bridge import BridgeConfig, run_bridge
@@ -106,6 +125,30 @@ def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: 
                           "not --shards or --layers")
     if not auto and (shards_dir is None or model_dir is not None):
         raise ConfigError("give --shards DIR (an export-onnx folder), or --model DIR with --experts auto")
+
+    if web_listen is not None:
+        from ..relay.cli import _host_port
+        from ..web.serve import WebConfig, serve_web
+
+        host, port = _host_port(web_listen)
+
+        async def web_main() -> None:
+            folder = shards_dir
+            if auto:  # the market's block for an edge device of --capacity (a phone): the long tail
+                from ..model.memory import parse_size
+                from .auto import AutoConfig, market_shards
+
+                if capacity is None:
+                    raise ConfigError("--web with --experts auto: give --capacity, what one phone holds (e.g. 200MB)")
+                assert model_dir is not None  # checked above
+                path, _ = await market_shards(AutoConfig(model_dir, bootstrap, parse_size(capacity), dtype=dtype,
+                                                         cache_dir=shards_cache))
+                folder = str(path)
+            assert folder is not None  # checked above
+            await serve_web(WebConfig(host, port, relay_url, folder, ca_file, web_cert, web_key))
+
+        asyncio.run(web_main())
+        return
 
     async def main() -> None:
         folder = shards_dir

@@ -4,6 +4,7 @@
     GET /<peer id>       WebSocket: a client's data-plane connection to that device
     GET /healthz         JSON status; 503 while draining
     GET /metrics         Prometheus text format
+    GET /volunteer/      the volunteer page: a browser tab as a device (``moeswarm.web``)
 
 See ``protocol_spec/relay.md`` for the wire format and ``_sessions`` for the forwarding.
 """
@@ -22,6 +23,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from ..errors import ConfigError, ProtocolError
+from ..web import VolunteerSite, add_volunteer_routes
 from ..protocol import (
     Auth,
     Error,
@@ -65,6 +67,8 @@ class RelayConfig:
     public_url: str | None = None  # wss://NAME:PORT as devices and clients reach it; default from host:port
     binding_cert: str | None = None  # certificate devices see, if a proxy terminates TLS (default: cert_file)
     limits: RelayLimits = field(default_factory=RelayLimits)
+    volunteer_shards: str | None = None  # an export-onnx folder the volunteer page downloads (/volunteer/shards/)
+    volunteer_shards_url: str | None = None  # or the URL of one on another HTTP server
 
 
 class RelayServer:
@@ -106,6 +110,8 @@ class RelayServer:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get(DEVICE_PATH, self._device)
+        add_volunteer_routes(app, VolunteerSite(lambda: self.url, lambda: self.binding, self.config.volunteer_shards,
+                                                self.config.volunteer_shards_url))
         app.router.add_get("/{peer}", self._client)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.limits.drain_timeout_s + 2,
                                      handle_signals=False)

@@ -54,6 +54,10 @@ def _host_port(text: str) -> tuple[str, int]:
 @click.option("--idle-timeout", default=300.0, show_default=True, help="Close client streams silent this many seconds.")
 @click.option("--heartbeat", default=20.0, show_default=True, help="WebSocket ping period, seconds.")
 @click.option("--drain-timeout", default=5.0, show_default=True, help="On shutdown, wait this long for answers in flight.")
+@click.option("--volunteer-shards", type=click.Path(file_okay=False, exists=True), default=None,
+              help="An export-onnx folder that browsers opening /volunteer/ download and serve.")
+@click.option("--volunteer-shards-url", default=None, metavar="URL",
+              help="Or the URL of one on another HTTP server (it must allow CORS from this relay).")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr.")
 @friendly_errors
 def relay(listen: str, cert_file: str | None, key_file: str | None, public_url: str | None, binding_cert: str | None,
@@ -61,7 +65,8 @@ def relay(listen: str, cert_file: str | None, key_file: str | None, public_url: 
           p2p_listen: str | None, identity_file: str | None, no_dht: bool, max_devices: int, max_streams: int,
           max_streams_per_device: int, max_streams_per_client: int, max_frame_mb: float, device_rate: float,
           device_mbps: float, client_rate: float, client_mbps: float, device_quota_gb: float, client_quota_gb: float,
-          quota_window_h: float, idle_timeout: float, heartbeat: float, drain_timeout: float, verbose: int) -> None:
+          quota_window_h: float, idle_timeout: float, heartbeat: float, drain_timeout: float,
+          volunteer_shards: str | None, volunteer_shards_url: str | None, verbose: int) -> None:
     """Relay expert calls to devices behind NAT (phones, edge boxes) over TLS WebSockets.
 
     Devices dial out to wss://NAME/device, prove their Ed25519 identity and hold a session; the
@@ -72,6 +77,8 @@ def relay(listen: str, cert_file: str | None, key_file: str | None, public_url: 
         moeswarm relay --listen 0.0.0.0:443 --public-url wss://relay.example.org \\
             --cert /etc/letsencrypt/live/relay.example.org/fullchain.pem \\
             --key /etc/letsencrypt/live/relay.example.org/privkey.pem --bootstrap /ip4/.../p2p/12D3Koo...
+
+    A phone volunteers by opening https://NAME/volunteer/ (with --volunteer-shards).
 
     Prints `READY {json}` (url, peer_id, multiaddrs, port) on stdout once serving. SIGTERM drains
     (devices are told to reconnect), SIGHUP reloads the certificate files.
@@ -90,7 +97,8 @@ def relay(listen: str, cert_file: str | None, key_file: str | None, public_url: 
         client_quota_bytes=int(client_quota_gb * 1e9), quota_window_s=quota_window_h * 3600,
         idle_timeout_s=idle_timeout, heartbeat_s=heartbeat, drain_timeout_s=drain_timeout,
     )
-    config = RelayDaemonConfig(RelayConfig(host, port, cert_file, key_file, public_url, binding_cert, limits),
+    config = RelayDaemonConfig(RelayConfig(host, port, cert_file, key_file, public_url, binding_cert, limits,
+                                                           volunteer_shards, volunteer_shards_url),
                                tuple(bootstrap), p2p_listen, identity_file, dht=not no_dht)
     asyncio.run(run_relay(config))
 
