@@ -194,7 +194,7 @@ class SwarmBackbone:
 
 async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
                        stop: asyncio.Event | None = None) -> None:
-    from .http_api import serve_http
+    from .http_api import ApiConfig, serve_http
     from .service import GenerationService
 
     stop = stop or stop_event()
@@ -206,7 +206,9 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
                                 "model_id": backbone.model_id}
         runner = None
         if config.http is not None:
-            runner, port = await serve_http(service, config.http[0], config.http[1], status=backbone.status)
+            api = ApiConfig(max_tokens_cap=config.max_tokens_cap, chat_max_tokens=min(4096, config.max_tokens_cap),
+                            api_key=config.api_key)
+            runner, port = await serve_http(service, config.http[0], config.http[1], api, status=backbone.status)
             info["http"] = info["status"] = f"http://{config.http[0]}:{port}"
         try:
             with contextlib.ExitStack() as files:

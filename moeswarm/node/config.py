@@ -31,6 +31,11 @@ class NodeConfig:
     rebalance: RebalanceConfig | None = None  # --experts auto: hysteresis and cooldown of moves (None: the market's)
     status: tuple[str, int] | None = ("127.0.0.1", 0)  # serve /status and /metrics here (None: not at all)
     probe_interval_s: float = 30.0  # re-measure the links to peers this often (0: never)
+    max_connections: int = 1024  # data plane: connections held at once
+    max_conns_per_ip: int = 32  # ... from one IPv4 address or IPv6 /64
+    max_conns_per_peer: int = 4  # ... by one authenticated peer
+    frame_timeout_s: float = 10.0  # ... a frame's body must arrive within this plus 1 s per MB once its header did
+    idle_timeout_s: float = 300.0  # ... a connection silent this long with nothing in flight is closed
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class BackboneConfig:
     fetch_cache_bytes: int = 1 << 30  # --tiers auto: memory for expert weights fetched from holders
     probe_interval_s: float = 30.0  # re-measure the links to holders this often (0: never)
     replan_s: float = 10.0  # recompute the tier plan this often
+    api_key: str | None = None  # the HTTP API requires "Authorization: Bearer <api_key>" (needed off loopback)
+    max_tokens_cap: int = 4096  # the HTTP API refuses requests for more new tokens than this
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.audit_fraction <= 1.0:
