@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -46,6 +45,7 @@ from ..protocol import (
 )
 from ..protocol._framing import _read_exactly
 from ..protocol._limits import FRAME_HEADER_SIZE, MIN_MAX_FRAME
+from .addresses import address_key
 from .tls import channel_binding, self_signed_server_context
 
 if TYPE_CHECKING:
@@ -92,21 +92,6 @@ class ServerConfig:
     def body_deadline(self, length: int) -> float:
         """Seconds the body of a frame of ``length`` bytes may take once its header arrived."""
         return self.frame_timeout_s + length / self.min_frame_bps
-
-
-def address_key(peername: object) -> str:
-    """What per-address limits count: an IPv4 address, or the /64 of an IPv6 one (one subscriber
-    gets a whole /64, so counting single IPv6 addresses would limit nothing)."""
-    host = peername[0] if isinstance(peername, tuple) and peername else str(peername)
-    try:
-        ip = ipaddress.ip_address(str(host).split("%")[0])
-    except ValueError:
-        return str(host)
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
 
 
 class DataPlaneServer:
@@ -160,12 +145,13 @@ class DataPlaneServer:
         await self.aclose()
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        address = address_key(writer.get_extra_info("peername"))
+        peername = writer.get_extra_info("peername")
+        address = address_key(peername) if peername is not None else ""  # "": a relayed stream (the relay counts)
         if len(self._connections) >= self.config.max_connections:
             self.refused["connections"] += 1
             writer.transport.abort()
             return
-        if self._per_address.get(address, 0) >= self.config.max_conns_per_ip:
+        if address and self._per_address.get(address, 0) >= self.config.max_conns_per_ip:
             self.refused["address"] += 1
             writer.transport.abort()
             return
