@@ -49,7 +49,8 @@ class SwarmBackbone:
         try:
             self.p2p = await self._stack.enter_async_context(p2p_node(self.identity, sc))
             moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
-            self.discovery = Discovery(self.p2p, self.table, moe, self.config.discovery_interval_s)
+            self.discovery = Discovery(self.p2p, self.table, moe, self.config.discovery_interval_s,
+                                       num_layers=cfg.num_layers, num_experts=cfg.num_experts)
             missing = await self.discovery.wait_for_coverage(cfg.num_experts, self.config.coverage_timeout_s)
             if missing and not self.config.local_fallback:
                 sample = sorted(missing)[:8]
