@@ -328,6 +328,7 @@ def relay_streams(args: argparse.Namespace) -> None:
     sys.stdin.readline()
     for s in socks:
         s.close()
+    out({"released": len(socks)})
 
 
 # ---------------------------------------------------------------- attack 3: the DHT
