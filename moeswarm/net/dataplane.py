@@ -195,13 +195,15 @@ class _ServerConnection:
             await write_message(self.writer, msg, max_size=self.server.config.max_frame)  # type: ignore[arg-type]
 
     async def run(self) -> None:
+        secured = self.server._ssl is None
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                if self.server._ssl is not None:
+                if not secured:
                     await self.writer.start_tls(self.server._ssl)
+                    secured = True
                 client = await self._handshake()
         except (ProtocolError, TimeoutError, NetworkError, ConnectionError, OSError, ssl.SSLError) as e:
-            if isinstance(e, (ProtocolError, TimeoutError)):
+            if secured and isinstance(e, (ProtocolError, TimeoutError)):  # nothing in clear text
                 code = e.code if isinstance(e, ProtocolError) else ErrorCode.AUTH_FAILED
                 with contextlib.suppress(NetworkError, ConfigError, ConnectionError, OSError):
                     await self.send(Error(int(code), f"handshake failed: {e or 'timeout'}"))
