@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from moeswarm._tasks import cancel_and_wait
@@ -29,6 +28,7 @@ from moeswarm.errors import BadResponse, ConfigError, ProtocolError
 from moeswarm.model import Weights, expert_ffn
 from moeswarm.protocol import (
     CountersignedReceipt,
+    DecodeLimits,
     ErrorCode,
     ExpertRequest,
     canonical,
@@ -38,6 +38,7 @@ from moeswarm.protocol import (
     output_hash,
     tensor_from_wire,
     tensor_to_wire,
+    unpack,
     verify_countersigned,
 )
 
@@ -78,8 +79,8 @@ class AuditSample:
     def decode(cls, data: bytes) -> AuditSample:
         """``ProtocolError`` for anything that is not a sample."""
         try:
-            m = msgpack.unpackb(data, raw=False)
-        except Exception as e:  # noqa: BLE001 - msgpack raises many kinds
+            m = unpack(data, DecodeLimits(max_depth=4, max_map=16))  # bounded like any frame body
+        except ProtocolError as e:
             raise ProtocolError(f"audit sample is not msgpack: {e}", code=ErrorCode.MALFORMED_FRAME) from None
         if type(m) is not dict or not all(type(m.get(k)) is bytes for k in ("request", "receipt")):
             raise ProtocolError("audit sample must map request and receipt to bin", code=ErrorCode.BAD_FIELD)

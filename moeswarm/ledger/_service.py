@@ -25,7 +25,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 from aiohttp import web
 
 from moeswarm.errors import (
@@ -35,7 +34,7 @@ from moeswarm.errors import (
     ProtocolError,
     SwarmError,
 )
-from moeswarm.protocol import peer_id_from_str, peer_id_to_str
+from moeswarm.protocol import DecodeLimits, peer_id_from_str, peer_id_to_str, unpack
 
 from ._audit import AuditSample
 from ._errors import LedgerCorrupt
@@ -114,9 +113,12 @@ class LedgerService:
 
     async def _receipts(self, request: web.Request) -> web.Response:
         try:
-            body = msgpack.unpackb(await request.read(), raw=False)
-        except Exception:  # noqa: BLE001 - msgpack raises many kinds
-            return _error(400, "body must be msgpack {receipts: [bin, ...]}")
+            # bounded: a map of one array of bins, nothing else (a body of tiny nested objects
+            # would otherwise cost 70x its size in Python objects)
+            body = unpack(await request.read(), DecodeLimits(max_depth=2, max_array=self.config.max_batch,
+                                                              max_map=8, max_str=256, max_bin=64 * 1024))
+        except ProtocolError as e:
+            return _error(400, f"body must be msgpack {{receipts: [bin, ...]}}: {e}")
         items = body.get("receipts") if isinstance(body, dict) else None
         if not isinstance(items, list):
             return _error(400, "body must be msgpack {receipts: [bin, ...]}")

@@ -26,6 +26,7 @@ from libp2p.records.validator import NamespacedValidator, Validator
 
 from moeswarm.errors import ProtocolError
 from moeswarm.net.records import select_any, validate_any
+from moeswarm.net.value_quota import DEFAULT_MAX_VALUES, DEFAULT_MAX_VALUES_PER_PEER, QuotaStore
 from moeswarm.protocol import DHT_NAMESPACE
 
 __all__ = ["MoeswarmDHT", "install_find_node_fix", "install_routing_table_hygiene"]
@@ -100,7 +101,17 @@ _ACKS: contextvars.ContextVar[list[ID] | None] = contextvars.ContextVar("moeswar
 
 
 class _ValueStore(ValueStore):
-    """Skips the local shortcut of ``get_value`` during our lookups; counts remote stores."""
+    """Skips the local shortcut of ``get_value`` during our lookups; counts remote stores; keeps
+    its values in a ``QuotaStore`` (per-peer quotas, O(1) eviction) instead of a dict that
+    py-libp2p empties one linear scan at a time."""
+
+    def use_quotas(self, capacity: int, per_peer: int) -> None:
+        store = QuotaStore(capacity, per_peer)
+        store.update(self.store)
+        self.store = store
+
+    def _evict_if_full(self) -> None:
+        """Nothing to do: the QuotaStore evicts as it admits."""
 
     def get(self, key: bytes) -> Record | None:
         return None if _FRESH.get() else super().get(key)
@@ -143,11 +154,13 @@ class RecordValidator(Validator):
 class MoeswarmDHT(KadDHT):
     """Kademlia DHT accepting only ``/moeswarm/`` records that pass our validator."""
 
-    def __init__(self, host: IHost, *, client_mode: bool) -> None:
+    def __init__(self, host: IHost, *, client_mode: bool, max_values: int = DEFAULT_MAX_VALUES,
+                 max_values_per_peer: int = DEFAULT_MAX_VALUES_PER_PEER) -> None:
         super().__init__(host, DHTMode.CLIENT if client_mode else DHTMode.SERVER,
                          validator=NamespacedValidator({}, strict_validation=True),
                          validator_changed=True, strict_validation=True)
         self.value_store = _ValueStore(host=host, local_peer_id=self.local_peer_id)
+        self.value_store.use_quotas(max_values, max_values_per_peer)
         self.provider_store = _ProviderStore(host=host, peer_routing=self.peer_routing)
         self.register_validator(DHT_NAMESPACE, RecordValidator(self.value_store))
         self.admit_only_servers = False

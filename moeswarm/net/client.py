@@ -28,6 +28,7 @@ from ..protocol import (
     ErrorCode,
     ExpertRequest,
     ExpertResponse,
+    MAX_HANDSHAKE_FRAME,
     HelloAck,
     Identity,
     Ping,
@@ -98,7 +99,7 @@ class ExpertClient:
         cert = ssl_obj.getpeercert(binary_form=True) if ssl_obj is not None else None
         hs = ClientHandshake(identity, expected_server=expected, channel_binding=channel_binding(cert))
         await write_message(writer, hs.hello, max_size=max_frame)
-        ack = await read_message(reader, max_size=max_frame)
+        ack = await read_message(reader, max_size=min(max_frame, MAX_HANDSHAKE_FRAME))  # the server is a stranger yet
         if isinstance(ack, Error):
             raise ProtocolError(f"server refused the handshake: {ack.message}", code=ack.code)
         if not isinstance(ack, HelloAck):

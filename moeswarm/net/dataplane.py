@@ -25,6 +25,7 @@ from ..errors import ConfigError, NetworkError, ProtocolError
 from ..protocol import (
     DEFAULT_MAX_FRAME,
     FATAL_CODES,
+    MAX_HANDSHAKE_FRAME,
     Auth,
     Error,
     ErrorCode,
@@ -38,11 +39,13 @@ from ..protocol import (
     WeightsRequest,
     WeightsResponse,
     decode,
+    parse_frame_header,
     peek_request_id,
-    read_frame,
-    read_message,
     write_message,
 )
+from ..protocol._framing import _read_exactly
+from ..protocol._limits import FRAME_HEADER_SIZE, MIN_MAX_FRAME
+from .addresses import address_key
 from .tls import channel_binding, self_signed_server_context
 
 if TYPE_CHECKING:
@@ -68,8 +71,27 @@ class ServerConfig:
     host: str = "127.0.0.1"  # address to listen on
     port: int = 0  # 0 picks a free port
     tls: bool = True  # plain TCP only for tests of the framing itself
-    max_frame: int = DEFAULT_MAX_FRAME  # largest frame body accepted, bytes
+    max_frame: int = DEFAULT_MAX_FRAME  # largest frame body accepted after the handshake, bytes
     max_in_flight: int = 64  # concurrent requests per connection before OVERLOADED
+    max_connections: int = 1024  # connections held at once, all peers together
+    max_conns_per_ip: int = 32  # connections held at once from one IPv4 address or one IPv6 /64
+    max_conns_per_peer: int = 4  # authenticated connections held at once by one peer ID
+    frame_timeout_s: float = 10.0  # once a frame's header arrived, its body must follow within this ...
+    min_frame_bps: float = 1e6  # ... plus its length at this many bytes per second
+    idle_timeout_s: float = 300.0  # a connection with no frame from the peer and nothing in flight is closed
+
+    def __post_init__(self) -> None:
+        for name in ("max_in_flight", "max_connections", "max_conns_per_ip", "max_conns_per_peer"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if self.max_frame < MIN_MAX_FRAME:
+            raise ConfigError(f"max_frame must be at least {MIN_MAX_FRAME} bytes (protocol_spec section 5)")
+        if self.frame_timeout_s <= 0 or self.min_frame_bps <= 0 or self.idle_timeout_s <= 0:
+            raise ConfigError("frame timeout, frame rate and idle timeout must be positive")
+
+    def body_deadline(self, length: int) -> float:
+        """Seconds the body of a frame of ``length`` bytes may take once its header arrived."""
+        return self.frame_timeout_s + length / self.min_frame_bps
 
 
 class DataPlaneServer:
@@ -85,6 +107,9 @@ class DataPlaneServer:
             self._ssl, self._cert = self_signed_server_context(identity.peer_id_str)
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._per_address: dict[str, int] = {}  # open connections by address_key
+        self._per_peer: dict[bytes, int] = {}  # authenticated connections by client peer ID
+        self.refused = {"connections": 0, "address": 0, "peer": 0}  # connections turned away, by limit
         self.port = 0
 
     @property
@@ -93,8 +118,10 @@ class DataPlaneServer:
         return f"{scheme}://{self.config.host}:{self.port}"
 
     async def start(self) -> None:
+        # TLS starts inside _on_connection, after the address is counted: a peer that never sends
+        # a ClientHello holds a slot (and is timed out), not an uncounted descriptor
         self._server = await asyncio.start_server(
-            self._on_connection, self.config.host, self.config.port, ssl=self._ssl, limit=2**20
+            self._on_connection, self.config.host, self.config.port, limit=2**20, backlog=1024
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -118,16 +145,42 @@ class DataPlaneServer:
         await self.aclose()
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        address = address_key(peername) if peername is not None else ""  # "": a relayed stream (the relay counts)
+        if len(self._connections) >= self.config.max_connections:
+            self.refused["connections"] += 1
+            writer.transport.abort()
+            return
+        if address and self._per_address.get(address, 0) >= self.config.max_conns_per_ip:
+            self.refused["address"] += 1
+            writer.transport.abort()
+            return
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
+        self._per_address[address] = self._per_address.get(address, 0) + 1
         try:
             await _ServerConnection(self, reader, writer).run()
         except asyncio.CancelledError:
             pass
         finally:
             self._connections.discard(task)
+            left = self._per_address.pop(address) - 1
+            if left:
+                self._per_address[address] = left
             await close_writer(writer)
+
+    def _admit_peer(self, peer: bytes) -> bool:
+        if self._per_peer.get(peer, 0) >= self.config.max_conns_per_peer:
+            self.refused["peer"] += 1
+            return False
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+        return True
+
+    def _release_peer(self, peer: bytes) -> None:
+        left = self._per_peer.pop(peer) - 1
+        if left:
+            self._per_peer[peer] = left
 
 
 class _ServerConnection:
@@ -142,53 +195,91 @@ class _ServerConnection:
             await write_message(self.writer, msg, max_size=self.server.config.max_frame)  # type: ignore[arg-type]
 
     async def run(self) -> None:
+        secured = self.server._ssl is None
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                if not secured:
+                    await self.writer.start_tls(self.server._ssl)
+                    secured = True
                 client = await self._handshake()
-        except (ProtocolError, TimeoutError, NetworkError) as e:
-            code = e.code if isinstance(e, ProtocolError) else ErrorCode.AUTH_FAILED
-            with contextlib.suppress(NetworkError, ConfigError):
-                await self.send(Error(int(code), f"handshake failed: {e or 'timeout'}"))
+        except (ProtocolError, TimeoutError, NetworkError, ConnectionError, OSError, ssl.SSLError) as e:
+            if secured and isinstance(e, (ProtocolError, TimeoutError)):  # nothing in clear text
+                code = e.code if isinstance(e, ProtocolError) else ErrorCode.AUTH_FAILED
+                with contextlib.suppress(NetworkError, ConfigError, ConnectionError, OSError):
+                    await self.send(Error(int(code), f"handshake failed: {e or 'timeout'}"))
             return
         if client is None:
+            return
+        if not self.server._admit_peer(client):
+            with contextlib.suppress(NetworkError, ConfigError):
+                await self.send(Error(ErrorCode.OVERLOADED, f"at most {self.server.config.max_conns_per_peer} "
+                                      "connections per peer"))
             return
         try:
             await self._serve(client)
         finally:
+            self.server._release_peer(client)
             for task in self.in_flight:
                 task.cancel()
             if self.in_flight:
                 await asyncio.wait(self.in_flight, timeout=5)
 
+    async def _read(self, max_size: int, idle_timeout: float | None) -> bytes | None:
+        """One frame body (``None`` on a clean end between frames). The header may take
+        ``idle_timeout`` (``None``: no limit) while nothing is in flight; once it arrived the body
+        must follow within the config's deadline for its length (``TimeoutError`` otherwise)."""
+        config = self.server.config
+        while True:
+            try:
+                async with asyncio.timeout(idle_timeout):
+                    header = await _read_exactly(self.reader, FRAME_HEADER_SIZE, at_boundary=True)
+                break
+            except TimeoutError:
+                if not self.in_flight:
+                    raise
+        if header is None:
+            return None
+        length = parse_frame_header(header, max_size=max_size)
+        async with asyncio.timeout(config.body_deadline(length)):
+            return await _read_exactly(self.reader, length, at_boundary=False)
+
     async def _handshake(self) -> bytes | None:
         binding = channel_binding(self.server._cert)
         hs = ServerHandshake(self.server.identity, channel_binding=binding)
-        hello = await read_message(self.reader, max_size=self.server.config.max_frame)
-        if hello is None:
+        # nothing a peer sends before it authenticated may be larger than a hello needs
+        body = await self._read(MAX_HANDSHAKE_FRAME, None)
+        if body is None:
             return None
+        hello = decode(body)
         if not isinstance(hello, Hello):
             raise ProtocolError("expected Hello", code=ErrorCode.UNEXPECTED_MESSAGE)
         await self.send(hs.receive_hello(hello))
-        auth = await read_message(self.reader, max_size=self.server.config.max_frame)
-        if auth is None:
+        body = await self._read(MAX_HANDSHAKE_FRAME, None)
+        if body is None:
             return None
+        auth = decode(body)
         if not isinstance(auth, Auth):
             raise ProtocolError("expected Auth", code=ErrorCode.UNEXPECTED_MESSAGE)
         return hs.receive_auth(auth)
 
     async def _serve(self, client: bytes) -> None:
+        config = self.server.config
         while True:
             body = None
             try:
-                body = await read_frame(self.reader, max_size=self.server.config.max_frame)
+                body = await self._read(config.max_frame, config.idle_timeout_s)
                 if body is None:
                     return
                 msg = decode(body)
             except ProtocolError as e:  # tell the peer which request it was, when we can
-                await self.send(Error(e.code, str(e), peek_request_id(body) if body else None))
+                with contextlib.suppress(NetworkError):
+                    await self.send(Error(e.code, str(e)[:1000], peek_request_id(body) if body else None))
                 if e.code in FATAL_CODES:
                     return
                 continue
+            except TimeoutError:  # idle, or a frame body that did not come in time
+                log.info("closing a connection: idle or frame body too slow")
+                return
             except NetworkError:
                 return
             if isinstance(msg, (ExpertRequest, WeightsRequest)):
@@ -221,8 +312,14 @@ class _ServerConnection:
         except Exception as e:  # the handler failed: the peer is told, the server keeps serving
             log.exception("expert request failed")
             reply = Error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:1000], request.request_id)
-        with contextlib.suppress(NetworkError):
+        try:
             await self.send(reply)
+        except ConfigError as e:  # the answer does not fit a frame: say so instead of going silent
+            with contextlib.suppress(NetworkError, ConfigError):
+                await self.send(Error(ErrorCode.BAD_FIELD, f"the answer does not fit a frame: {e}"[:1000],
+                                      request.request_id))
+        except NetworkError:
+            pass
 
 
 async def close_writer(writer: asyncio.StreamWriter, timeout: float = 2.0) -> None:

@@ -13,15 +13,27 @@ from collections.abc import Sequence
 
 from .._tasks import cancel_and_wait
 from ..errors import SwarmError
-from ..protocol import DHT, read_announcements
+from ..protocol import DHT, Announcement, peer_id_to_str, read_announcements
 from .routing_table import SwarmTable
 
 log = logging.getLogger(__name__)
 
 
+def fits_model(record: Announcement, num_layers: int | None, num_experts: int | None) -> bool:
+    """Whether a record's ranges lie inside the model (layers below ``num_layers``, experts below
+    ``num_experts``; ``None``: not known). A record claiming more than the model has is a lie
+    (it would win every holder choice), not a holder of what it does have."""
+    if num_layers is not None and record.layers[1] >= num_layers:
+        return False
+    return num_experts is None or record.experts[1] < num_experts
+
+
 class Discovery:
-    def __init__(self, dht: DHT, table: SwarmTable, moe_layers: Sequence[int], interval_s: float = 10.0) -> None:
+    def __init__(self, dht: DHT, table: SwarmTable, moe_layers: Sequence[int], interval_s: float = 10.0, *,
+                 num_layers: int | None = None, num_experts: int | None = None) -> None:
         self.dht, self.table = dht, table
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.rejected = 0  # records refused because their ranges exceed the model
         self.moe_layers = list(moe_layers)
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
@@ -31,6 +43,12 @@ class Discovery:
         """One pass over every MoE layer's providers (``read_announcements``: each peer's newest
         record, including peers that moved their block)."""
         for record in await read_announcements(self.dht, self.table.model_id, self.moe_layers):
+            if not fits_model(record, self.num_layers, self.num_experts):
+                self.rejected += 1
+                log.info("ignoring %s: it claims layers %s, experts %s of a model with %s layers, %s experts",
+                         peer_id_to_str(record.peer_id), list(record.layers), list(record.experts),
+                         self.num_layers, self.num_experts)
+                continue
             self.table.update(record)
         self.refreshes += 1
 

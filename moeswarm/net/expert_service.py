@@ -23,7 +23,10 @@ import numpy as np
 from .._tasks import cancel_and_wait
 from ..errors import ProtocolError
 from ..model import ModelConfig, expert_flops
-from ..protocol import ErrorCode, ExpertRequest, ExpertResponse, Identity, make_receipt
+from ..protocol import DEFAULT_MAX_FRAME, ErrorCode, ExpertRequest, ExpertResponse, Identity, make_receipt
+
+RESPONSE_OVERHEAD = 1024
+"""Bytes of an expert_response besides its outputs and its receipt's expert list."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class ExpertServerConfig:
     max_batch_requests: int = 64  # requests merged into one compute batch
     inline_macs: int = 4_000_000  # batches smaller than this many multiply-adds run on the event loop
     f32_cache_bytes: int = 512 << 20  # numpy backend: float32 copies of fp16/bf16 experts kept between calls
+    max_response_bytes: int = DEFAULT_MAX_FRAME  # largest frame the answer may take (the client's limit)
 
 
 @dataclass
@@ -101,6 +105,21 @@ class ExpertService:
         if request.hidden.ndim != 2 or request.hidden.shape[1] != self.cfg.hidden_size:
             raise ProtocolError(f"hidden must be (N, {self.cfg.hidden_size}), got {list(request.hidden.shape)}",
                                 code=ErrorCode.BAD_TENSOR)
+        self.check_work(request)
+
+    def check_work(self, request: ExpertRequest) -> None:
+        """Refuse, before any work or allocation, a request that routes a token to more experts
+        than the model's top-k, or whose answer would not fit a frame (``ProtocolError`` 4)."""
+        tokens, width = request.hidden.shape
+        pairs = request.pairs
+        top_k = self.cfg.top_k
+        if top_k > 0 and pairs > tokens * top_k:
+            raise ProtocolError(f"{pairs} (expert, token) pairs exceed {tokens} tokens x top-{top_k}",
+                                code=ErrorCode.BAD_FIELD)
+        size = pairs * width * request.hidden.dtype.itemsize + 5 * len(request.experts) + RESPONSE_OVERHEAD
+        if size > self.config.max_response_bytes:
+            raise ProtocolError(f"the answer ({pairs} x {width} outputs, {size} bytes) would not fit a frame of "
+                                f"{self.config.max_response_bytes} bytes", code=ErrorCode.BAD_FIELD)
 
     async def handle(self, client: bytes, request: ExpertRequest) -> ExpertResponse:
         self.validate(request)

@@ -146,7 +146,9 @@ class P2PNode:
                 return
         self._host = host = glue.make_host(self._identity, self.config,
                                            "inbound_slots" in self._workarounds)
-        self._dht = dht = glue.MoeswarmDHT(host, client_mode=self.config.client_mode)
+        self._dht = dht = glue.MoeswarmDHT(host, client_mode=self.config.client_mode,
+                                           max_values=self.config.max_values,
+                                           max_values_per_peer=self.config.max_values_per_peer)
         if "routing_table" in self._workarounds:
             dht.install_hygiene()
         async with host.run(listen_addrs=[glue.Multiaddr(self.config.listen)]):

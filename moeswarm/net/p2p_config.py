@@ -20,12 +20,16 @@ class P2PConfig:
     dial_timeout_s: float = 10.0  # bound on one dial, bootstrap dials included
     op_timeout_s: float = 30.0  # bound on one DHT operation, and on the bootstrap lookup
     stop_timeout_s: float = 10.0  # bound on stop(): close connections, end the thread
+    max_values: int = 50_000  # DHT values stored here for the swarm, all peers together
+    max_values_per_peer: int = 2_048  # ... charged to the peer each key names; over it, its own oldest goes
 
     def __post_init__(self) -> None:
         listen_socket_address(self.listen)  # ConfigError unless /ip4|ip6/<address>/tcp/<port>
         for addr in self.bootstrap:
             if "/p2p/" not in addr:
                 raise ConfigError(f"bootstrap address {addr!r} lacks /p2p/<peer id>")
+        if self.max_values < 1 or self.max_values_per_peer < 1:
+            raise ConfigError("max_values and max_values_per_peer must be at least 1")
         if self.max_connections < 4:
             raise ConfigError(f"max_connections must be at least 4, not {self.max_connections}")
         for name in ("dial_timeout_s", "op_timeout_s", "stop_timeout_s"):

@@ -52,7 +52,8 @@ class SwarmBackbone:
         try:
             self.p2p = await self._stack.enter_async_context(p2p_node(self.identity, sc))
             moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
-            self.discovery = Discovery(self.p2p, self.table, moe, self.config.discovery_interval_s)
+            self.discovery = Discovery(self.p2p, self.table, moe, self.config.discovery_interval_s,
+                                       num_layers=cfg.num_layers, num_experts=cfg.num_experts)
             missing = await self.discovery.wait_for_coverage(cfg.num_experts, self.config.coverage_timeout_s)
             if missing and not self.config.local_fallback:
                 sample = sorted(missing)[:8]
@@ -226,7 +227,7 @@ class SwarmBackbone:
 
 async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
                        stop: asyncio.Event | None = None) -> None:
-    from .http_api import serve_http
+    from .http_api import ApiConfig, serve_http
     from .service import GenerationService
 
     stop = stop or stop_event()
@@ -239,7 +240,9 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
                                 "model_id": backbone.model_id}
         runner = None
         if config.http is not None:
-            runner, port = await serve_http(service, config.http[0], config.http[1], status=backbone.status)
+            api = ApiConfig(max_tokens_cap=config.max_tokens_cap, chat_max_tokens=min(4096, config.max_tokens_cap),
+                            api_key=config.api_key)
+            runner, port = await serve_http(service, config.http[0], config.http[1], api, status=backbone.status)
             info["http"] = info["status"] = f"http://{config.http[0]}:{port}"
         try:
             with contextlib.ExitStack() as files:

@@ -92,11 +92,24 @@ def host_port(text: str) -> tuple[str, int]:
 @click.option("--market-ledger", default=None, metavar="LEDGER_URL",
               help="With --experts auto: weigh backbones' demand reports by what each paid this ledger, so keys "
                    "without standing cannot steer the market (default: every signed report counts).")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Data plane: connections held at once, all peers together.")
+@click.option("--max-conns-per-ip", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Data plane: connections held at once from one IPv4 address or one IPv6 /64.")
+@click.option("--max-conns-per-peer", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Data plane: authenticated connections held at once by one peer key.")
+@click.option("--frame-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              metavar="SECONDS", help="Data plane: once a frame's header arrived, its body must follow within "
+                                      "this plus one second per MB.")
+@click.option("--idle-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              metavar="SECONDS", help="Data plane: close a connection that sent nothing this long with no "
+                                      "request in flight.")
 @friendly_errors
 def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str,
          rebalance_interval: float, data_port: int, announce_port: int | None, memory_budget: str | None,
          status: str, probe_interval: float, no_weight_fetches: bool, require_funded: str | None,
-         market_ledger: str | None, **swarm: object) -> None:
+         market_ledger: str | None, max_connections: int, max_conns_per_ip: int, max_conns_per_peer: int,
+         frame_timeout: float, idle_timeout: float, **swarm: object) -> None:
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
@@ -128,7 +141,9 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
                         device_class=device_class, rebalance_interval_s=rebalance_interval,
                         status=None if status == "off" else host_port(status), probe_interval_s=probe_interval,
                         serve_weights=not no_weight_fetches, require_funded=require_funded,
-                        market_ledger=market_ledger)
+                        market_ledger=market_ledger, max_connections=max_connections,
+                        max_conns_per_ip=max_conns_per_ip, max_conns_per_peer=max_conns_per_peer,
+                        frame_timeout_s=frame_timeout, idle_timeout_s=idle_timeout)
     asyncio.run(run_node(config))
 
 
@@ -183,11 +198,17 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 @click.option("--draft-model", default=None, type=click.Path(exists=True),
               help="With --speculative: a small checkpoint with the same tokenizer, computed here, that "
                    "proposes the drafts.")
+@click.option("--api-key", default=None, envvar="MOESWARM_API_KEY", metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' on the HTTP API (required when --http is not loopback; "
+                   "also read from MOESWARM_API_KEY).")
+@click.option("--max-tokens-cap", default=4096, show_default=True, type=click.IntRange(min=1),
+              help="The HTTP API refuses requests for more new tokens than this.")
 @friendly_errors
 def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_url: str | None,
              ledger_queue: str | None, audit_fraction: float, tiers: str, fetch_cache: str, probe_interval: float,
              verify_fraction: float, probation_calls: int, verify_by: str, max_batch: int, prefill_chunk: int,
-             kv_cache: str, max_waiting: int, speculative: int, draft_model: str | None, **swarm: object) -> None:
+             kv_cache: str, max_waiting: int, speculative: int, draft_model: str | None, api_key: str | None,
+             max_tokens_cap: int, **swarm: object) -> None:
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
 
     Serves /v1/models, /v1/completions and /v1/chat/completions, and /status and /metrics.
@@ -205,7 +226,7 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
                             ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction,
                             tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval,
                             verify=VerifyConfig(verify_fraction, probation_calls, verify_by),
-                            engine=engine, draft_model=draft_model)
+                            engine=engine, draft_model=draft_model, api_key=api_key, max_tokens_cap=max_tokens_cap)
     asyncio.run(run_backbone(config))
 
 

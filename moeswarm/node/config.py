@@ -36,6 +36,11 @@ class NodeConfig:
     serve_weights: bool = True  # answer weight fetches (False: they get UNKNOWN_EXPERT, calls go on)
     require_funded: str | None = None  # a ledger URL: serve only clients it says hold credit (None: serve anyone)
     market_ledger: str | None = None  # --experts auto: weigh demand reports by this ledger's standing (None: all)
+    max_connections: int = 1024  # data plane: connections held at once
+    max_conns_per_ip: int = 32  # ... from one IPv4 address or IPv6 /64
+    max_conns_per_peer: int = 4  # ... by one authenticated peer
+    frame_timeout_s: float = 10.0  # ... a frame's body must arrive within this plus 1 s per MB once its header did
+    idle_timeout_s: float = 300.0  # ... a connection silent this long with nothing in flight is closed
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class BackboneConfig:
     replan_s: float = 10.0  # recompute the tier plan this often
     engine: EngineConfig = field(default_factory=EngineConfig)  # continuous batching, cache pool, speculative
     draft_model: str | None = None  # with engine.speculative > 0: drafts from this local checkpoint, not prompt lookup
+    api_key: str | None = None  # the HTTP API requires "Authorization: Bearer <api_key>" (needed off loopback)
+    max_tokens_cap: int = 4096  # the HTTP API refuses requests for more new tokens than this
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.audit_fraction <= 1.0:

@@ -34,7 +34,7 @@ from ..model._stored import StoredTensor
 from ..model.experts import ExpertLRU
 from ..model.weights import expert_shapes
 from ..net.client import ExpertClient
-from ..protocol import WIRE_DTYPES, ErrorCode, WeightsRequest, WeightsResponse
+from ..protocol import DEFAULT_MAX_FRAME, WIRE_DTYPES, ErrorCode, WeightsRequest, WeightsResponse
 
 CHUNK_BYTES = 4 << 20  # rows per weights_request: about this many bytes
 PARALLEL_CHUNKS = 4  # weights_requests in flight per fetch
@@ -68,7 +68,11 @@ def held_parts(w: ExpertWeights, cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def serve_weights(weights: Weights, model_id: str, request: WeightsRequest) -> WeightsResponse:
+WEIGHTS_OVERHEAD = 1024  # bytes of a weights_response besides its rows
+
+
+def serve_weights(weights: Weights, model_id: str, request: WeightsRequest,
+                  max_bytes: int = DEFAULT_MAX_FRAME) -> WeightsResponse:
     """The holder's side: rows ``[start, stop)`` of a tensor of an expert held in ``weights``.
 
     float32/float16/bfloat16 tensors travel as stored (bytes from the map), and so do quantised
@@ -86,6 +90,14 @@ def serve_weights(weights: Weights, model_id: str, request: WeightsRequest) -> W
     if request.stop > tensor.shape[0]:
         raise ProtocolError(f"{request.tensor} has {tensor.shape[0]} rows, asked for [{request.start}, "
                             f"{request.stop})", code=ErrorCode.BAD_FIELD)
+    # checked before anything is read or decoded: rows that would not fit one frame are refused,
+    # so a quantised tensor is only ever decoded one frame-sized chunk at a time
+    stored = isinstance(tensor, np.ndarray) and (tensor.dtype in WIRE_DTYPES.values() or tensor.dtype == np.uint8)
+    row_bytes = (tensor.dtype.itemsize if stored else 4) * int(np.prod(tensor.shape[1:], dtype=np.int64))
+    if (request.stop - request.start) * row_bytes + WEIGHTS_OVERHEAD > max_bytes:
+        raise ProtocolError(f"rows [{request.start}, {request.stop}) of {request.tensor} would not fit a frame of "
+                            f"{max_bytes} bytes: ask for at most {max(1, (max_bytes - WEIGHTS_OVERHEAD) // row_bytes)} "
+                            "rows at a time", code=ErrorCode.BAD_FIELD)
     return WeightsResponse(request.request_id, wire_rows(tensor, request.start, request.stop))
 
 

@@ -19,6 +19,8 @@ stop token included) to every choice, streamed or not.  Fields we cannot honour 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -40,6 +42,31 @@ class ApiConfig:
     completion_max_tokens: int = 16  # max_tokens when /v1/completions omits it (OpenAI's default)
     chat_max_tokens: int = 4096  # max_tokens when /v1/chat/completions omits it (then clamped to the context)
     max_stop_strings: int = 16  # most stop strings one request may give
+    max_tokens_cap: int = 4096  # a request asking for more new tokens than this is refused (400)
+    api_key: str | None = None  # every route but /healthz, /status, /metrics needs "Authorization: Bearer <api_key>"
+    allowed_hosts: tuple[str, ...] = ()  # Host/Origin names accepted besides the bound address (a proxy's name)
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address or a name) only reaches this machine."""
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(value: str) -> str:
+    """The host part of a Host header or of an Origin's authority, lower case, no port or brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
 SERVICE = web.AppKey("service", GenerationService)
@@ -89,6 +116,11 @@ class _Request:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
+    content_type = request.headers.get("Content-Type", "")
+    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        # a browser page on another origin can POST text/plain or a form without asking first
+        # (no CORS preflight); it cannot send application/json that way
+        raise ApiError(415, f"Content-Type must be application/json, not {content_type[:100]!r}")
     raw = await request.read()  # raises 413 past client_max_size
     try:
         body = json.loads(raw)
@@ -115,7 +147,8 @@ def _parse(body: dict[str, Any], service: GenerationService, config: ApiConfig, 
     if top_p == 0:
         raise ApiError(400, "top_p must be in (0, 1]", param="top_p")
     params = SamplingParams(
-        max_new_tokens=_number(body, max_key, int, config.chat_max_tokens if chat else config.completion_max_tokens, 0),
+        max_new_tokens=_number(body, max_key, int, min(config.max_tokens_cap, config.chat_max_tokens if chat
+                                                       else config.completion_max_tokens), 0, config.max_tokens_cap),
         temperature=_number(body, "temperature", float, 1.0, 0, 2),
         top_p=top_p,
         top_k=_number(body, "top_k", int, 0, 0),
@@ -364,13 +397,53 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error_response(500, "internal server error", "server_error")
 
 
+BIND_HOST = web.AppKey("bind_host", str)
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Only this machine's own clients, or holders of the API key, and never a browser page of
+    another site: the Host must name the bound address (DNS rebinding sends the attacker's name),
+    an Origin must too (cross-site requests carry theirs), and the key, when set, must match."""
+    config, bound = request.app[CONFIG], request.app[BIND_HOST]
+    allowed = {_host_name(h) for h in config.allowed_hosts}
+    if is_loopback(bound):
+        allowed.update(LOOPBACK_NAMES)
+    elif bound not in ("0.0.0.0", "::", ""):
+        allowed.add(_host_name(bound))
+    else:
+        allowed = set()  # a wildcard bind has no one name: the API key protects it (required there)
+    if allowed:
+        host = request.headers.get("Host")
+        if host is None or _host_name(host) not in allowed:
+            raise ApiError(421, f"Host {str(host)[:100]!r} is not this server's address", code="bad_host")
+    origin = request.headers.get("Origin")
+    if origin is not None:
+        authority = origin.split("://", 1)[1] if "://" in origin else ""
+        if not authority or (allowed and _host_name(authority) not in allowed) or (not allowed and _host_name(
+                authority) != _host_name(request.headers.get("Host", ""))):
+            raise ApiError(403, f"cross-origin requests are refused (Origin {origin[:100]!r})", code="bad_origin")
+    if config.api_key is not None and request.path not in ("/healthz", "/status", "/metrics"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", code="invalid_api_key")
+    return await handler(request)
+
+
 def make_app(service: GenerationService, config: ApiConfig = ApiConfig(),
-             status: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+             status: Callable[[], dict[str, Any]] | None = None, bind_host: str = "127.0.0.1") -> web.Application:
     """The aiohttp application serving ``service`` with OpenAI's API (and, given ``status``, the
-    daemon's ``/status`` and ``/metrics``: ``moeswarm.node.status``)."""
-    app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
+    daemon's ``/status`` and ``/metrics``: ``moeswarm.node.status``). ``bind_host`` is the address
+    it listens on: Host and Origin headers must name it (or ``config.allowed_hosts``)."""
+    if config.api_key is None and not is_loopback(bind_host):
+        raise ConfigError(f"the HTTP API on {bind_host} is reachable from other machines: give it an API key "
+                          "(--api-key), or bind it to 127.0.0.1")
+    if config.api_key is not None and not config.api_key.strip():
+        raise ConfigError("the API key is empty")
+    app = web.Application(middlewares=[_errors, _guard], client_max_size=config.max_body_bytes)
     app[SERVICE] = service
     app[CONFIG] = config
+    app[BIND_HOST] = bind_host
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_post("/v1/completions", _completions)
@@ -394,5 +467,5 @@ async def serve_http(
     """
     from .status import start_runner
 
-    runner = web.AppRunner(make_app(service, config, status), handler_cancellation=True)
+    runner = web.AppRunner(make_app(service, config, status, host), handler_cancellation=True)
     return runner, await start_runner(runner, host, port, "listen")

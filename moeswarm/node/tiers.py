@@ -379,7 +379,7 @@ async def start_planner(stack: contextlib.AsyncExitStack, identity: Any, p2p: An
     moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
     if table is None:
         table = SwarmTable(model_id)
-        discovery = Discovery(p2p, table, moe)
+        discovery = Discovery(p2p, table, moe, num_layers=cfg.num_layers, num_experts=cfg.num_experts)
         with contextlib.suppress(SwarmError):
             await discovery.refresh()
         await discovery.start()

@@ -68,7 +68,12 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
 
             gate = FundedGate(config.require_funded)
             handler = gate.wrap(server.handle)
-        dataplane = DataPlaneServer(identity, handler, ServerConfig(host=sc.host, port=config.data_port),
+        dataplane = DataPlaneServer(identity, handler, ServerConfig(
+                                        host=sc.host, port=config.data_port, max_connections=config.max_connections,
+                                        max_conns_per_ip=config.max_conns_per_ip,
+                                        max_conns_per_peer=config.max_conns_per_peer,
+                                        frame_timeout_s=config.frame_timeout_s,
+                                        idle_timeout_s=config.idle_timeout_s),
                                     weights_handler=(lambda client, request: asyncio.to_thread(
                                         serve_weights, server.weights, model_id, request))
                                     if config.serve_weights else None)

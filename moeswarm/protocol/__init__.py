@@ -26,6 +26,9 @@ from ._limits import (
     DEFAULT_MAX_FRAME,
     EXPERT_TENSORS,
     FATAL_CODES,
+    MAX_EXPERT,
+    MAX_HANDSHAKE_FRAME,
+    MAX_LAYER,
     MAX_PROBE_BYTES,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
@@ -71,19 +74,19 @@ from ._records import (
     verify_announcement,
 )
 from ._tensor import WIRE_DTYPES, tensor_from_wire, tensor_hash, tensor_to_wire
-from ._wire import canonical
+from ._wire import DecodeLimits, canonical, scan, unpack
 
 __all__ = [
     # constants
     "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "DEFAULT_MAX_FRAME", "ErrorCode", "FATAL_CODES",
-    "MAX_PROBE_BYTES", "EXPERT_TENSORS",
+    "MAX_PROBE_BYTES", "EXPERT_TENSORS", "MAX_HANDSHAKE_FRAME", "MAX_LAYER", "MAX_EXPERT",
     "SignatureKind", "WIRE_DTYPES", "DHT_NAMESPACE",
     # messages
     "Message", "Hello", "HelloAck", "Auth", "ExpertRows", "ExpertRequest", "ExpertResponse",
     "Receipt", "CountersignedReceipt", "Error", "Ping", "Pong", "Announcement",
     "WeightsRequest", "WeightsResponse",
     # codec and framing
-    "encode", "decode", "to_wire", "peek_request_id", "canonical", "receipt_body",
+    "encode", "decode", "to_wire", "DecodeLimits", "unpack", "scan", "peek_request_id", "canonical", "receipt_body",
     "announcement_body", "frame", "frame_body", "parse_frame_header", "read_frame",
     "read_message", "write_message",
     # tensors

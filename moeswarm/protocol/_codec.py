@@ -23,7 +23,9 @@ from ._limits import (
     MAX_ENDPOINT_BYTES,
     MAX_ENDPOINTS,
     MAX_ERROR_MESSAGE_BYTES,
+    MAX_EXPERT,
     MAX_EXPERTS_PER_REQUEST,
+    MAX_LAYER,
     MAX_MODEL_ID_BYTES,
     MAX_PROBE_BYTES,
     MAX_SOFTWARE_BYTES,
@@ -54,7 +56,7 @@ from ._messages import (
     WeightsResponse,
 )
 from ._tensor import tensor_from_wire, tensor_to_wire
-from ._wire import Fields, bad, check_text, check_uint, pack, sorted_map, unpack
+from ._wire import DEFAULT_LIMITS, DecodeLimits, Fields, bad, check_text, check_uint, pack, sorted_map, unpack
 
 MODEL_ID_RE: Final = re.compile(r"[A-Za-z0-9._@+-]+(?:/[A-Za-z0-9._@+-]+)*")
 ENDPOINT_RE: Final = re.compile(r"[a-z][a-z0-9+.-]*://[\x21-\x7e]+")
@@ -84,10 +86,10 @@ def _model_id(f: Fields) -> str:
     return f.text("model_id", max_bytes=MAX_MODEL_ID_BYTES, pattern=MODEL_ID_RE)
 
 
-def _range(f: Fields, name: str) -> tuple[int, int]:
+def _range(f: Fields, name: str, hi: int = U32_MAX) -> tuple[int, int]:
     items = f.array(name, lo=2, hi=2)
-    first = check_uint(items[0], f"{name}[0]", hi=U32_MAX)
-    last = check_uint(items[1], f"{name}[1]", hi=U32_MAX)
+    first = check_uint(items[0], f"{name}[0]", hi=hi)
+    last = check_uint(items[1], f"{name}[1]", hi=hi)
     if first > last:
         bad(f"{name} = [{first}, {last}] is empty")
     return first, last
@@ -337,7 +339,7 @@ def _dec_announcement(f: Fields) -> Announcement:
     endpoints = tuple(check_text(e, "endpoints[]", max_bytes=MAX_ENDPOINT_BYTES, pattern=ENDPOINT_RE)
                       for e in raw)
     return Announcement(
-        _model_id(f), _range(f, "layers"), _range(f, "experts"), endpoints,
+        _model_id(f), _range(f, "layers", MAX_LAYER), _range(f, "experts", MAX_EXPERT), endpoints,
         f.uint("capacity_bytes"), f.uint("throughput"), f.uint("load_permille", hi=LOAD_SCALE),
         f.text("software", max_bytes=MAX_SOFTWARE_BYTES, pattern=SOFTWARE_RE),
         f.uint("seq"), f.uint("expires_at_ms"), _peer(f, "peer_id"),
@@ -380,9 +382,11 @@ def encode(msg: Message) -> bytes:
     return pack(to_wire(msg))
 
 
-def decode(body: bytes) -> Message:
-    """Parse and validate one frame body; ``ProtocolError`` with the spec's code otherwise."""
-    obj = unpack(body)
+def decode(body: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Message:
+    """Parse and validate one frame body; ``ProtocolError`` with the spec's code otherwise.
+
+    ``limits`` bounds what the body may contain (``DecodeLimits``), checked before decoding."""
+    obj = unpack(body, limits)
     if type(obj) is not dict:
         raise ProtocolError("a frame body must be a msgpack map", code=ErrorCode.MALFORMED_FRAME)
     kind = obj.get("type")

@@ -20,6 +20,11 @@ DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024
 MIN_MAX_FRAME: Final = 1024 * 1024
 """A receiver must accept frame bodies of at least this many bytes."""
 
+MAX_HANDSHAKE_FRAME: Final = 8192
+"""Largest frame body a receiver reads before the peer has authenticated (``hello``, ``auth``,
+``error``): a ``hello`` is under 200 bytes and an ``error`` under 4.2 KiB, so nothing a
+stranger sends costs more than this."""
+
 FRAME_HEADER_SIZE: Final = 4
 """The length prefix: unsigned 32-bit big-endian."""
 
@@ -49,6 +54,20 @@ CLOCK_SKEW_MS: Final = 5 * 60 * 1000
 """Tolerance added to ``MAX_RECORD_TTL_MS`` for clocks that disagree."""
 MAX_PROBE_BYTES: Final = 8 * 1024 * 1024
 """Largest ``ping.pad`` and ``ping.want``: link probes stay well inside the minimum frame limit's 8x."""
+MAX_DECODE_DEPTH: Final = 8
+"""Nesting of arrays and maps in one decoded body (v1 messages nest at most 4 deep)."""
+MAX_DECODE_OBJECTS: Final = 1 << 19
+"""msgpack objects (every value, key and container) in one decoded body: 65,536 expert entries of
+five objects each fit; a body of tiny objects cannot cost more than this many Python objects."""
+MAX_DECODE_MAP: Final = 64
+"""Entries in one map (no v1 map has more than 14 fields; unknown fields stay possible)."""
+MAX_DECODE_STR: Final = 64 * 1024
+"""Bytes of one ``str`` (the longest v1 text is an error message of 4,096 bytes)."""
+MAX_LAYER: Final = 1023
+"""Highest MoE layer index an announcement may claim (no known model has more than 128 layers);
+one record is therefore valid under at most 1,024 keys of one model."""
+MAX_EXPERT: Final = MAX_EXPERTS_PER_REQUEST - 1
+"""Highest expert index an announcement may claim."""
 # weights_request tensors: an expert's matrices and biases, and (v1.2) the scales of quantised matrices
 EXPERT_TENSORS: Final = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias", "gate_scale", "up_scale",
                          "down_scale")

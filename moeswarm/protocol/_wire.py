@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import msgpack
 
 from moeswarm.errors import ConfigError, ProtocolError
 
-from ._limits import U64_MAX, ErrorCode
+from ._limits import (
+    DEFAULT_MAX_FRAME,
+    MAX_DECODE_DEPTH,
+    MAX_DECODE_MAP,
+    MAX_DECODE_OBJECTS,
+    MAX_DECODE_STR,
+    MAX_EXPERTS_PER_REQUEST,
+    U64_MAX,
+    ErrorCode,
+)
 
 _Timestamp = msgpack.Timestamp
 
@@ -93,8 +103,106 @@ def _ext_hook(code: int, data: bytes) -> NoReturn:
     _malformed(f"ext type {code} is not allowed")
 
 
-def unpack(body: bytes) -> Any:
-    """Decode exactly one msgpack object spanning all of ``body``; no ext types, str keys."""
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What one decoded body may contain. Checked on the bytes before any Python object is built,
+    so a body costs at most ``max_objects`` small objects plus its own size in str/bin copies."""
+
+    max_depth: int = MAX_DECODE_DEPTH  # nesting of arrays and maps
+    max_objects: int = MAX_DECODE_OBJECTS  # values, keys and containers together
+    max_array: int = MAX_EXPERTS_PER_REQUEST  # items of one array
+    max_map: int = MAX_DECODE_MAP  # entries of one map
+    max_str: int = MAX_DECODE_STR  # bytes of one str
+    max_bin: int = DEFAULT_MAX_FRAME  # bytes of one bin
+
+
+DEFAULT_LIMITS = DecodeLimits()
+
+# msgpack first bytes -> (kind, size of the length or value that follows). Kinds: "v" a value of
+# that many bytes, "s"/"b" str/bin whose length takes that many bytes, "a"/"m" array/map likewise.
+_HEADERS: dict[int, tuple[str, int]] = {
+    0xC0: ("v", 0), 0xC2: ("v", 0), 0xC3: ("v", 0),
+    0xC4: ("b", 1), 0xC5: ("b", 2), 0xC6: ("b", 4),
+    0xCA: ("v", 4), 0xCB: ("v", 8),
+    0xCC: ("v", 1), 0xCD: ("v", 2), 0xCE: ("v", 4), 0xCF: ("v", 8),
+    0xD0: ("v", 1), 0xD1: ("v", 2), 0xD2: ("v", 4), 0xD3: ("v", 8),
+    0xD9: ("s", 1), 0xDA: ("s", 2), 0xDB: ("s", 4),
+    0xDC: ("a", 2), 0xDD: ("a", 4), 0xDE: ("m", 2), 0xDF: ("m", 4),
+}
+
+
+def scan(body: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+    """Walk the msgpack headers of ``body`` (str and bin contents are skipped, not read) and raise
+    ``ProtocolError`` code 1 unless it is exactly one object within ``limits``. Costs one step per
+    object, never more than ``limits.max_objects`` steps."""
+    n, pos, objects = len(body), 0, 0
+    stack: list[int] = []  # items still due in each open container
+    due = 1  # items still due at the current level
+    max_objects, max_depth = limits.max_objects, limits.max_depth
+    while True:
+        if due == 0:
+            if not stack:
+                break
+            due = stack.pop()
+            continue
+        if pos >= n:
+            _malformed("truncated msgpack body")
+        b = body[pos]
+        pos += 1
+        due -= 1
+        objects += 1
+        if objects > max_objects:
+            _malformed(f"more than {max_objects} msgpack objects")
+        if b <= 0x7F or b >= 0xE0:
+            continue
+        if b <= 0x8F:
+            kind, count = "m", b & 0x0F
+        elif b <= 0x9F:
+            kind, count = "a", b & 0x0F
+        elif b <= 0xBF:
+            if b & 0x1F > limits.max_str:
+                _malformed(f"a str longer than {limits.max_str} bytes")
+            pos += b & 0x1F
+            continue
+        else:
+            header = _HEADERS.get(b)
+            if header is None:
+                _malformed("ext types are not allowed" if b in (0xC7, 0xC8, 0xC9) or 0xD4 <= b <= 0xD8
+                           else f"invalid msgpack byte 0x{b:02x}")
+            kind, size = header
+            if kind == "v":
+                pos += size
+                continue
+            if pos + size > n:
+                _malformed("truncated msgpack body")
+            count = int.from_bytes(body[pos:pos + size], "big")
+            pos += size
+            if kind == "s" or kind == "b":
+                limit = limits.max_str if kind == "s" else limits.max_bin
+                if count > limit:
+                    _malformed(f"a {'str' if kind == 's' else 'bin'} of {count} bytes exceeds {limit}")
+                pos += count
+                continue
+        if kind == "a":
+            if count > limits.max_array:
+                _malformed(f"an array of {count} items exceeds {limits.max_array}")
+        else:
+            if count > limits.max_map:
+                _malformed(f"a map of {count} entries exceeds {limits.max_map}")
+            count *= 2
+        if count:
+            stack.append(due)
+            if len(stack) > max_depth:
+                _malformed(f"nested deeper than {max_depth}")
+            due = count
+    if pos != n:
+        _malformed("truncated msgpack body" if pos > n else "trailing bytes after the msgpack object")
+
+
+def unpack(body: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Any:
+    """Decode exactly one msgpack object spanning all of ``body``; no ext types, str keys, and
+    nothing beyond ``limits`` (checked by ``scan`` before decoding)."""
+    scan(body, limits)
     try:
         obj = msgpack.unpackb(
             body,
@@ -104,6 +212,11 @@ def unpack(body: bytes) -> Any:
             object_pairs_hook=_pairs_hook,
             list_hook=_list_hook,
             ext_hook=_ext_hook,
+            max_str_len=limits.max_str,
+            max_bin_len=limits.max_bin,
+            max_array_len=limits.max_array,
+            max_map_len=limits.max_map,
+            max_ext_len=0,
         )
     except ProtocolError:
         raise

@@ -23,7 +23,10 @@ class RelayLimits:
     max_devices: int = 10_000  # device sessions held at once
     max_streams: int = 50_000  # client streams open at once, all devices together
     max_streams_per_device: int = 256  # client streams open to one device
-    max_streams_per_client: int = 64  # client streams open from one client address
+    max_streams_per_client: int = 64  # client streams open from one client address (IPv6: one /64)
+    max_devices_per_ip: int = 16  # device connections (authenticated or not) from one address (IPv6: one /64)
+    max_publish_layers: int = 256  # DHT keys one relay_publish may ask for (distinct layers of the record)
+    preauth_bytes: int = 16 * 1024  # bytes a device may send before it has authenticated; more closes it
     max_frame: int = DEFAULT_MAX_FRAME  # largest data-plane frame body forwarded, bytes
     device_frames_per_s: float = 5_000.0  # frames a device may send (burst: one second's worth)
     device_bytes_per_s: float = 100e6  # bytes a device may send
@@ -45,7 +48,8 @@ class RelayLimits:
     def __post_init__(self) -> None:
         if self.max_frame < 1 << 20:
             raise ConfigError("max_frame must be at least 1 MiB (protocol_spec section 5)")
-        for name in ("max_devices", "max_streams", "max_streams_per_device", "max_streams_per_client"):
+        for name in ("max_devices", "max_streams", "max_streams_per_device", "max_streams_per_client",
+                     "max_devices_per_ip", "preauth_bytes", "max_publish_layers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
         if self.heartbeat_s <= 0 or self.idle_timeout_s <= 0 or self.max_flood_s < 0:

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from ..errors import ConfigError, ProtocolError
+from ..net.addresses import address_key
 from ..web import VolunteerSite, add_volunteer_routes
 from ..protocol import (
     Auth,
@@ -58,6 +59,48 @@ from ._tls import ServerTLS, binding_of, first_certificate_der
 log = logging.getLogger(__name__)
 
 
+class _PreAuthCap(asyncio.Protocol):
+    """Sits between a device's transport and aiohttp until the device authenticated, and closes
+    the connection as soon as more than ``limit`` bytes arrived: aiohttp would otherwise gather
+    one WebSocket message of up to the frame limit (64 MiB) before anyone looked at it."""
+
+    def __init__(self, transport: asyncio.Transport, inner: asyncio.Protocol, limit: int) -> None:
+        self.transport, self.inner, self.limit, self.seen = transport, inner, limit, 0
+
+    @classmethod
+    def install(cls, request: web.Request, limit: int) -> "_PreAuthCap | None":
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return None
+        cap = cls(transport, transport.get_protocol(), limit)  # type: ignore[arg-type]
+        transport.set_protocol(cap)
+        return cap
+
+    def remove(self) -> None:
+        if self.transport.get_protocol() is self:
+            self.transport.set_protocol(self.inner)
+
+    def data_received(self, data: bytes) -> None:
+        self.seen += len(data)
+        if self.seen > self.limit:
+            log.warning("device sent %d bytes before authenticating: closed", self.seen)
+            self.transport.abort()
+            return
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
 @dataclass(frozen=True)
 class RelayConfig:
     host: str = "0.0.0.0"  # address to listen on
@@ -87,6 +130,7 @@ class RelayServer:
         self._budgets: dict[tuple[str, str], tuple[PeerBudget, float]] = {}  # (role, key) -> (budget, last use)
         self._left: dict[bytes, float] = {}  # device -> when its session ended
         self._streams = 0
+        self._device_conns: dict[str, int] = {}  # device WebSockets (before and after auth) by address
         self._tasks: set[asyncio.Task[Any]] = set()
         self._runner: web.AppRunner | None = None
         self._started = time.monotonic()
@@ -202,12 +246,28 @@ class RelayServer:
     async def _device(self, request: web.Request) -> web.StreamResponse:
         if self.draining:
             return web.Response(status=503, text="relay is draining", headers={"Retry-After": "2"})
+        address = address_key(request.remote or "unknown")
+        if self._device_conns.get(address, 0) >= self.limits.max_devices_per_ip:
+            self.metrics.error("session_limit")
+            return web.Response(status=429, text="too many devices from your address", headers={"Retry-After": "30"})
+        self._device_conns[address] = self._device_conns.get(address, 0) + 1
+        try:
+            return await self._device_session(request)
+        finally:
+            left = self._device_conns.pop(address) - 1
+            if left:
+                self._device_conns[address] = left
+
+    async def _device_session(self, request: web.Request) -> web.StreamResponse:
         ws = web.WebSocketResponse(protocols=(DEVICE_SUBPROTOCOL,), heartbeat=self.limits.heartbeat_s,
                                    max_msg_size=self.limits.max_frame + 9, compress=False)
         await ws.prepare(request)
+        cap = _PreAuthCap.install(request, self.limits.preauth_bytes)  # nothing past 16 KiB reaches the parser
         try:
             async with asyncio.timeout(self.limits.handshake_timeout_s):
                 peer = await self._authenticate(ws)
+            if cap is not None:
+                cap.remove()
         except (ProtocolError, TimeoutError) as e:
             code = e.code if isinstance(e, ProtocolError) else ErrorCode.AUTH_FAILED
             self.metrics.error("auth_failed" if code == ErrorCode.AUTH_FAILED else "malformed")
@@ -285,17 +345,21 @@ class RelayServer:
                 raise web.HTTPServiceUnavailable(text="device is reconnecting", headers={"Retry-After": "1"})
             raise web.HTTPNotFound(text="no such device here")
         remote = request.remote or "unknown"
-        budget = self._budget("client", remote)
-        if self._streams >= self.limits.max_streams or len(device.streams) >= self.limits.max_streams_per_device:
-            self.metrics.error("session_limit")
-            raise web.HTTPServiceUnavailable(text="stream limit reached", headers={"Retry-After": "1"})
+        address = address_key(remote)
+        budget = self._budget("client", address)
         if budget.streams >= self.limits.max_streams_per_client:
             self.metrics.error("session_limit")
             raise web.HTTPTooManyRequests(text="too many streams from your address")
+        if self._streams >= self.limits.max_streams:
+            self.metrics.error("session_limit")
+            raise web.HTTPServiceUnavailable(text="stream limit reached", headers={"Retry-After": "1"})
+        if len(device.streams) >= self.limits.max_streams_per_device and not self._make_room(device, address):
+            self.metrics.error("session_limit")
+            raise web.HTTPServiceUnavailable(text="stream limit reached", headers={"Retry-After": "1"})
         ws = web.WebSocketResponse(protocols=(CLIENT_SUBPROTOCOL,), heartbeat=self.limits.heartbeat_s,
                                    max_msg_size=self.limits.max_frame + 4, compress=False)
         await ws.prepare(request)
-        stream = ClientStream(self, ws, device, device.new_stream_id(), remote, budget)
+        stream = ClientStream(self, ws, device, device.new_stream_id(), remote, budget, address)
         device.streams[stream.stream_id] = stream
         budget.streams += 1
         self._streams += 1
@@ -308,8 +372,31 @@ class RelayServer:
             self._streams -= 1
         return ws
 
+    def _make_room(self, device: DeviceSession, address: str) -> bool:
+        """Fair share of a full device among client addresses (/64s): if some address holds more of
+        its streams than ``address`` does, close that address's oldest stream and say yes. So no set
+        of addresses can lock another out: at worst they all end up with equal shares."""
+        held: dict[str, list[ClientStream]] = {}
+        for stream in device.streams.values():
+            if not stream.closing:
+                held.setdefault(stream.address, []).append(stream)
+        mine = len(held.get(address, ()))
+        if not held:
+            return False
+        heaviest = max(held, key=lambda a: len(held[a]))
+        if len(held[heaviest]) <= mine + 1:
+            return False
+        victim = min(held[heaviest], key=lambda s: s.opened)
+        self.metrics.error("fair_share")
+        victim.close(CloseCode.RATE_LIMITED)
+        device.streams.pop(victim.stream_id, None)
+        return True
+
     async def publish(self, session: DeviceSession, msg: Publish) -> tuple[int, int]:
         """Check a device's announcement and store it; returns (keys written, record seq)."""
+        if len(msg.layers) > self.limits.max_publish_layers or len(set(msg.layers)) != len(msg.layers):
+            raise ProtocolError(f"relay_publish.layers must be at most {self.limits.max_publish_layers} distinct "
+                                "layers", code=ErrorCode.BAD_FIELD)
         record = check_publish(msg.record, msg.layers, session.peer, session.endpoint)
         keys = 0
         if self.directory is not None:

@@ -102,8 +102,10 @@ class ClientStream:
     stream_id: int
     remote: str
     budget: PeerBudget
+    address: str = ""  # what per-address limits count (IPv6: the /64)
     outbox: Outbox = field(init=False)
     last_active: float = field(default_factory=time.monotonic)
+    opened: float = field(default_factory=time.monotonic)
     _sent: deque[float] = field(default_factory=deque)  # arrival times of unanswered client frames
     _frames_in: int = 0
     _closing: CloseCode | None = None
@@ -116,6 +118,10 @@ class ClientStream:
     @property
     def in_flight(self) -> int:
         return len(self._sent)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing is not None
 
     async def serve(self) -> None:
         """Forward the client's frames until either side closes; then tell the other side."""

@@ -42,6 +42,10 @@ def _host_port(text: str) -> tuple[str, int]:
 @click.option("--max-streams-per-device", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--max-streams-per-client", default=64, show_default=True, type=click.IntRange(1),
               help="Client streams open from one IP address.")
+@click.option("--max-devices-per-ip", default=16, show_default=True, type=click.IntRange(1),
+              help="Device connections (authenticated or not) from one IPv4 address or IPv6 /64.")
+@click.option("--max-publish-layers", default=256, show_default=True, type=click.IntRange(1),
+              help="DHT keys one device announcement may ask the relay to write.")
 @click.option("--max-frame-mb", default=64.0, show_default=True, type=click.FloatRange(1),
               help="Largest data-plane frame forwarded, MiB.")
 @click.option("--device-rate", default=5000.0, show_default=True, help="Frames per second one device may send.")
@@ -63,7 +67,8 @@ def _host_port(text: str) -> tuple[str, int]:
 def relay(listen: str, cert_file: str | None, key_file: str | None, public_url: str | None, binding_cert: str | None,
           bootstrap: tuple[str, ...],
           p2p_listen: str | None, identity_file: str | None, no_dht: bool, max_devices: int, max_streams: int,
-          max_streams_per_device: int, max_streams_per_client: int, max_frame_mb: float, device_rate: float,
+          max_streams_per_device: int, max_streams_per_client: int, max_devices_per_ip: int,
+          max_publish_layers: int, max_frame_mb: float, device_rate: float,
           device_mbps: float, client_rate: float, client_mbps: float, device_quota_gb: float, client_quota_gb: float,
           quota_window_h: float, idle_timeout: float, heartbeat: float, drain_timeout: float,
           volunteer_shards: str | None, volunteer_shards_url: str | None, verbose: int) -> None:
@@ -91,7 +96,8 @@ def relay(listen: str, cert_file: str | None, key_file: str | None, public_url: 
     host, port = _host_port(listen)
     limits = RelayLimits(
         max_devices=max_devices, max_streams=max_streams, max_streams_per_device=max_streams_per_device,
-        max_streams_per_client=max_streams_per_client, max_frame=int(max_frame_mb * (1 << 20)),
+        max_streams_per_client=max_streams_per_client, max_devices_per_ip=max_devices_per_ip,
+        max_publish_layers=max_publish_layers, max_frame=int(max_frame_mb * (1 << 20)),
         device_frames_per_s=device_rate, device_bytes_per_s=device_mbps * 1e6, client_frames_per_s=client_rate,
         client_bytes_per_s=client_mbps * 1e6, device_quota_bytes=int(device_quota_gb * 1e9),
         client_quota_bytes=int(client_quota_gb * 1e9), quota_window_s=quota_window_h * 3600,

@@ -76,12 +76,13 @@ def expert_responses(draw: st.DrawFn) -> p.ExpertResponse:
     return p.ExpertResponse(rid, outputs, receipt, draw(u64), draw(st.integers(0, 1000)))
 
 
-def _range() -> st.SearchStrategy[tuple[int, int]]:
-    return st.tuples(u32, u32).map(lambda t: (min(t), max(t)))
+def _range(hi: int) -> st.SearchStrategy[tuple[int, int]]:
+    bound = st.integers(0, hi)
+    return st.tuples(bound, bound).map(lambda t: (min(t), max(t)))
 
 
-announcements = st.builds(
-    p.Announcement, model_ids, _range(), _range(),
+announcements = st.builds(  # ranges within the protocol's bounds on layers and experts
+    p.Announcement, model_ids, _range(p.MAX_LAYER), _range(p.MAX_EXPERT),
     st.lists(endpoints, min_size=1, max_size=8).map(tuple), u64, u64, st.integers(0, 1000),
     software, u64, u64, peer_ids, fixed(32), fixed(64),
 )
