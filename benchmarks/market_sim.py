@@ -282,7 +282,8 @@ def run_scenario(label: str, ratio: float | None, args: argparse.Namespace) -> d
     scale = 1.0 if ratio is None else ratio * shape.total_bytes / sum(v.memory_bytes for v in natural)
     population = make_volunteers(np.random.default_rng(args.seed + 1), args.volunteers, scale)
     capacity = sum(v.memory_bytes for v in population) / shape.total_bytes
-    cfg, rcfg = mk.AssignConfig(max_blocks=args.max_blocks), mk.RebalanceConfig()
+    cfg = mk.AssignConfig(max_blocks=args.max_blocks)
+    rcfg = mk.RebalanceConfig(hysteresis=args.hysteresis, cooldown_epochs=args.cooldown)
     backbones = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(6)]
     policies = [Policy("market", mk.Supply.empty(shape)), Policy("petals", mk.Supply.empty(shape))]
     now_ms = 1_700_000_000_000
@@ -381,6 +382,8 @@ def main() -> None:
                     "'natural' keeps the volunteers' own memory (about 40x at 28 MB per expert)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-blocks", type=int, default=1, help="blocks per market node (1: one node process)")
+    ap.add_argument("--hysteresis", type=float, default=mk.RebalanceConfig().hysteresis)
+    ap.add_argument("--cooldown", type=int, default=mk.RebalanceConfig().cooldown_epochs)
     args = ap.parse_args()
     t0 = time.perf_counter()
     results = {}
