@@ -19,7 +19,7 @@ Demand: the demo checkpoint's own routing, measured with the engine (``Model.obs
 few prompts; its relative imbalance (coefficient of variation of the experts' shares) is carried
 to the wider layers as the Zipf exponent with the same imbalance, in a random expert order per
 layer. The market sees it as counted by backbones (2M sampled calls per epoch). The shifting
-scenario re-ranks every layer's experts every 6 epochs (the top tenth swaps with random
+scenario re-ranks every layer's experts every 4 epochs (the top tenth swaps with random
 experts from the colder half).
 
 Per epoch: coverage right after departures and after repair, calls served under load-aware
@@ -74,6 +74,7 @@ class Scenario:
     eval_share: float = 0.5  # volunteers re-evaluating per epoch
     hub_blocks: int = 64  # blocks a hub-class volunteer may run (one node process each), one per 8 experts
     bound: bool = True
+    hysteresis: float = mk.RebalanceConfig().hysteresis
 
 
 @dataclass
@@ -230,7 +231,11 @@ def measure(swarm: Swarm, truth: np.ndarray, epoch: int, moved: int, cov_left: f
                                           np.ones(int((tier_of[owner] == t).sum()))), truth).tolist()
                             for t in range(len(sm.TIERS))],
         "ratio": float(dec[0] / max(dec[-1], 1e-9)), "ideal_ratio": float(idec[0] / max(idec[-1], 1e-9)),
-        "moved": moved / max(1, len(rate)), "credits_eflop": credits,  # expert-EFLOP x multiplier per hour, per tier
+        "moved": moved / max(1, len(rate)), "credits_eflop": credits,
+        "calls_by_tier": [float(per_node[tier_of == t].sum()) for t in range(len(sm.TIERS))],
+        "blocks_per_node": len(rects) / max(1, len(rate)),
+        "layers_per_node": float(np.mean([len({i for r in n.rects for i in range(r.r0, r.r1 + 1)})
+                                          for n in swarm.nodes.values()])),  # expert-EFLOP x multiplier per hour, per tier
         "decode": decode_table(swarm, truth, rng, rects, owner, tier_of),
     }
     return row, table
@@ -246,7 +251,7 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
     scale = 1.0 if sc.ratio is None else sc.ratio * grid.total_bytes / sum(v.memory_bytes for v in natural)
     configs = [mk.AssignConfig(max_blocks=sc.hub_blocks if t.device_class == "hub" else 1, call_bytes=shape.call_bytes)
                for t in sm.TIERS]
-    swarm = Swarm(shape, grid, configs, mk.RebalanceConfig(), mk.Supply.empty(grid))
+    swarm = Swarm(shape, grid, configs, mk.RebalanceConfig(hysteresis=sc.hysteresis), mk.Supply.empty(grid))
     base = np.array([t.share for t in sm.TIERS]) / sum(t.share for t in sm.TIERS) * sc.volunteers
     mean_on = np.array([np.mean([online_share(t, h) for h in range(24)]) for t in sm.TIERS])
 
@@ -349,6 +354,37 @@ def summary(results: dict[str, tuple[Scenario, list[dict]]]) -> str:
     return "\n".join(lines)
 
 
+# measured elsewhere in this repository (the figures the limits below are computed from)
+DHT_GET_S = 0.25  # py-libp2p get_value, 12 nodes on loopback (shared/spikes/libp2p); 0.52 s at 20 nodes
+ANNOUNCE_EVERY_S = 240.0  # AnnounceConfig.interval_s: each node re-puts its record and re-provides its layers
+DISCOVERY_EVERY_S = 10.0  # Discovery.interval_s: a backbone re-reads every holder's record
+RELAY_BPS = 311e6  # one relay forwards 311 MB/s per direction (benchmarks/relay.py, 16 devices)
+KADEMLIA_K, KADEMLIA_ALPHA = 20, 3
+
+
+def limits(rows: list[dict], shape: sm.Shape, sizes: tuple[int, ...] = (1_000, 10_000, 100_000)) -> str:
+    """What limits the swarm as it grows, from the 2T run's last epoch scaled to ``sizes`` volunteers."""
+    last = rows[-1]
+    blocks, layers = last["blocks_per_node"], last["layers_per_node"]
+    calls = np.array(last["calls_by_tier"])
+    phone_share = calls[2] / max(calls.sum(), 1e-9)
+    lines = ["| volunteers | records a backbone reads per discovery pass | one pass at 0.25 s per DHT get "
+             "| DHT reads per second per backbone (every 10 s) | announcement: DHT writes per node per hour "
+             "(messages) | relay traffic (phones' calls) | relays at 311 MB/s |",
+             "|---|---|---|---|---|---|---|"]
+    for n in sizes:
+        scale = n / max(last["nodes"], 1)
+        records = n * blocks
+        hops = math.log2(max(n, 2))
+        writes = 3600 / ANNOUNCE_EVERY_S * (blocks + layers)  # put the record(s), provide every MoE layer held
+        msgs = writes * (KADEMLIA_ALPHA * hops + KADEMLIA_K)
+        relay = calls[2] * scale * 2 * shape.call_bytes  # hidden state in and out per call
+        lines.append(f"| {n:,} | {records:,.0f} | {records * DHT_GET_S / 60:,.0f} min "
+                     f"| {(shape.layers + records) / DISCOVERY_EVERY_S:,.0f} | {writes:,.0f} ({msgs:,.0f}) "
+                     f"| {relay / 1e6:,.0f} MB/s ({phone_share:.1%} of calls) | {math.ceil(relay / RELAY_BPS)} |")
+    return "\n".join(lines)
+
+
 def plots(results: dict[str, tuple[Scenario, list[dict]]], folder: Path) -> list[Path]:
     import matplotlib
 
@@ -410,6 +446,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--png-dir", default="docs/swarm_sim", help="where the PNG plots go")
     ap.add_argument("--only", default="", help="comma-separated scenario labels to run (default: all)")
+    ap.add_argument("--hysteresis", type=float, default=mk.RebalanceConfig().hysteresis,
+                    help="RebalanceConfig.hysteresis for every scenario")
     args = ap.parse_args()
     t0 = time.perf_counter()
     counts = sm.measured_routing(tokens=16 if args.quick else 48)
@@ -418,12 +456,13 @@ def main() -> None:
           f"{counts.shape[1]} experts: coefficient of variation {cv:.2f} (hottest expert {counts.max(axis=1).mean() / counts.sum(axis=1).mean():.0%} of its layer's calls)")
     q = args.quick
     scenarios = [
-        Scenario("M3 1.5x", "m3", 300 if q else 1000, 1.5, 6 if q else 16),
-        Scenario("M3 1.5x shifting", "m3", 300 if q else 1000, 1.5, 6 if q else 16, shift_every=6),
-        Scenario("DeepSeek-V3 1.5x", "dsv3", 300 if q else 1000, 1.5, 5 if q else 8, warmup=3),
-        Scenario("2T natural", "2t", 2000 if q else 10_000, None, 8 if q else 48, sudden=(5,) if q else (30,),
+        Scenario("M3 1.5x", "m3", 300 if q else 1000, 1.5, 6 if q else 12),
+        Scenario("M3 1.5x shifting", "m3", 300 if q else 1000, 1.5, 6 if q else 12, shift_every=4),
+        Scenario("DeepSeek-V3 1.5x", "dsv3", 300 if q else 1000, 1.5, 5 if q else 6, warmup=3),
+        Scenario("2T natural", "2t", 2000 if q else 10_000, None, 8 if q else 24, sudden=(5,) if q else (12,),
                  eval_share=0.1, hub_blocks=1, warmup=2),
     ]
+    scenarios = [replace(s, hysteresis=args.hysteresis) for s in scenarios]
     if args.only:
         keep = set(args.only.split(","))
         scenarios = [s for s in scenarios if s.label in keep]
@@ -435,6 +474,11 @@ def main() -> None:
         print(f"({time.perf_counter() - t:.0f} s)")
     seconds = time.perf_counter() - t0
     print("\n" + summary(results))
+    for label, (sc, rows) in results.items():
+        if sc.shape == "2t":
+            print(f"\nlimits, from the last epoch of '{label}' ({rows[-1]['blocks_per_node']:.1f} blocks and "
+                  f"{rows[-1]['layers_per_node']:.1f} MoE layers per node), scaled:\n")
+            print(limits(rows, sm.SHAPES[sc.shape]))
     for path in plots(results, Path(args.png_dir)):
         print(f"plot: {path}")
     m3 = steady(results["M3 1.5x"][1], results["M3 1.5x"][0].warmup) if "M3 1.5x" in results else {}

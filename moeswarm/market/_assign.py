@@ -27,8 +27,8 @@ sums: O(shapes x L x E). With ``max_blocks > 1`` (a machine running one node pro
 the levels are folded into one number per cell and each cell is charged the volunteer's
 opportunity cost, the value of the ``k``-th best cell for a volunteer that can hold ``k``: blocks
 then gather the cells worth most instead of filling memory with one large rectangle, and stop
-when no rectangle is worth its cells (``best_signed_rect``, every shape); the last block fills
-the memory left, as one block would.
+when no rectangle is worth its cells (``best_signed_rect``, every shape); the memory left then
+goes where it covers or adds missing replicas (never only to pile up replicas of cold experts).
 """
 
 from __future__ import annotations
@@ -227,9 +227,10 @@ def folded(values: CellValues, capacity: int) -> np.ndarray:
 
 
 def _choose_signed(values: CellValues, capacity: int, config: AssignConfig) -> tuple[list[Rect], Score]:
-    """Up to ``max_blocks`` disjoint rectangles: all but the last each the best under the
+    """Up to ``max_blocks`` disjoint rectangles: first (all but one) each the best under the
     opportunity cost (the ``capacity``-th best cell's value; the first always taken, later ones
-    only if worth it), the last the best that fills the memory left."""
+    only if worth it, each at most ``block_cells``), then the memory left goes to the rectangles
+    that cover or replicate most (uncovered experts first) without overlapping."""
     v = folded(values, capacity)
     flat = v.reshape(-1)
     k = min(capacity, flat.size)
@@ -248,11 +249,17 @@ def _choose_signed(values: CellValues, capacity: int, config: AssignConfig) -> t
         rects.append(rect)
         left -= rect.cells
         signed[rect.slices] = taken
-    if left > 0 and len(rects) < config.max_blocks:  # the last block fills what memory is left, if
-        levels = [np.where(signed == taken, taken, level) for level in values]  # that covers or replicates
-        found_rest = best_rect(levels, left, width_bonus=config.width_bonus)
-        if found_rest is not None and found_rest[1][0] >= 0 and (found_rest[1][0] > 0 or found_rest[1][1] > 0):
-            rects.append(found_rest[0])
+    # the rest of memory goes where it covers or replicates (levels 1-2), in the largest rectangles
+    # that hold most of it without overlapping the blocks taken
+    need = values.cover * (1.0 + capacity * float(values.redundancy.max(initial=0.0))) + values.redundancy
+    fill = np.where(signed == taken, -2.0 * (float(need.sum()) + 1.0) * max(capacity, 1), need)
+    while len(rects) < config.max_blocks and left > 0:
+        found = best_signed_rect(fill, left)
+        if found is None or found[1] <= 0:
+            break
+        rects.append(found[0])
+        left -= found[0].cells
+        fill[found[0].slices] = -2.0 * (float(need.sum()) + 1.0) * max(capacity, 1)
     return rects, score_rects(values, rects, config)
 
 
