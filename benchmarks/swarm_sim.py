@@ -309,19 +309,10 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
         if not quiet:
             c = row["credits_eflop"]
             tot = sum(c) or 1.0
-            if os.environ.get("SWARM_SIM_DEBUG"):
-                print("   deciles", np.round(row["deciles"], 2), "ideal", np.round(row["ideal_deciles"], 2))
-                for t, d in enumerate(row["deciles_by_tier"]):
-                    print("   ", sm.TIERS[t].name, np.round(d, 2))
             print(f"{epoch:>5} {row['nodes']:>6} {row['coverage_left']:>8.3%} {row['coverage']:>8.3%} "
                   f"{row['served']:>7.2%} {row['bound']:>7.2%} {row['ratio']:>8.2f} {row['ideal_ratio']:>6.2f} "
                   f"{row['moved']:>6.2%} {row['decode']['home'][0]:>8.2f} | {row['decode']['home'][1]:>7.1f} "
                   f"{c[0] / tot:>8.0%}/{c[1] / tot:.0%}/{c[2] / tot:.0%}")
-    if os.environ.get("SWARM_SIM_DUMP"):
-        import pickle
-
-        with open(os.environ["SWARM_SIM_DUMP"], "wb") as fh:
-            pickle.dump((swarm, truth, demand), fh)
     return rows
 
 

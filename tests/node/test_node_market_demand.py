@@ -85,7 +85,7 @@ def test_hot_experts_gain_replicas_while_every_expert_stays_held() -> None:
                 print(f"{time.monotonic() - t0:.0f} s: nodes up, replicas\n{before}", flush=True)
                 for bb, prompt in zip(bbs, PROMPTS):
                     ids = tok.encode(prompt)
-                    await asyncio.to_thread(lambda: list(generate(bb.model, ids, SamplingParams(max_new_tokens=24))))  # type: ignore[arg-type]
+                    await asyncio.to_thread(lambda m=bb.model, i=ids: list(generate(m, i, SamplingParams(max_new_tokens=24))))
                 counts = sum(bb.demand.snapshot() for bb in bbs)
                 hot, cold = _quarters(counts)
                 gap_before = float(before[hot].mean() - before[cold].mean())
