@@ -392,7 +392,7 @@ def plots(results: dict[str, tuple[Scenario, list[dict]]], folder: Path) -> list
             ax.plot(range(1, 11), np.mean([r["ideal_deciles"] for r in rows[sc.warmup:]], axis=0), ls="--",
                     label=f"{label}: ideal (proportional to demand)")
     ax.set(xlabel="demand decile (1 = hottest tenth of experts)", ylabel="mean replicas", yscale="log",
-           title="Replicas follow demand (steady state)")
+           title="Replicas by demand decile (steady state)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     written.append(folder / "replicas_by_decile.png")
