@@ -21,8 +21,8 @@ Metrics (``--utilization`` u: the swarm's calls are u x its total throughput):
 * calls finding a replica: demand-weighted coverage;
 * served: share of calls served under load-aware routing (calls spread over an expert's
   holders by weight, weights shifted away from overloaded holders, as the backbone does with
-  ``load_permille``); the optimum, serving throughput proportional to demand, serves
-  min(1, 1/u) of the calls;
+  ``load_permille``), next to min(1, 1/u) (all the volunteers' throughput) and to an upper
+  bound no placement can beat (a linear program, ``_swarm_model.served_bound``);
 * replicas vs demand: Spearman correlation, hottest-decile / coldest-decile mean replicas, and
   the same ratio for the ideal (replicas proportional to demand, at least one each);
 * moves: share of nodes that moved in the epoch.
@@ -47,6 +47,9 @@ import numpy as np  # noqa: E402
 from moeswarm import market as mk  # noqa: E402
 from moeswarm.market._grid import paint, prefix_sum, rect_sums  # noqa: E402
 from moeswarm.protocol import Identity  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _swarm_model import served_bound  # noqa: E402
 
 GB = 1e9
 # name, share, device class, memory GB, throughput pairs/s, bandwidth B/s, rtt s   (uniform ranges)
@@ -208,30 +211,13 @@ def routed_share(shape: mk.ModelShape, truth: np.ndarray, utilization: float, re
     return float(np.minimum(load, cap).sum() / demand.sum())
 
 
-def oracle_share(policy: Policy, shape: mk.ModelShape, truth: np.ndarray, utilization: float) -> float:
-    """``routed_share`` of the proportional oracle: every expert gets replicas proportional to its
-    demand (at least one), placed expert by expert, hottest first, on the nodes with the most
-    throughput left (a central planner free of the one-block-per-node rule)."""
+def bound_share(policy: Policy, shape: mk.ModelShape, truth: np.ndarray, utilization: float) -> float:
+    """An upper bound on the calls any placement and routing of these volunteers could serve: the
+    linear program of ``swarm_sim.served_bound`` (relaxed holdings, nodes and experts bucketed)."""
     nodes = list(policy.nodes.values())
     cap = np.array([max(n.volunteer.throughput, 1e-9) for n in nodes])
     slots = np.array([mk.capacity_cells(shape, n.volunteer, mk.AssignConfig()) for n in nodes])
-    want = ideal_replicas(truth, int(slots.sum()), len(nodes)).reshape(-1).astype(int)
-    d = truth.reshape(-1) * utilization * cap.sum()
-    budget = cap.copy()
-    cells: list[int] = []
-    owners: list[int] = []
-    for e in np.argsort(-d, kind="stable"):
-        free = np.nonzero(slots > 0)[0]
-        if free.size == 0:
-            break
-        pick = free[np.argsort(-budget[free], kind="stable")[: want[e]]]
-        budget[pick] -= d[e] / pick.size
-        slots[pick] -= 1
-        cells.extend([int(e)] * pick.size)
-        owners.extend(int(i) for i in pick)
-    rows, cols = np.divmod(np.array(cells), shape.num_experts)
-    rects = np.stack([rows, rows, cols, cols], axis=1)
-    return routed_share(shape, truth, utilization, rects, np.array(owners), cap)
+    return served_bound(truth * utilization * cap.sum(), cap, slots)
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -282,7 +268,8 @@ def run_scenario(label: str, ratio: float | None, args: argparse.Namespace) -> d
     scale = 1.0 if ratio is None else ratio * shape.total_bytes / sum(v.memory_bytes for v in natural)
     population = make_volunteers(np.random.default_rng(args.seed + 1), args.volunteers, scale)
     capacity = sum(v.memory_bytes for v in population) / shape.total_bytes
-    cfg, rcfg = mk.AssignConfig(max_blocks=args.max_blocks), mk.RebalanceConfig()
+    cfg = mk.AssignConfig(max_blocks=args.max_blocks)
+    rcfg = mk.RebalanceConfig(hysteresis=args.hysteresis, cooldown_epochs=args.cooldown)
     backbones = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(6)]
     policies = [Policy("market", mk.Supply.empty(shape)), Policy("petals", mk.Supply.empty(shape))]
     now_ms = 1_700_000_000_000
@@ -296,7 +283,7 @@ def run_scenario(label: str, ratio: float | None, args: argparse.Namespace) -> d
         for pol in policies:
             add_node(pol, next_id, v, place(pol, shape, merged.demand, v, cfg))
         next_id += 1
-    header = (f"{'epoch':>5} {'policy':>7} {'cov-left':>8} {'coverage':>8} {'calls':>7} {'served':>7} {'optimal':>7} "
+    header = (f"{'epoch':>5} {'policy':>7} {'cov-left':>8} {'coverage':>8} {'calls':>7} {'served':>7} {'bound':>7} "
               f"{'spearman':>8} {'hot/cold':>8} {'ideal':>6} {'moves':>6} {'price hot/cold':>14}")
     print(header)
     for epoch in range(args.epochs + 1):
@@ -317,7 +304,7 @@ def run_scenario(label: str, ratio: float | None, args: argparse.Namespace) -> d
                 add_node(pol, next_id + i, v, place(pol, shape, merged.demand, v, cfg))
         next_id += len(joining)
         evaluate = [nid for nid in sorted(policies[0].nodes) if rng.random() < args.eval_share] if epoch else []
-        optimal = oracle_share(policies[0], shape, truth, args.utilization)
+        optimal = bound_share(policies[0], shape, truth, args.utilization)
         for pol, cov in zip(policies, left_cov):
             moved = 0
             for nid in evaluate:
@@ -353,8 +340,8 @@ def run_scenario(label: str, ratio: float | None, args: argparse.Namespace) -> d
 def table(results: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> str:
     bound = min(1.0, 1.0 / args.utilization)
     lines = [f"| capacity | policy | coverage: mean (min) | coverage right after 10% leave | calls finding a replica "
-             f"| calls served, u={args.utilization} | served / upper bound ({bound:.0%}) | served / proportional "
-             f"oracle | replicas hottest/coldest decile (ideal) | nodes moving per epoch: mean (max) |",
+             f"| calls served, u={args.utilization} | served / capacity ({bound:.0%}) | served / LP upper bound "
+             f"(bound) | replicas hottest/coldest decile (ideal) | nodes moving per epoch: mean (max) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results.values():
         for name in ("market", "petals"):
@@ -381,6 +368,8 @@ def main() -> None:
                     "'natural' keeps the volunteers' own memory (about 40x at 28 MB per expert)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-blocks", type=int, default=1, help="blocks per market node (1: one node process)")
+    ap.add_argument("--hysteresis", type=float, default=mk.RebalanceConfig().hysteresis)
+    ap.add_argument("--cooldown", type=int, default=mk.RebalanceConfig().cooldown_epochs)
     args = ap.parse_args()
     t0 = time.perf_counter()
     results = {}

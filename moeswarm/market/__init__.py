@@ -2,7 +2,8 @@
 
 Pure cores (no I/O): ``DemandCounter`` and the signed ``DemandReport`` merge (demand),
 ``supply_from_holders`` (supply), ``compute_prices`` / ``PriceTable`` (scarcity and price),
-``assign`` (which experts a joining volunteer holds), ``rebalance`` / ``plan_move`` (moves
+``target_replicas`` (replicas in proportion to demand x cost), ``assign`` (which experts a
+joining volunteer holds), ``rebalance`` / ``plan_move`` (moves
 with hysteresis that never uncover an expert). The thin shells: ``fetch_state`` reads a live
 DHT, ``state_from_json`` a state file, and ``moeswarm market`` (``moeswarm.market.cli``) shows
 coverage and prices.
@@ -20,7 +21,9 @@ from ._assign import (
     cell_values,
     choose_rects,
     effective_class,
+    folded,
     hot_mask,
+    replica_targets,
     score_rects,
 )
 from ._demand import Demand, DemandConfig, DemandCounter
@@ -34,7 +37,7 @@ from ._dht import (
     publish_demand,
     validate_demand_record,
 )
-from ._grid import Block, ModelShape, Rect, Score, best_rect, better, pareto_shapes
+from ._grid import Block, ModelShape, Rect, Score, best_rect, best_signed_rect, better, pareto_shapes
 from ._price import (
     PRICE_KIND,
     PriceConfig,
@@ -75,13 +78,14 @@ from ._state import (
     summarize,
 )
 from ._supply import HolderLike, Supply, supply_from_holders
+from ._target import target_replicas
 from ._volunteer import market_assignment, model_shape
 
 __all__ = [
     "market_assignment",
     "model_shape",
     # grid
-    "ModelShape", "Block", "Rect", "Score", "best_rect", "better", "pareto_shapes",
+    "ModelShape", "Block", "Rect", "Score", "best_rect", "best_signed_rect", "better", "pareto_shapes",
     # demand
     "Demand", "DemandConfig", "DemandCounter", "DemandReport", "REPORT_KIND", "sign_report", "verify_report",
     "encode_report", "decode_report", "report_from_counter", "MergeConfig", "MergeResult", "merge_reports",
@@ -92,7 +96,8 @@ __all__ = [
     "price_table_to_json", "price_table_from_json",
     # assignment
     "Volunteer", "DeviceClass", "AssignConfig", "Assignment", "assign", "capacity_cells", "cell_values",
-    "choose_rects", "score_rects", "effective_class", "hot_mask", "CellValues", "OFF_TIER",
+    "choose_rects", "score_rects", "effective_class", "hot_mask", "CellValues", "OFF_TIER", "folded",
+    "replica_targets", "target_replicas",
     # rebalancing
     "RebalanceConfig", "PlanStep", "MovePlan", "rebalance", "plan_move", "check_plan", "drop_is_safe",
     # state and I/O shells

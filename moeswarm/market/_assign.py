@@ -1,24 +1,34 @@
 """Assignment: which experts a joining volunteer should hold, as a pure function of the swarm.
 
-Every expert (grid cell) gets three values for this volunteer, compared lexicographically
+Every expert (grid cell) gets four values for this volunteer, compared lexicographically
 (a block's score is the tuple of its sums, most important first):
 
 1. cover: 1 for an expert nobody holds;
-2. redundancy: replicas the expert lacks below ``min_replicas``;
-3. serve, normalised to at most 1: where this volunteer helps most --
+2. redundancy: replicas the expert lacks below ``min(t_e, min_replicas)``, where ``t_e`` is its
+   target (``replica_targets``: ``target_replicas`` of demand over the swarm's expert slots,
+   what every holder holds plus this volunteer, at least 1 each, raised to ``min_replicas`` when
+   the slots allow it);
+3. demand: the further replicas it lacks below ``t_e``: replicas follow demand;
+4. serve, normalised to at most 1: where this volunteer helps most --
    a hub: ``p_e * log(1 + t / W_e)``, the gain in ``sum_e p_e log W_e`` (whose optimum is
    serving throughput ``W`` proportional to demand ``p``) from adding its per-expert
-   throughput ``t``: hot experts short of throughput first;
-   an edge device: ``1 / (1 + r_e)`` outside the hot set, 0 inside: the long tail, least
-   replicated first.
+   throughput ``t`` (``Volunteer.serving_rate``: its compute, or its link if that is slower):
+   hot experts short of throughput first;
+   an edge device: the same outside the hot set, 0 inside: the warmest of the long tail first.
 
-Levels 1 and 2 weigh the volunteer's own tier fully and the other tier at ``OFF_TIER`` (hubs:
+Edge devices leave the hot experts' extra replicas (level 3) to hubs. Levels 1 to 3 weigh the volunteer's own tier fully and the other tier at ``OFF_TIER`` (hubs:
 the hot set; edges: the tail), so hubs cover and replicate hot experts first and edge devices
 the tail, yet nobody leaves an expert uncovered to stay in its tier. While any expert is
 uncovered, every volunteer that can hold one expert covers at least one.
 
-Blocks are one layer range x one expert range (what a node announces), chosen among the
-largest shapes that fit (``pareto_shapes``) with 2-D prefix sums: O(shapes x L x E).
+Blocks are one layer range x one expert range (what a node announces). With one block per
+volunteer it is chosen among the largest shapes that fit (``pareto_shapes``) with 2-D prefix
+sums: O(shapes x L x E). With ``max_blocks > 1`` (a machine running one node process per block)
+the levels are folded into one number per cell and each cell is charged the volunteer's
+opportunity cost, the value of the ``k``-th best cell for a volunteer that can hold ``k``: blocks
+then gather the cells worth most instead of filling memory with one large rectangle, and stop
+when no rectangle is worth its cells (``best_signed_rect``, every shape); the memory left then
+goes where it covers or adds missing replicas (never only to pile up replicas of cold experts).
 """
 
 from __future__ import annotations
@@ -32,8 +42,9 @@ import numpy as np
 from moeswarm.errors import ConfigError
 
 from ._demand import Demand
-from ._grid import Block, ModelShape, Rect, Score, best_rect
+from ._grid import Block, ModelShape, Rect, Score, best_rect, best_signed_rect
 from ._supply import Supply
+from ._target import target_replicas
 
 DeviceClass = Literal["hub", "edge"]
 OFF_TIER: Final = 0.1
@@ -50,12 +61,23 @@ class Volunteer:
     device_class: DeviceClass = "hub"  # "hub": datacenter/workstation on a fat link; "edge": phone, NAT'd box
     bandwidth_bytes_s: float = 100e6  # its link's bandwidth, bytes per second
     rtt_s: float = 0.01  # its round trip to the swarm's backbones, seconds
+    upload_bytes_s: float | None = None  # its upload, bytes per second, if slower than bandwidth_bytes_s
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0 or self.throughput < 0 or self.bandwidth_bytes_s <= 0 or self.rtt_s < 0:
             raise ConfigError("a volunteer needs memory >= 0, throughput >= 0, bandwidth > 0, rtt >= 0")
+        if self.upload_bytes_s is not None and self.upload_bytes_s <= 0:
+            raise ConfigError("a volunteer's upload must be > 0 bytes/s")
         if self.device_class not in ("hub", "edge"):
             raise ConfigError(f"device_class must be 'hub' or 'edge', not {self.device_class!r}")
+
+    def serving_rate(self, call_bytes: int) -> float:
+        """(expert, token) pairs per second it can serve: its compute, or what its link carries if
+        slower (each call brings ``call_bytes`` in and sends as many back; 0: the link is no limit)."""
+        if call_bytes <= 0:
+            return self.throughput
+        up = self.bandwidth_bytes_s if self.upload_bytes_s is None else min(self.upload_bytes_s, self.bandwidth_bytes_s)
+        return min(self.throughput, up / call_bytes)
 
 
 @dataclass(frozen=True)
@@ -68,12 +90,17 @@ class AssignConfig:
     hub_max_rtt_s: float = 0.05  # a hub whose round trip exceeds this, seconds, is placed like an edge device
     max_load_s: float = 3600.0  # never assign more weights than its link downloads in this long, seconds
     width_bonus: float = 0.1  # extra score of a block spanning all experts of its layers (fewer requests)
+    call_bytes: int = 0  # bytes one (token, expert) call moves each way (hidden size x bytes per value);
+    # a volunteer serves at most its link / call_bytes calls per second; 0: only its compute counts
+    block_cells: int = 64  # with max_blocks > 1: most experts in each block but the last (bounds the search)
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_blocks < 1 or not 0 <= self.hot_share <= 1:
             raise ConfigError("need min_replicas >= 0, max_blocks >= 1, 0 <= hot_share <= 1")
-        if self.hub_max_rtt_s < 0 or self.max_load_s <= 0 or self.width_bonus < 0:
-            raise ConfigError("need hub_max_rtt_s >= 0, max_load_s > 0, width_bonus >= 0")
+        if self.hub_max_rtt_s < 0 or self.max_load_s <= 0 or self.width_bonus < 0 or self.call_bytes < 0:
+            raise ConfigError("need hub_max_rtt_s >= 0, max_load_s > 0, width_bonus >= 0, call_bytes >= 0")
+        if self.block_cells < 1:
+            raise ConfigError("block_cells must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -83,7 +110,7 @@ class Assignment:
     blocks: tuple[Block, ...]  # best first; empty if it cannot hold even one expert
     cells: int  # experts held in all
     bytes: int  # cells * expert_bytes; never above the volunteer's memory
-    score: Score  # (cover, redundancy, serve) sums under the state it was computed for
+    score: Score  # (cover, redundancy, demand, serve) sums under the state it was computed for
 
     def node_args(self) -> list[str]:
         """``--layers A-B --experts X-Y`` of the best block, for ``moeswarm node``.
@@ -127,7 +154,19 @@ class CellValues(NamedTuple):
 
     cover: np.ndarray
     redundancy: np.ndarray
+    demand: np.ndarray
     serve: np.ndarray
+
+
+def replica_targets(shape: ModelShape, supply: Supply, demand: Demand, capacity: int,
+                    config: AssignConfig = AssignConfig()) -> np.ndarray:
+    """``(L, E)`` replicas each expert should have once a volunteer of ``capacity`` experts joins:
+    ``target_replicas`` of demand over the swarm's slots, at least ``min_replicas`` when they allow."""
+    slots = supply.held_cells + capacity
+    target = target_replicas(demand.share, slots, floor=1)
+    if slots >= config.min_replicas * shape.cells:
+        target = np.maximum(target, config.min_replicas)
+    return target
 
 
 def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer,
@@ -136,25 +175,30 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
     k = capacity_cells(shape, volunteer, config) if capacity is None else capacity
     r = supply.replicas
     p = demand.share
-    need = np.where(r > 0, np.clip(config.min_replicas - r, 0, None), 0).astype(np.float64)
+    target = replica_targets(shape, supply, demand, k, config)
+    short = np.where(r > 0, np.clip(np.minimum(target, config.min_replicas) - r, 0, None), 0).astype(np.float64)
+    extra = np.where(r > 0, np.clip(target - np.maximum(r, config.min_replicas), 0, None), 0).astype(np.float64)
     hot = hot_mask(p, config.hot_share)
+    t = max(volunteer.serving_rate(config.call_bytes) / max(k, 1), 1e-12)
+    w = supply.throughput
+    floor = max(float(w.mean()), t) * 1e-3
+    serve = p * np.log1p(t / (w + floor))
     if effective_class(volunteer, config) == "hub":
-        t = max(volunteer.throughput / max(k, 1), 1e-12)
-        w = supply.throughput
-        floor = max(float(w.mean()), t) * 1e-3
-        serve = p * np.log1p(t / (w + floor))
         tier = np.where(hot, 1.0, OFF_TIER)
     else:
-        serve = np.where(hot, 0.0, 1.0 / (1.0 + np.maximum(r, 0)))
+        serve = np.where(hot, 0.0, serve)
         tier = np.where(hot, OFF_TIER, 1.0)
+        extra = np.where(hot, 0.0, extra)  # a phone's replica adds little throughput and a slow path
     top = float(serve.max())
     if top > 0:
         serve = serve / top
-    return CellValues(tier * (r <= 0), tier * need, serve)
+    return CellValues(tier * (r <= 0), tier * short, tier * extra, serve)
 
 
 def choose_rects(values: CellValues, capacity: int, config: AssignConfig = AssignConfig()) -> tuple[list[Rect], Score]:
     """Up to ``max_blocks`` disjoint rectangles, greedily best first, within ``capacity`` cells."""
+    if config.max_blocks > 1:
+        return _choose_signed(values, capacity, config)
     levels = [v.copy() for v in values]
     rects: list[Rect] = []
     score: Score = tuple(0.0 for _ in levels)
@@ -170,16 +214,64 @@ def choose_rects(values: CellValues, capacity: int, config: AssignConfig = Assig
     return rects, score
 
 
+def folded(values: CellValues, capacity: int) -> np.ndarray:
+    """The levels as one number per cell: a unit of a level outweighs everything the levels below
+    it add up to over ``capacity`` cells, so sums over blocks compare lexicographically."""
+    out = np.zeros_like(values[0])
+    weight, below = 1.0, 0.0  # below: the most the lower levels add up to in one cell, weighted
+    for level in reversed(values):
+        out += weight * level
+        below += weight * float(level.max(initial=0.0))
+        weight = capacity * below + 1.0
+    return out
+
+
+def _choose_signed(values: CellValues, capacity: int, config: AssignConfig) -> tuple[list[Rect], Score]:
+    """Up to ``max_blocks`` disjoint rectangles: first (all but one) each the best under the
+    opportunity cost (the ``capacity``-th best cell's value; the first always taken, later ones
+    only if worth it, each at most ``block_cells``), then the memory left goes to the rectangles
+    that cover or replicate most (uncovered experts first) without overlapping."""
+    v = folded(values, capacity)
+    flat = v.reshape(-1)
+    k = min(capacity, flat.size)
+    kth = float(np.partition(flat, flat.size - k)[flat.size - k]) if k > 0 else 0.0
+    below = flat[flat < kth]
+    cost = (kth + float(below.max())) / 2 if below.size else kth - 1.0  # the k best cells (and ties) gain
+    signed = v - cost
+    taken = -2.0 * (float(np.abs(signed).sum()) + 1.0)  # below any sum of untaken cells, yet exact in float64
+    rects: list[Rect] = []
+    left = capacity
+    while len(rects) < config.max_blocks - 1 and left > 0:
+        found = best_signed_rect(signed, min(left, config.block_cells))
+        if found is None or (rects and found[1] <= 0):
+            break
+        rect = found[0]
+        rects.append(rect)
+        left -= rect.cells
+        signed[rect.slices] = taken
+    # the rest of memory goes where it covers or replicates (levels 1-2), in the largest rectangles
+    # that hold most of it without overlapping the blocks taken
+    need = values.cover * (1.0 + capacity * float(values.redundancy.max(initial=0.0))) + values.redundancy
+    fill = np.where(signed == taken, -2.0 * (float(need.sum()) + 1.0) * max(capacity, 1), need)
+    while len(rects) < config.max_blocks and left > 0:
+        found = best_signed_rect(fill, left)
+        if found is None or found[1] <= 0:
+            break
+        rects.append(found[0])
+        left -= found[0].cells
+        fill[found[0].slices] = -2.0 * (float(need.sum()) + 1.0) * max(capacity, 1)
+    return rects, score_rects(values, rects, config)
+
+
 def score_rects(values: CellValues, rects: Sequence[Rect], config: AssignConfig = AssignConfig()) -> Score:
     """The score ``choose_rects`` gives these (disjoint) rectangles under ``values``."""
     E = values.serve.shape[1]
-    total = [0.0, 0.0, 0.0]
+    total = [0.0 for _ in values]
     for r in rects:
         w = r.e1 - r.e0 + 1
         bonus = 1.0 + config.width_bonus * ((w - 1) / (E - 1) if E > 1 else 0.0)
-        total[0] += float(values.cover[r.slices].sum())
-        total[1] += float(values.redundancy[r.slices].sum())
-        total[2] += float(values.serve[r.slices].sum()) * bonus
+        for i, level in enumerate(values):
+            total[i] += float(level[r.slices].sum()) * (bonus if i == len(values) - 1 else 1.0)
     return tuple(total)
 
 
@@ -193,7 +285,7 @@ def assign(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunte
         raise ConfigError("supply and demand must be grids of the model's shape")
     k = capacity_cells(shape, volunteer, config)
     if k < 1:
-        return Assignment((), 0, 0, (0.0, 0.0, 0.0))
+        return Assignment((), 0, 0, (0.0, 0.0, 0.0, 0.0))
     values = cell_values(shape, supply, demand, volunteer, config, capacity=k)
     rects, score = choose_rects(values, k, config)
     cells = sum(r.cells for r in rects)

@@ -235,3 +235,29 @@ def paint(grid: tuple[int, int], rects: np.ndarray, weights: np.ndarray) -> np.n
     np.add.at(diff, (r1, e1), weights)
     out: np.ndarray = np.cumsum(np.cumsum(diff, axis=0), axis=1)[:L, :E]
     return out
+
+
+def best_signed_rect(values: np.ndarray, capacity: int) -> tuple[Rect, float] | None:
+    """The rectangle of at most ``capacity`` cells with the largest sum of ``values`` (which may
+    be negative: a cell below the volunteer's opportunity cost), over every shape, and its sum.
+
+    Ties go to more cells, then the lowest row and column. O(capacity log capacity x L x E)
+    (every ``h x w`` with ``h * w <= capacity``). ``None`` if ``capacity < 1``.
+    """
+    L, E = values.shape
+    if capacity < 1:
+        return None
+    p = prefix_sum(values)
+    best: tuple[float, int, Rect] | None = None
+    for h in range(1, min(L, capacity) + 1):
+        rows = p[h:, :] - p[:-h, :]  # (L-h+1, E+1): column prefix sums of every h-row band
+        for w in range(1, min(E, capacity // h) + 1):
+            sums = rows[:, w:] - rows[:, :-w]
+            k = int(np.argmax(sums))
+            s = float(sums.flat[k])
+            tol = 1e-9 * max(1.0, abs(s))
+            if best is None or s > best[0] + tol or (s > best[0] - tol and h * w > best[1]):
+                i, j = divmod(k, sums.shape[1])
+                best = (s, h * w, Rect(i, i + h - 1, j, j + w - 1))
+    assert best is not None
+    return best[2], best[0]

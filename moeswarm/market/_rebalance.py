@@ -54,7 +54,7 @@ class MovePlan:
     source: tuple[Block, ...]
     target: tuple[Block, ...]
     steps: tuple[PlanStep, ...]
-    gain: float  # relative gain at the first score level that improved (new / current - 1; inf from 0)
+    gain: float  # gain at the first score level that improved (see ``rebalance``; inf from 0)
 
 
 def _covered(others: np.ndarray, shape: ModelShape, held: Sequence[Block]) -> np.ndarray:
@@ -141,8 +141,12 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     """Re-evaluate a node that holds ``current`` (included in ``supply``): a plan, or ``None`` to stay.
 
     The node's own contribution is taken out of ``supply``, the assignment is recomputed for
-    the rest of the swarm, and the node moves only if the best blocks score more than
-    ``1 + hysteresis`` times its current ones, it has not moved in the last
+    the rest of the swarm, and the node moves only if the best blocks beat its current ones at
+    the first level where they differ by more than ``hysteresis``: relatively for coverage
+    (``best / now - 1``, infinite from nothing), and for the other levels relative to the node's
+    size too (``(best - now) / max(now, k)`` for a node of ``k`` experts: a node of 100 experts
+    does not move to add one missing replica, which the next joiner adds anyway), it has not
+    moved in the last
     ``cooldown_epochs`` epochs, and a safe ``plan_move`` exists. With the state unchanged,
     a node that just moved stays: its new blocks are the best for the same values.
     """
@@ -156,10 +160,13 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     if sorted(best) == sorted(rects):
         return None
     now = score_rects(values, rects, assign_config)
-    if not better(best_score, now, config.hysteresis):
+    if not better(best_score, now):
         return None
     level = next(i for i, (a, b) in enumerate(zip(best_score, now)) if a > b)
-    gain = best_score[level] / now[level] - 1.0 if now[level] > 0 else float("inf")
+    base = now[level] if level == 0 else max(now[level], float(k))
+    gain = (best_score[level] - now[level]) / base if base > 0 else float("inf")
+    if gain <= config.hysteresis:
+        return None
     limit = int(k * (1.0 + config.transition_slack))
     return plan_move(shape, others.replicas, [shape.block(r) for r in rects], [shape.block(r) for r in best],
                      limit, gain)

@@ -1,4 +1,5 @@
-"""Assignment: within memory, covers everything given enough volunteers, hubs hot / edges tail."""
+"""Assignment: within memory, covers everything given enough volunteers, replicas follow demand, hubs hot /
+edges tail."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from moeswarm.market import (
     assign,
     capacity_cells,
     hot_mask,
+    replica_targets,
 )
 
 
@@ -68,22 +70,26 @@ def test_enough_volunteers_cover_every_expert_with_min_replicas(swarm: tuple[Mod
                                                                 seed: int) -> None:  # noqa: ARG001
     shape, demand, _ = swarm
     cfg = AssignConfig(min_replicas=min_replicas)
-    rng = np.random.default_rng(seed)
     supply = Supply.empty(shape)
-    for i in range(shape.cells * min_replicas):
-        v = pool[i % len(pool)]
+    # joiners hold >= 1 expert each: after cells * min_replicas of them the slots allow min_replicas
+    # everywhere, and from then on each one fixes an expert below it, so twice that many suffice
+    joiners = 0
+    while supply.replicas.min() < min_replicas:
+        assert joiners < 2 * shape.cells * min_replicas, "min_replicas not reached"
+        v = pool[joiners % len(pool)]
         v = Volunteer(max(v.memory_bytes, shape.expert_bytes), v.throughput, v.device_class, 1e12, v.rtt_s)
         before = supply.replicas.copy()
+        target = replica_targets(shape, supply, demand, capacity_cells(shape, v, cfg), cfg)
         a = assign(shape, supply, demand, v, cfg)
         rect = shape.rect(a.blocks[0])
         assert rect is not None
         if (before == 0).any():  # every joiner covers at least one uncovered expert while there is one
             assert (before[rect.slices] == 0).any()
-        elif (before < min_replicas).any():  # then one still short of replicas
-            assert (before[rect.slices] < min_replicas).any()
+        elif (before < np.minimum(target, min_replicas)).any():  # then one short of min(its target, min_replicas)
+            assert (before[rect.slices] < np.minimum(target, min_replicas)[rect.slices]).any()
         supply = supply.changed([rect], v.throughput, +1)
+        joiners += 1
     assert supply.coverage() == 1.0
-    assert supply.replicas.min() >= min_replicas
 
 
 def test_hubs_take_hot_experts_and_edge_devices_the_tail() -> None:
@@ -102,8 +108,21 @@ def test_hubs_take_hot_experts_and_edge_devices_the_tail() -> None:
         r = shape.rect(a.blocks[0])
         return float(demand.share[r.slices].sum()), int(hot[r.slices].sum())
 
-    assert share_hot(hub)[0] > 3 * share_hot(edge)[0]
-    assert share_hot(hub)[1] >= 4 and share_hot(edge)[1] == 0
+    # replicas follow demand: the hub's block gathers the most replicas that demand asks for beyond
+    # the two every expert has (replicas proportional to demand, computed here by sorting, not by the market)
+    slots = int(reps.sum()) + 8
+    order = np.argsort(-demand.share.reshape(-1))
+    c = slots / demand.share.sum()
+    while np.maximum(np.floor(c * demand.share), 1).sum() > slots:
+        c *= 0.999
+    deficit = np.clip(np.maximum(np.floor(c * demand.share), 2) - 2, 0, None)
+    assert deficit.reshape(-1)[order[0]] > 0
+    best = max(deficit[r0:r1 + 1, e0:e1 + 1].sum() for r0 in range(8) for r1 in range(r0, 8) for e0 in range(32)
+               for e1 in range(e0, 32) if (r1 - r0 + 1) * (e1 - e0 + 1) <= 8)
+    rect = shape.rect(hub.blocks[0])
+    assert rect is not None and deficit[rect.slices].sum() >= 0.9 * best
+    assert share_hot(hub)[0] > 2 * share_hot(edge)[0]
+    assert share_hot(hub)[1] >= 2 and share_hot(edge)[1] == 0
     assert far.blocks == edge.blocks  # a hub too far away is placed like an edge device
 
 

@@ -1,0 +1,488 @@
+"""The swarm at internet scale: a discrete-event model of volunteers joining, leaving and moving
+under the market's policy (``moeswarm.market``: ``assign`` for joiners, ``rebalance`` for the
+others), one event batch per epoch (an hour), everything per expert vectorised with numpy.
+
+Models (``_swarm_model.SHAPES``): MiniMax M3 (57 x 128 experts, top-4), DeepSeek-V3 / Kimi K2.5
+(58 x 256, top-8) and a 2T-parameter model (64 x 512, top-8; the arithmetic is printed). In the
+2T run one grid cell stands for 8 adjacent experts of a layer (every volunteer there holds >= 32
+experts), so its 10,000 volunteers move over a 64 x 64 grid.
+
+Volunteers come in three tiers (``_swarm_model.TIERS``): hubs on 200G-class links (sub-ms),
+homes on seed 000's measured office link (3.4 ms, 89 down / 49 up Mbit/s), phones behind the
+443 relay (30-80 ms, 3 Mbit/s up). What a volunteer serves is its compute or its upload,
+whichever is slower (``Volunteer.serving_rate``). Each epoch: 10% of the online volunteers leave
+at random, homes and phones follow a day/night cycle (three regions, 8 h apart), and in the
+scenarios that say so 10% more leave at once; as many new volunteers join as the cycle wants
+online, each placed by ``assign``; then a share of the others re-evaluate with ``rebalance``.
+
+Demand: the demo checkpoint's own routing, measured with the engine (``Model.observers``) on a
+few prompts; its relative imbalance (coefficient of variation of the experts' shares) is carried
+to the wider layers as the Zipf exponent with the same imbalance, in a random expert order per
+layer. The market sees it as counted by backbones (2M sampled calls per epoch). The shifting
+scenario re-ranks every layer's experts every 4 epochs (the top tenth swaps with random
+experts from the colder half).
+
+Per epoch: coverage right after departures and after repair, calls served under load-aware
+routing (utilisation 0.7: calls are 70% of what the volunteers could serve) next to an upper
+bound from a linear program (``served_bound``: no placement or routing can serve more), mean
+replicas per demand decile next to the ideal (replicas proportional to demand, at least one:
+an independent water-filling), nodes moved, decode tokens/s for a backbone of each tier (the
+tier planner's round-trip model, single user and a batch of 32), and settlement volume per
+holder tier (calls x expert FLOPs x the market's price multiplier).
+
+    .venv/bin/python benchmarks/swarm_sim.py [--quick] [--png-dir docs/swarm_sim]
+
+It prints one table per scenario, a summary, and last one JSON line of the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+import _swarm_model as sm  # noqa: E402
+from moeswarm import market as mk  # noqa: E402
+from moeswarm.market._grid import paint, prefix_sum, rect_sums  # noqa: E402
+
+UTILIZATION = 0.7
+BATCHES = (1, 32)
+REGIONS = ((-6.0, 0.3), (1.0, 0.3), (8.0, 0.4))  # (UTC offset, share of volunteers)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    label: str
+    shape: str  # key of sm.SHAPES
+    volunteers: int
+    ratio: float | None  # total memory / model size; None: what the tiers offer
+    epochs: int
+    warmup: int = 4  # epochs left out of the steady-state figures
+    sudden: tuple[int, ...] = ()  # epochs at which 10% of the online volunteers leave at once
+    shift_every: int = 0  # re-rank demand every this many epochs (0: never)
+    eval_share: float = 0.5  # volunteers re-evaluating per epoch
+    hub_blocks: int = 64  # blocks a hub-class volunteer may run (one node process each), one per 8 experts
+    bound: bool = True
+    hysteresis: float = mk.RebalanceConfig().hysteresis
+
+
+@dataclass
+class Node:
+    v: mk.Volunteer
+    tier: int
+    cfg: mk.AssignConfig
+    rects: list[mk.Rect]
+    moved_at: int = -99
+
+
+@dataclass
+class Swarm:
+    shape: sm.Shape
+    grid: mk.ModelShape
+    configs: list[mk.AssignConfig]  # per tier
+    rebalance: mk.RebalanceConfig
+    supply: mk.Supply
+    cells_per_block: int = 2
+    nodes: dict[int, Node] = field(default_factory=dict)
+    next_id: int = 0
+
+    def config(self, v: mk.Volunteer, tier: int) -> mk.AssignConfig:
+        """A hub-class volunteer runs up to one block per ``cells_per_block`` experts it holds
+        (``max_blocks`` caps it); an edge device one."""
+        cfg = self.configs[tier]
+        if cfg.max_blocks == 1:
+            return cfg
+        k = mk.capacity_cells(self.grid, v, cfg)
+        return replace(cfg, max_blocks=int(np.clip(k // self.cells_per_block, 1, cfg.max_blocks)))
+
+    def join(self, v: mk.Volunteer, tier: int, demand: mk.Demand, epoch: int) -> None:
+        cfg = self.config(v, tier)
+        a = mk.assign(self.grid, self.supply, demand, v, cfg)
+        rects = [r for r in (self.grid.rect(b) for b in a.blocks) if r is not None]
+        self.nodes[self.next_id] = Node(v, tier, cfg, rects, epoch)
+        self.next_id += 1
+        if rects:
+            self.supply = self.supply.changed(rects, v.throughput, +1)
+
+    def leave(self, nid: int) -> None:
+        node = self.nodes.pop(nid)
+        if node.rects:
+            self.supply = self.supply.changed(node.rects, node.v.throughput, -1)
+
+    def reconsider(self, nid: int, demand: mk.Demand, epoch: int) -> bool:
+        node = self.nodes[nid]
+        cfg = node.cfg
+        blocks = [self.grid.block(r) for r in node.rects]
+        plan = mk.rebalance(self.grid, self.supply, demand, node.v, blocks, assign_config=cfg, config=self.rebalance,
+                            epochs_since_move=epoch - node.moved_at)
+        if plan is None:
+            return False
+        others = self.supply.changed(node.rects, node.v.throughput, -1) if node.rects else self.supply
+        problems = mk.check_plan(self.grid, others.replicas, plan, mk.capacity_cells(self.grid, node.v, cfg))
+        if problems:
+            raise RuntimeError(f"unsafe move plan: {problems}")
+        new = [r for r in (self.grid.rect(b) for b in plan.target) if r is not None]
+        self.supply = others.changed(new, node.v.throughput, +1) if new else others
+        node.rects, node.moved_at = new, epoch
+        return True
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(rects (R, 4), owner (R,), rate (N,), slots (N,), tier (N,)) of the live nodes."""
+        nodes = list(self.nodes.values())
+        rects = np.array([r for n in nodes for r in n.rects], dtype=np.int64).reshape(-1, 4)
+        owner = np.array([i for i, n in enumerate(nodes) for _ in n.rects], dtype=np.int64)
+        rate = np.array([max(n.v.serving_rate(self.shape.call_bytes), 1e-9) for n in nodes])
+        slots = np.array([mk.capacity_cells(self.grid, n.v, n.cfg) for n in nodes])
+        return rects, owner, rate, slots, np.array([n.tier for n in nodes])
+
+
+def online_share(tier: sm.Tier, hour: float) -> float:
+    """Share of a tier's volunteers online at this UTC hour (evenings up, nights down)."""
+    return sum(w * (1 - tier.diurnal * (1 - math.cos(2 * math.pi * (hour + off - 21) / 24)) / 2) for off, w in REGIONS)
+
+
+def ideal_replicas(truth: np.ndarray, slots: int) -> np.ndarray:
+    """Replicas proportional to demand, at least 1 each, ``slots`` in all (bisection on the scale;
+    written apart from the market's ``target_replicas`` so that it checks it)."""
+    p = truth.reshape(-1)
+    lo, hi = 0.0, float(slots) / p.min()
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if np.maximum(np.floor(mid * p), 1).sum() > slots:
+            hi = mid
+        else:
+            lo = mid
+    out: np.ndarray = np.maximum(np.floor(lo * p), 1).reshape(truth.shape)
+    return out
+
+
+def deciles(replicas: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """Mean replicas of each demand decile, hottest first."""
+    order = np.argsort(-truth.reshape(-1), kind="stable")
+    return np.array([part.mean() for part in np.array_split(replicas.reshape(-1)[order].astype(np.float64), 10)])
+
+
+def shift(rng: np.random.Generator, truth: np.ndarray) -> np.ndarray:
+    """Every layer's hottest tenth swaps demand with random experts of its colder half."""
+    out = truth.copy()
+    L, E = out.shape
+    top = max(1, E // 10)
+    for layer in range(L):
+        order = np.argsort(-out[layer])
+        hot, cold = order[:top], rng.choice(order[E // 2:], size=top, replace=False)
+        out[layer, hot], out[layer, cold] = out[layer, cold].copy(), out[layer, hot].copy()
+    return out
+
+
+def decode_table(swarm: Swarm, truth: np.ndarray, rng: np.random.Generator, rects: np.ndarray,
+                 owner: np.ndarray, tier_of: np.ndarray) -> dict[str, list[float]]:
+    """Tokens/s for a backbone of each tier, at each batch size, with this placement."""
+    grid = swarm.grid.grid
+    held = [paint(grid, rects[tier_of[owner] == t], np.ones(int((tier_of[owner] == t).sum()))) > 0.5
+            if (tier_of[owner] == t).any() else np.zeros(grid, dtype=bool) for t in range(len(sm.TIERS))]
+    out = {}
+    for bt in sm.TIERS:
+        best = []
+        for batch in BATCHES:
+            tokens = max(1, batch * swarm.shape.top_k // swarm.shape.experts)
+            cell = np.full(grid, np.inf)
+            for t, ht in enumerate(sm.TIERS):
+                secs = sm.path_seconds(bt, ht, float(np.mean(ht.rtt_s)), tokens, swarm.shape)
+                cell = np.where(held[t], np.minimum(cell, secs), cell)
+            best.append(np.where(np.isfinite(cell), cell, 0.0))  # calls nobody can serve: see calls_with_replica
+        out[bt.name] = sm.decode_rates(rng, swarm.shape, truth, best, BATCHES)
+    return out
+
+
+def measure(swarm: Swarm, truth: np.ndarray, epoch: int, moved: int, cov_left: float, bound: bool,
+            prices: mk.PriceTable | None, demand: mk.Demand, rng: np.random.Generator) -> tuple[dict, mk.PriceTable]:
+    rects, owner, rate, slots, tier_of = swarm.arrays()
+    calls = truth * UTILIZATION * rate.sum()
+    served, per_node = sm.routed(swarm.grid, calls, rects, owner, rate)
+    r = swarm.supply.replicas
+    ideal = ideal_replicas(truth, int(r.sum()))
+    dec, idec = deciles(r, truth), deciles(ideal, truth)
+    table = mk.compute_prices(swarm.grid, demand, swarm.supply, epoch=epoch, previous=prices)
+    m = table.multipliers.astype(np.float64)
+    node_price = np.ones(len(rate))
+    if len(rects):
+        price_sum = np.bincount(owner, rect_sums(prefix_sum(m), rects), minlength=len(rate))
+        cells = np.bincount(owner, (rects[:, 1] - rects[:, 0] + 1) * (rects[:, 3] - rects[:, 2] + 1), minlength=len(rate))
+        node_price = np.divide(price_sum, cells, out=np.ones(len(rate)), where=cells > 0)
+    flops = 2.0 * swarm.shape.expert_params
+    credits = [float((per_node * node_price)[tier_of == t].sum() * flops * 3600 / 1e18) for t in range(len(sm.TIERS))]
+    row = {
+        "epoch": epoch, "nodes": len(rate), "coverage_left": cov_left, "coverage": swarm.supply.coverage(),
+        "calls_with_replica": float(truth[r > 0].sum()), "served": served,
+        "bound": sm.served_bound(calls, rate, slots) if bound else float("nan"),
+        "deciles": dec.tolist(), "ideal_deciles": idec.tolist(),
+        "deciles_by_tier": [deciles(paint(swarm.grid.grid, rects[tier_of[owner] == t],
+                                          np.ones(int((tier_of[owner] == t).sum()))), truth).tolist()
+                            for t in range(len(sm.TIERS))],
+        "ratio": float(dec[0] / max(dec[-1], 1e-9)), "ideal_ratio": float(idec[0] / max(idec[-1], 1e-9)),
+        "moved": moved / max(1, len(rate)), "credits_eflop": credits,
+        "calls_by_tier": [float(per_node[tier_of == t].sum()) for t in range(len(sm.TIERS))],
+        "blocks_per_node": len(rects) / max(1, len(rate)),
+        "layers_per_node": float(np.mean([len({i for r in n.rects for i in range(r.r0, r.r1 + 1)})
+                                          for n in swarm.nodes.values()])),  # expert-EFLOP x multiplier per hour, per tier
+        "decode": decode_table(swarm, truth, rng, rects, owner, tier_of),
+    }
+    return row, table
+
+
+def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    shape = sm.SHAPES[sc.shape]
+    grid = shape.market()
+    truth = sm.grouped(sm.zipf_grid(rng, shape.layers, shape.experts, trace_s), shape.group)
+    natural = sm.volunteers(np.random.default_rng(seed + 1), sm.draw_tiers(np.random.default_rng(seed + 1), sc.volunteers),
+                            shape, 1.0)
+    scale = 1.0 if sc.ratio is None else sc.ratio * grid.total_bytes / sum(v.memory_bytes for v in natural)
+    configs = [mk.AssignConfig(max_blocks=sc.hub_blocks if t.device_class == "hub" else 1, call_bytes=shape.call_bytes)
+               for t in sm.TIERS]
+    swarm = Swarm(shape, grid, configs, mk.RebalanceConfig(hysteresis=sc.hysteresis), mk.Supply.empty(grid))
+    base = np.array([t.share for t in sm.TIERS]) / sum(t.share for t in sm.TIERS) * sc.volunteers
+    mean_on = np.array([np.mean([online_share(t, h) for h in range(24)]) for t in sm.TIERS])
+
+    def demand_now() -> mk.Demand:
+        return mk.Demand.from_counts(rng.multinomial(2_000_000, truth.reshape(-1)).reshape(grid.grid).astype(float))
+
+    def draw(tier: int, n: int) -> list[mk.Volunteer]:
+        return sm.volunteers(rng, np.full(n, tier), shape, scale)
+
+    demand = demand_now()
+    first = [(t, v) for t in range(len(sm.TIERS))
+             for v in draw(t, int(round(base[t] * online_share(sm.TIERS[t], 0) / mean_on[t])))]
+    for k in rng.permutation(len(first)):  # the first volunteers arrive in random order
+        swarm.join(first[k][1], first[k][0], demand, -99)
+    if not quiet:
+        print(f"\n## {sc.label}: {sm.SHAPES[sc.shape].arithmetic()}")
+        cap = sum(n.v.memory_bytes for n in swarm.nodes.values()) / grid.total_bytes
+        print(f"{len(swarm.nodes)} volunteers online at the start, memory {cap:.1f}x the model; "
+              f"demand Zipf {trace_s:.2f} per layer; hubs run up to {sc.hub_blocks} blocks")
+        print(f"{'epoch':>5} {'nodes':>6} {'cov-left':>8} {'coverage':>8} {'served':>7} {'bound':>7} {'hot/cold':>8} "
+              f"{'ideal':>6} {'moved':>6} {'tok/s home 1 | 32':>18} {'credits hub/home/phone':>24}")
+    rows: list[dict] = []
+    prices = None
+    for epoch in range(sc.epochs):
+        hour = float(epoch % 24)
+        if sc.shift_every and epoch and epoch % sc.shift_every == 0:
+            truth = shift(rng, truth)
+        demand = demand_now()
+        ids = list(swarm.nodes)
+        leaving = set(rng.choice(ids, size=int(0.1 * len(ids)), replace=False).tolist()) if epoch else set()
+        if epoch in sc.sudden:
+            rest = [i for i in ids if i not in leaving]
+            leaving |= set(rng.choice(rest, size=int(0.1 * len(ids)), replace=False).tolist())
+        for t in range(len(sm.TIERS)):  # the day/night cycle takes more of a tier offline
+            want = int(round(base[t] * online_share(sm.TIERS[t], hour) / mean_on[t]))
+            mine = [i for i in ids if swarm.nodes[i].tier == t and i not in leaving]
+            if len(mine) > want:
+                leaving |= set(rng.choice(mine, size=len(mine) - want, replace=False).tolist())
+        for nid in leaving:
+            swarm.leave(nid)
+        cov_left = swarm.supply.coverage()
+        joiners = []
+        for t in range(len(sm.TIERS)):
+            want = int(round(base[t] * online_share(sm.TIERS[t], hour) / mean_on[t]))
+            have = sum(1 for n in swarm.nodes.values() if n.tier == t)
+            joiners += [(t, v) for v in draw(t, max(0, want - have))]
+        for k in rng.permutation(len(joiners)):
+            swarm.join(joiners[k][1], joiners[k][0], demand, epoch)
+        moved = 0
+        if epoch:
+            for nid in [i for i in list(swarm.nodes) if rng.random() < sc.eval_share]:
+                moved += swarm.reconsider(nid, demand, epoch)
+        row, prices = measure(swarm, truth, epoch, moved, cov_left, sc.bound, prices, demand, rng)
+        rows.append(row)
+        if not quiet:
+            c = row["credits_eflop"]
+            tot = sum(c) or 1.0
+            print(f"{epoch:>5} {row['nodes']:>6} {row['coverage_left']:>8.3%} {row['coverage']:>8.3%} "
+                  f"{row['served']:>7.2%} {row['bound']:>7.2%} {row['ratio']:>8.2f} {row['ideal_ratio']:>6.2f} "
+                  f"{row['moved']:>6.2%} {row['decode']['home'][0]:>8.2f} | {row['decode']['home'][1]:>7.1f} "
+                  f"{c[0] / tot:>8.0%}/{c[1] / tot:.0%}/{c[2] / tot:.0%}")
+    return rows
+
+
+def steady(rows: list[dict], warmup: int) -> dict[str, float]:
+    rs = rows[warmup:]
+    out = {k: float(np.nanmean([r[k] for r in rs])) for k in ("coverage", "coverage_left", "served", "bound", "ratio",
+                                                              "ideal_ratio", "moved", "calls_with_replica")}
+    out["coverage_min"] = min(r["coverage"] for r in rows)
+    out["coverage_left_min"] = min(r["coverage_left"] for r in rows)
+    out["moved_max"] = max(r["moved"] for r in rs)
+    out["served_over_bound"] = float(np.nanmean([r["served"] / r["bound"] for r in rs]))
+    return out
+
+
+def summary(results: dict[str, tuple[Scenario, list[dict]]]) -> str:
+    lines = ["| scenario | volunteers | coverage min (right after departures) | calls served / LP bound "
+             "| replicas hottest / coldest decile (ideal) | nodes moving per epoch: mean (max) "
+             "| decode tok/s, home backbone: 1 user / batch 32 | settlement hub / home / phone |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, (sc, rows) in results.items():
+        s = steady(rows, sc.warmup)
+        last = rows[-1]
+        c = np.mean([r["credits_eflop"] for r in rows[sc.warmup:]], axis=0)
+        tot = c.sum() or 1.0
+        bound = f"{s['served']:.1%} / {s['bound']:.1%} = {s['served_over_bound']:.0%}" if sc.bound else f"{s['served']:.1%}"
+        lines.append(f"| {label} | {sc.volunteers:,} | {s['coverage_min']:.2%} ({s['coverage_left_min']:.2%}) | {bound} "
+                     f"| {s['ratio']:.2f} ({s['ideal_ratio']:.2f}) | {s['moved']:.2%} ({s['moved_max']:.2%}) "
+                     f"| {last['decode']['home'][0]:.2f} / {last['decode']['home'][1]:.1f} "
+                     f"| {c[0] / tot:.0%} / {c[1] / tot:.0%} / {c[2] / tot:.0%} |")
+    return "\n".join(lines)
+
+
+# measured elsewhere in this repository (the figures the limits below are computed from)
+DHT_GET_S = 0.25  # py-libp2p get_value, 12 nodes on loopback (shared/spikes/libp2p); 0.52 s at 20 nodes
+ANNOUNCE_EVERY_S = 240.0  # AnnounceConfig.interval_s: each node re-puts its record and re-provides its layers
+DISCOVERY_EVERY_S = 10.0  # Discovery.interval_s: a backbone re-reads every holder's record
+RELAY_BPS = 311e6  # one relay forwards 311 MB/s per direction (benchmarks/relay.py, 16 devices)
+KADEMLIA_K, KADEMLIA_ALPHA = 20, 3
+
+
+def limits(rows: list[dict], shape: sm.Shape, sizes: tuple[int, ...] = (1_000, 10_000, 100_000)) -> str:
+    """What limits the swarm as it grows, from the 2T run's last epoch scaled to ``sizes`` volunteers."""
+    last = rows[-1]
+    blocks, layers = last["blocks_per_node"], last["layers_per_node"]
+    calls = np.array(last["calls_by_tier"])
+    phone_share = calls[2] / max(calls.sum(), 1e-9)
+    lines = ["| volunteers | records a backbone reads per discovery pass | one pass at 0.25 s per DHT get "
+             "| DHT reads per second per backbone (every 10 s) | announcement: DHT writes per node per hour "
+             "(messages) | relay traffic (phones' calls) | relays at 311 MB/s |",
+             "|---|---|---|---|---|---|---|"]
+    for n in sizes:
+        scale = n / max(last["nodes"], 1)
+        records = n * blocks
+        hops = math.log2(max(n, 2))
+        writes = 3600 / ANNOUNCE_EVERY_S * (blocks + layers)  # put the record(s), provide every MoE layer held
+        msgs = writes * (KADEMLIA_ALPHA * hops + KADEMLIA_K)
+        relay = calls[2] * scale * 2 * shape.call_bytes  # hidden state in and out per call
+        lines.append(f"| {n:,} | {records:,.0f} | {records * DHT_GET_S / 60:,.0f} min "
+                     f"| {(shape.layers + records) / DISCOVERY_EVERY_S:,.0f} | {writes:,.0f} ({msgs:,.0f}) "
+                     f"| {relay / 1e6:,.0f} MB/s ({phone_share:.1%} of calls) | {math.ceil(relay / RELAY_BPS)} |")
+    return "\n".join(lines)
+
+
+def plots(results: dict[str, tuple[Scenario, list[dict]]], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, (sc, rows) in results.items():
+        if sc.ratio is not None and not sc.shift_every:
+            dec = np.mean([r["deciles"] for r in rows[sc.warmup:]], axis=0)
+            ax.plot(range(1, 11), dec, marker="o", label=f"{label}: market")
+            ax.plot(range(1, 11), np.mean([r["ideal_deciles"] for r in rows[sc.warmup:]], axis=0), ls="--",
+                    label=f"{label}: ideal (proportional to demand)")
+    ax.set(xlabel="demand decile (1 = hottest tenth of experts)", ylabel="mean replicas", yscale="log",
+           title="Replicas by demand decile (steady state)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(folder / "replicas_by_decile.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for label, (sc, rows) in results.items():
+        ep = [r["epoch"] for r in rows]
+        axes[0].plot(ep, [100 * r["coverage"] for r in rows], label=f"{label}: after repair")
+        axes[0].plot(ep, [100 * r["coverage_left"] for r in rows], ls=":", label=f"{label}: right after departures")
+        if sc.bound:
+            axes[1].plot(ep, [r["served"] / r["bound"] for r in rows], label=label)
+    axes[0].axhline(99.9, color="k", lw=0.5)
+    axes[0].set(xlabel="epoch (hour)", ylabel="experts with a holder, %", title="Coverage under churn")
+    axes[1].set(xlabel="epoch (hour)", ylabel="calls served / LP upper bound", title="Calls served", ylim=(0, 1.05))
+    for a in axes:
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(folder / "coverage_and_served.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [t.name for t in sm.TIERS]
+    width = 0.8 / max(1, len(results))
+    for i, (label, (_, rows)) in enumerate(results.items()):
+        ax.bar(np.arange(len(names)) + i * width, [rows[-1]["decode"][n][0] for n in names], width, label=label)
+    ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, [f"{n} backbone" for n in names])
+    ax.set(ylabel="decode tokens/s, one user", yscale="log", title="Predicted decode speed (tier planner's model)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(folder / "decode_by_tier.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    return written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer epochs and volunteers (a smoke run)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--png-dir", default="docs/swarm_sim", help="where the PNG plots go")
+    ap.add_argument("--only", default="", help="comma-separated scenario labels to run (default: all)")
+    ap.add_argument("--hysteresis", type=float, default=mk.RebalanceConfig().hysteresis,
+                    help="RebalanceConfig.hysteresis for every scenario")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    counts = sm.measured_routing(tokens=16 if args.quick else 48)
+    cv = sm.skew(counts)
+    print(f"demand: the demo checkpoint's routing, {int(counts.sum())} routed calls over {counts.shape[0]} layers x "
+          f"{counts.shape[1]} experts: coefficient of variation {cv:.2f} (hottest expert {counts.max(axis=1).mean() / counts.sum(axis=1).mean():.0%} of its layer's calls)")
+    q = args.quick
+    scenarios = [
+        Scenario("M3 1.5x", "m3", 300 if q else 1000, 1.5, 6 if q else 12),
+        Scenario("M3 1.5x shifting", "m3", 300 if q else 1000, 1.5, 6 if q else 12, shift_every=4),
+        Scenario("DeepSeek-V3 1.5x", "dsv3", 300 if q else 1000, 1.5, 5 if q else 6, warmup=3),
+        Scenario("2T natural", "2t", 2000 if q else 10_000, None, 8 if q else 24, sudden=(5,) if q else (12,),
+                 eval_share=0.1, hub_blocks=1, warmup=2),
+    ]
+    scenarios = [replace(s, hysteresis=args.hysteresis) for s in scenarios]
+    if args.only:
+        keep = set(args.only.split(","))
+        scenarios = [s for s in scenarios if s.label in keep]
+    results: dict[str, tuple[Scenario, list[dict]]] = {}
+    for sc in scenarios:
+        s_zipf = sm.zipf_matching(cv, sm.SHAPES[sc.shape].experts)
+        t = time.perf_counter()
+        results[sc.label] = (sc, run(sc, s_zipf, args.seed))
+        print(f"({time.perf_counter() - t:.0f} s)")
+    seconds = time.perf_counter() - t0
+    print("\n" + summary(results))
+    for label, (sc, rows) in results.items():
+        if sc.shape == "2t":
+            print(f"\nlimits, from the last epoch of '{label}' ({rows[-1]['blocks_per_node']:.1f} blocks and "
+                  f"{rows[-1]['layers_per_node']:.1f} MoE layers per node), scaled:\n")
+            print(limits(rows, sm.SHAPES[sc.shape]))
+    for path in plots(results, Path(args.png_dir)):
+        print(f"plot: {path}")
+    m3 = steady(results["M3 1.5x"][1], results["M3 1.5x"][0].warmup) if "M3 1.5x" in results else {}
+    big = [r for label, (sc, rows) in results.items() if sc.shape == "2t" for r in rows]
+    print(json.dumps({
+        "hot_cold_replica_ratio": round(m3.get("ratio", float("nan")), 3),
+        "ideal_hot_cold_ratio": round(m3.get("ideal_ratio", float("nan")), 3),
+        "served_over_bound": round(m3.get("served_over_bound", float("nan")), 3),
+        "moved_per_epoch": round(m3.get("moved", float("nan")), 4),
+        "coverage_min_2t": round(min((r["coverage"] for r in big), default=float("nan")), 5),
+        "seconds": round(seconds, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()
