@@ -31,9 +31,14 @@ class RuntimeConfig:
 
 
 def session_options(config: RuntimeConfig) -> ort.SessionOptions:
+    from ..model._qkernels import global_pool_active
+
     so = ort.SessionOptions()
-    so.intra_op_num_threads = config.threads
-    so.inter_op_num_threads = 1
+    if global_pool_active():  # the quantized kernels made onnxruntime's global pool: every session shares it
+        so.use_per_session_threads = False
+    else:
+        so.intra_op_num_threads = config.threads
+        so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.add_session_config_entry("session.inter_op.allow_spinning", "0")

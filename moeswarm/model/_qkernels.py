@@ -256,6 +256,12 @@ def set_threads(n: int) -> None:
     _THREADS["intra"] = max(0, int(n))
 
 
+def global_pool_active() -> bool:
+    """Whether this process's onnxruntime runs on the kernels' global thread pool: once it does,
+    every other session in the process (e.g. a bridge's ONNX shards) must use it too."""
+    return _env_ready is True
+
+
 def _session(model_bytes: bytes):  # type: ignore[no-untyped-def]
     global _env_ready
     import onnxruntime as ort
@@ -423,4 +429,4 @@ class KernelExpert:
         return self._ffn(x)
 
 __all__ = ["Activation", "IQ4_VALUES", "KernelExpert", "Packed", "QExpertFFN", "QLinear", "REPACKERS", "pack", "packable",
-           "repack", "repacker", "set_threads"]
+           "global_pool_active", "repack", "repacker", "set_threads"]
