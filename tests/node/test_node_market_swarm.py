@@ -45,7 +45,7 @@ def test_auto_assignment_covers_the_model_and_settles_at_market_prices(tmp_path:
                 for e in range(d.info["experts"][0], d.info["experts"][1] + 1) if L in moe}
         assert held == {(L, e) for L in moe for e in range(cfg.num_experts)}
         assert all(d.info["layers"] != [0, cfg.num_layers - 1] or d.info["experts"] != [0, cfg.num_experts - 1]
-                   for d in daemons)  # nobody simply took the whole model
+                   for d in daemons), [(d.info["layers"], d.info["experts"]) for d in daemons]  # nobody took it all
 
         receipts: list = []
 
@@ -75,15 +75,17 @@ def test_auto_assignment_covers_the_model_and_settles_at_market_prices(tmp_path:
             stop_daemon(d)
 
     now = [int(time.time() * 1000)]
-    ledger = Ledger(StoreConfig(str(tmp_path / "ledger.db"), create=True, epoch_s=3600), Identity.generate(),
-                    clock=lambda: now[0])
-    ledger.register_model(model_id, LedgerShape(cfg.hidden_size, cfg.moe_intermediate_size))
-    results = ledger.ingest(receipts)
-    assert all(r.status == "accepted" for r in results) and len(results) == len(receipts) > 0
     price = PerExpertPrice(lambda m, layer, e, t: table.price(m, layer, e, table.epoch))  # type: ignore[attr-defined]
+    ledger = Ledger(StoreConfig(str(tmp_path / "ledger.db"), create=True, epoch_s=3600), Identity.generate(),
+                    clock=lambda: now[0], pricing=price)  # each receipt's price is fixed when it is appended
+    ledger.register_model(model_id, LedgerShape(cfg.hidden_size, cfg.moe_intermediate_size))
+    for client in {cr.receipt.client for cr in receipts}:  # the backbone pays with credit the operator granted
+        ledger.grant(client, 10**15)
+    results = ledger.ingest(receipts)
+    assert all(r.status == "accepted" for r in results) and len(results) == len(receipts) > 0, results[:3]
     epoch = now[0] // 3_600_000  # the epoch the receipts were received in
     now[0] += 3_600_000  # ... has ended an hour later
-    statement = settle_epoch(ledger, epoch, price)
+    statement = settle_epoch(ledger, epoch)
     paid = {b.server: b.credits for b in statement.balances}
     assert set(paid) == {peer_id_from_str(d.info["peer_id"]) for d in daemons}
     expected: dict[bytes, int] = {}
