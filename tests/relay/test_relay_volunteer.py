@@ -15,6 +15,7 @@ import os
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -47,8 +48,19 @@ async def edge_cases(conf: Any, endpoint: str, ca: str, shards: Path, model_id: 
     import numpy as np
 
     from moeswarm.mobile_bridge import OnnxShards
-    from moeswarm.protocol import (ClientHandshake, Error, ExpertRequest, ExpertResponse, ExpertRows, Identity, Ping,
-                                   Pong, check_response, decode, frame)
+    from moeswarm.protocol import (
+        ClientHandshake,
+        Error,
+        ExpertRequest,
+        ExpertResponse,
+        ExpertRows,
+        Identity,
+        Ping,
+        Pong,
+        check_response,
+        decode,
+        frame,
+    )
 
     url, device = conf.parse_relay_endpoint(endpoint)
     seen: dict[str, Any] = {}
@@ -269,7 +281,9 @@ def test_a_swarm_with_experts_held_only_by_a_browser_generates_the_engine_tokens
 
         tokens, used, receipts, bad = asyncio.run(main())
         served = device.call(lambda page: page.evaluate("window.volunteer.device.stats.calls"))
-        device.call(lambda page: page.screenshot(path=str(REPO / "docs/volunteer.png")))
+        shot = REPO / "docs/volunteer.png" if os.environ.get("MOESWARM_README_SCREENSHOT") else Path(
+            os.environ.get("MOESWARM_ARTIFACTS", tempfile.gettempdir())) / "volunteer.png"  # the README's: on request
+        device.call(lambda page: page.screenshot(path=str(shot)))
     assert tokens == ref.greedy_tokens
     assert browser in used and bad == 0
     mine = [cr for cr in receipts if cr.receipt.server == browser]
