@@ -49,8 +49,9 @@ def test_eight_concurrent_completions_equal_each_alone() -> None:
                                              "--verify-fraction", "0", "--probation-calls", "0"])
         try:
             url, pid = backbone.info["http"], backbone.process.pid
-            complete(url, "warm up")  # connections to the holders, first-touch pages of the model
-            warm_peak = rss_kb(pid, "VmHWM")  # the model, the runtime, one generation
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:  # connections, first-touch pages of the model, and
+                list(pool.map(lambda i: complete(url, f"warm up {i}"), range(len(PROMPTS))))  # a full batch's buffers
+            warm_peak = rss_kb(pid, "VmHWM")  # the model, the runtime, one batch of eight's working memory
             calls0 = get(url + "/status")["dispatch"]["calls"]
             alone = [complete(url, p) for p in PROMPTS]
             calls1 = get(url + "/status")["dispatch"]["calls"]
