@@ -6,7 +6,7 @@ since gguf-py cannot encode those types."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +22,12 @@ from moeswarm.model.experts import F32Cache, expert_ffn
 from moeswarm.model.gguf import QuantizedTensor
 from moeswarm.model.synthetic import random_mixtral
 from moeswarm.model.transformer import Model
-from moeswarm.model.weights import ExpertWeights, Weights
+from moeswarm.model.weights import ExpertWeights
+
+from gguf_reference import LOGIT_TOL, dequantised
 
 PROMPT = [3, 17, 250, 41, 9, 88, 123, 7, 301, 64, 2, 99, 480, 5, 16, 200]
 N_DECODE = 8
-# int8 activations (as llama.cpp's Q8 activations) through 2 layers: measured 0.7-1.3 % of the largest logit;
-# a wrong block layout or scale gives errors of the logits' own size.
-LOGIT_TOL = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +77,6 @@ def write(folder: Path, out: Path, backbone: str, gate_up: str | None = None, do
                 plans[i] = Encoded(p.name, Q[name], p.shape, parts)
     write_gguf(out, w, plans, {"config.json": (folder / "config.json").read_text()})
     return out
-
-
-def dequantised(w: Weights) -> Model:
-    """The reference path: every quantized weight decoded once by gguf-py, then float32 numpy."""
-    dense = {k: np.asarray(a) if isinstance(a, QuantizedTensor) else a for k, a in w.tensors.items()}
-    experts = {L: {e: replace(x, **{p: np.asarray(getattr(x, p)) for p in ("gate", "up", "down")})
-                   for e, x in layer.items()} for L, layer in w.experts.items()}
-    return Model(replace(w, tensors=dense, experts=experts))
 
 
 def run(model: Model, tokens: list[int] | None = None) -> tuple[np.ndarray, list[int]]:

@@ -9,15 +9,30 @@ import numpy as np
 import pytest
 
 from moeswarm.model import ARCHITECTURES, SamplingParams, generate, load_model
+from moeswarm.model._qkernels import packable
 from moeswarm.model.gguf import GGUF_ARCH, QuantizedTensor
 from moeswarm.model import load_weights
 from moeswarm.model.transformer import Model
+
+from gguf_reference import LOGIT_TOL, dequantised
 
 FP16_EPS = 2.0**-11  # largest relative rounding error of one weight stored as fp16
 # Each weight rounds by at most FP16_EPS relative; through the few matmuls of these 2-3 layer models
 # the logit error measured 1.0-2.0 x FP16_EPS x max|logit| (2e-3 to 4e-3 on logits up to ~4).  8x leaves room
 # while staying far below the gaps a wrong tensor would cause (~1).
 F16_TOL_FACTOR = 8.0
+# The worst rounding of one stored weight, relative to the largest |weight| of its block (F16/BF16: to
+# itself), from gguf-py's encoders: Q8_0 d = amax/127 (error <= d/2); Q5_0 d = amax/16; Q4_0 d = amax/8; Q5_1 and
+# Q4_1 d = (max - min)/31 and /15 <= 2 amax/31 and 2 amax/15.
+WEIGHT_EPS = {"F32": 0.0, "F16": 2.0**-11, "BF16": 2.0**-8, "Q8_0": 1 / 254, "Q5_0": 1 / 32, "Q5_1": 1 / 31,
+              "Q4_0": 1 / 16, "Q4_1": 1 / 15}
+# Block-quantized matrices run on MatMulNBits with int8 activations (as llama.cpp's Q8 activations): one more
+# rounding of amax/254 per block of activations.
+ACT_EPS = 1 / 254
+# The logits' error in units of (that precision x max|logit|), measured against transformers: 0.6-1.5 with only the
+# experts quantized, 2.3-14.4 with every matrix (embeddings, attention, LM head) rounded.  16 leaves no room for
+# a wrong tensor or block layout at 8 bits (errors of the logits' own size, 30-250 units).
+QUANT_TOL_FACTOR = 16.0
 FP32_NOISE = 1e-5  # same weights, different memory layout: matmul rounding only (pitfall 9)
 N_RANDOM_PROMPTS = 15
 N_NEW = 8
@@ -29,6 +44,20 @@ def run_logits(model: Model, ref) -> np.ndarray:  # type: ignore[no-untyped-def]
     prefill = model.forward(np.asarray([ref.prompt_ids]), cache)[0]
     decode = [model.forward(np.asarray([[t]]), cache)[0, -1] for t in ref.decode_tokens]
     return np.concatenate([prefill, np.stack(decode)])
+
+
+def assert_within_precision(logits: np.ndarray, ref, weight_type: str, label: str) -> float:  # type: ignore[no-untyped-def]
+    """Elementwise against transformers' fp32 logits: within ``QUANT_TOL_FACTOR`` x the type's precision x
+    max|logit| (F32: matmul rounding only).  Returns the largest difference."""
+    expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
+    diff = float(np.abs(logits - expected).max())
+    eps = WEIGHT_EPS[weight_type] + (ACT_EPS if weight_type.startswith("Q") else 0.0)
+    bound = QUANT_TOL_FACTOR * eps * float(np.abs(expected).max()) if eps else 1e-4
+    print(f"{label}: max |logit diff| vs transformers fp32 {diff:.3g} = "
+          f"{diff / (eps * np.abs(expected).max()) if eps else 0:.2f} x precision x max|logit| (bound {bound:.3g})")
+    assert np.isfinite(logits).all()
+    assert diff <= bound, (label, diff, bound)
+    return diff
 
 
 def rounded(folder, dtype=np.float16) -> Model:  # type: ignore[no-untyped-def]
@@ -116,19 +145,12 @@ def test_q8_0_greedy_tokens_on_the_prompt_set(oracle_checkpoints, gguf_checkpoin
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_q4_0_loads_and_runs(oracle_checkpoints, gguf_checkpoints, arch: str) -> None:
+def test_q4_0_experts_within_their_precision(oracle_checkpoints, gguf_checkpoints, arch: str) -> None:
     _, ref = oracle_checkpoints.get(arch, "per_expert")
     model = load_model(gguf_checkpoints.get(arch, "F16", "Q4_0"))
     gate = model.weights.experts[0][1].gate
     assert isinstance(gate, QuantizedTensor) and gate.nbytes == gate.size * 18 // 32  # 4.5 bits per weight
-    logits = run_logits(model, ref)
-    expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
-    agree = float((logits.argmax(-1) == expected.argmax(-1)).mean())
-    corr = float(np.corrcoef(logits.ravel(), expected.ravel())[0, 1])
-    print(f"{arch} F16+Q4_0 experts: max |logit diff| {np.abs(logits - expected).max():.3f}, "
-          f"argmax agreement {agree:.2f}, correlation {corr:.4f}")
-    assert np.isfinite(logits).all()
-    assert corr > 0.95  # noisy but the same model (a wrong tensor gives ~0)
+    assert_within_precision(run_logits(model, ref), ref, "Q4_0", f"{arch} F16 + Q4_0 experts")
     assert len(list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=8)))) == 8
 
 
@@ -148,8 +170,19 @@ def test_every_architecture_round_trips(oracle_checkpoints, gguf_checkpoints, ar
                     assert np.array_equal(getattr(exact.experts[L][e], part), getattr(x, part)), (L, e, part)
     expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
     assert np.abs(run_logits(Model(exact), ref) - expected).max() <= 1e-4
-    q8 = run_logits(load_model(gguf_checkpoints.get(arch, "F16", "Q8_0")), ref)
-    assert np.abs(q8 - expected).max() <= 0.5 * np.abs(expected).max()
+    # Q8_0 experts: the engine on the file (MatMulNBits, int8 activations) against the same file decoded by
+    # gguf-py and run in float32, elementwise (vs transformers, the rounding of the weights can flip a routing
+    # choice or a sparse-attention pick: a discrete change no precision bound covers; measured 32 x precision on
+    # glm_moe_dsa, 0.6-4.6 x on the others).
+    path = gguf_checkpoints.get(arch, "F16", "Q8_0")
+    q8, reference = run_logits(load_model(path), ref), run_logits(dequantised(load_weights(path)), ref)
+    err = float(np.abs(q8 - reference).max() / np.abs(reference).max())
+    print(f"{arch} F16 + Q8_0 experts vs its gguf-py dequantisation: max |diff| / max |logit| {err:.2e}")
+    assert err <= LOGIT_TOL
+    # > 0 where the experts ran on the int8 kernels; an intermediate size that is no multiple of 32 (glm_moe_dsa's
+    # 48) keeps its down matrix F16, and such an expert is decoded to float32 once (exactly the reference)
+    some = next(iter(next(iter(load_weights(path).experts.values())).values()))
+    assert (err > 1e-5) == all(packable(a) for a in (some.gate, some.up, some.down))
 
 
 @pytest.mark.parametrize("weight_type", ["F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"])
@@ -163,8 +196,8 @@ def test_every_writable_type_loads_and_runs(oracle_checkpoints, gguf_checkpoints
     assert types["blk.1.ffn_up_exps.weight"] == types["blk.1.attn_v.weight"] == weight_type
     assert types["blk.1.ffn_gate_inp.weight"] == types["blk.1.attn_norm.weight"] == "F32"
     logits = run_logits(load_model(path), ref)
-    expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
-    corr = float(np.corrcoef(logits.ravel(), expected.ravel())[0, 1])
-    print(f"qwen3_moe all-{weight_type}: {path.stat().st_size} bytes, max |logit diff| "
-          f"{np.abs(logits - expected).max():.3g}, correlation {corr:.5f}")
-    assert corr > 0.95
+    diff = assert_within_precision(logits, ref, weight_type, f"qwen3_moe all-{weight_type} ({path.stat().st_size} bytes)")
+    assert (diff > 1e-4) == (weight_type != "F32")  # every matrix really is stored as weight_type
+    if weight_type in ("F16", "BF16"):  # and nothing but that rounding: the file decoded by gguf-py, in float32
+        # (block-quantized files against their decoding: test_gguf_kernels.py, through the int8 kernels)
+        assert np.abs(logits - run_logits(dequantised(load_weights(path)), ref)).max() <= FP32_NOISE
