@@ -7,60 +7,15 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ledger_process import LedgerProcess, start_ledger
+
+__all__ = ["ATTACKERS", "ENV", "LedgerProcess", "attacker", "ledger_cli", "start_ledger"]
+
 ATTACKERS = Path(__file__).resolve().parent / "attackers"
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-
-
-@dataclass
-class LedgerProcess:
-    """``moeswarm-ledger serve`` in a subprocess, ready (its READY line read)."""
-
-    process: subprocess.Popen[str]
-    info: dict[str, Any]
-
-    @property
-    def url(self) -> str:
-        return str(self.info["url"])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-
-
-def start_ledger(args: list[str], log: Path, timeout_s: float = 90.0) -> LedgerProcess:
-    """Start ``python -m moeswarm.ledger.cli serve ARGS`` and wait for its READY line."""
-    with open(log, "ab") as err:
-        process = subprocess.Popen([sys.executable, "-m", "moeswarm.ledger.cli", "serve", *args],
-                                   stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
-    found: dict[str, Any] = {}
-    done = threading.Event()
-
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            if line.startswith("READY ") and not found:
-                found.update(json.loads(line[6:]))
-                done.set()
-        done.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not done.wait(timeout_s) or not found:
-        process.kill()
-        process.wait(5)
-        raise AssertionError(f"the ledger did not get ready: {log.read_text()[-2000:]}")
-    return LedgerProcess(process, found)
 
 
 def ledger_cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:

@@ -25,7 +25,8 @@ from moeswarm.ledger import (
 from moeswarm.ledger._models import Entry
 from moeswarm.protocol import Identity
 
-from ledger_support import MODEL, Peers, free_port, start_ledger
+from ledger_process import start_ledger
+from ledger_support import MODEL, Peers, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 N = 1200

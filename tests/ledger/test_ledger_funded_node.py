@@ -17,7 +17,8 @@ import aiohttp
 import msgpack
 import numpy as np
 import pytest
-from ledger_support import free_port, start_ledger
+from ledger_process import start_ledger
+from ledger_support import free_port
 
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import start_daemon, stop_daemon
