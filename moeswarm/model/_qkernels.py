@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CheckpointError
-from ._ort_session import Session, global_pool_active, placeholder, set_threads
+from ._ort_session import SESSION_NBYTES, Session, global_pool_active, placeholder, set_threads
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def kernel_nbytes(n: int, k: int, bits: int, block: int, bias: bool) -> int:
     and, per block, the scale and the block sum (``QNBitGemmPackQuantBDataSize``); measured with onnxruntime
     1.32 on AVX2, codes + 2.6-3 floats per block (scratch copies), so 3 are counted; the bias term's
     ``(k / block, n)`` float matrix is packed for sgemm.  The weights handed over are released
-    (``_ort_session``), so this is all a kernel costs besides ~0.1 MiB per session."""
+    (``_ort_session``), so this is all a kernel costs besides its session's ``SESSION_NBYTES``."""
     blocks = n * (k // block)
     return n * k * bits // 8 + 3 * 4 * blocks + (4 * (k // block) * -(-n // 16) * 16 if bias else 0)
 
@@ -327,7 +327,7 @@ class QLinear:
         self.n, self.k = p.n, p.k
         g = _Graph()
         self.session = g.build({"X": p.k}, g.linear("X", p), p.n)
-        self.nbytes = p.kernel_nbytes + self.session.weights.nbytes  # the latter 0 unless onnxruntime reads them
+        self.nbytes = p.kernel_nbytes + SESSION_NBYTES + self.session.weights.nbytes  # the last 0 once released
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         return self.session.run(x)
@@ -366,7 +366,8 @@ class QExpertFFN:
         if db is not None:
             y = g.op("Add", [y, g.const(db)])
         self.session = g.build({"X": gate.k}, y, down.n)
-        self.nbytes = gate.kernel_nbytes + up.kernel_nbytes + down.kernel_nbytes + self.session.weights.nbytes
+        self.nbytes = (gate.kernel_nbytes + up.kernel_nbytes + down.kernel_nbytes + SESSION_NBYTES
+                       + self.session.weights.nbytes)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.session.run(x)
@@ -391,7 +392,8 @@ class KernelExpert:
 
     def __init__(self, w) -> None:  # type: ignore[no-untyped-def]  # an ExpertWeights of packable matrices
         self.weights = w
-        self.nbytes = sum(REPACKERS[a.kernel_format].kernel_nbytes(*a.shape) for a in (w.gate, w.up, w.down))
+        self.nbytes = SESSION_NBYTES + sum(REPACKERS[a.kernel_format].kernel_nbytes(*a.shape)
+                                           for a in (w.gate, w.up, w.down))
         self._ffn: QExpertFFN | None = None
 
     def __call__(self, x: np.ndarray, act: Activation) -> np.ndarray:
