@@ -141,3 +141,45 @@ def test_decoding_a_quantized_gguf_stays_within_its_stored_size_plus_caches(tmp_
     assert big.anon - small.anon <= caches + SLACK
     # ... while the stored pages a kernel was built from leave the resident set
     assert big.file - small.file <= 0.05 * stored
+
+
+def _rss_file() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("RssFile")
+
+
+def test_fp16_weights_leave_the_resident_set_once_their_float32_copy_is_kept(tmp_path: Path) -> None:
+    """An F16 file's experts and backbone matrices are computed as float32 copies (no fp16 GEMV here): once a
+    copy is kept, the stored pages go back to the file instead of staying resident beside it."""
+    from moeswarm.model.experts import DecodedOnce, F32Cache
+    from moeswarm.model.weights import ExpertWeights
+
+    rng = np.random.default_rng(0)
+    shape = (3, 1536, 1024)  # gate, up, down of one expert, 9 MiB as fp16; and a 9 MiB backbone matrix
+    source = rng.standard_normal((2, *shape)).astype(np.float16)
+    (tmp_path / "w.bin").write_bytes(source.tobytes())
+    mapped = np.memmap(tmp_path / "w.bin", np.float16, "r", shape=(2, *shape))
+    expected = [source[0, i].astype(np.float32) for i in range(3)] + [source[1].astype(np.float32)]
+    stored = mapped[0].nbytes
+
+    before = _rss_file()
+    expert = ExpertWeights(mapped[0, 0], mapped[0, 1], mapped[0, 2])
+    float(sum(a.astype(np.float32).sum() for a in expert.arrays()))  # resident now, as after any read
+    read = _rss_file()
+    assert read - before >= 0.9 * stored  # the measurement sees the pages
+    kept = F32Cache(64 << 20).get((0, 0), expert)
+    assert all(np.array_equal(getattr(kept, p), e) for p, e in zip(("gate", "up", "down"), expected))
+    assert read - _rss_file() >= 0.9 * stored
+
+    backbone = DecodedOnce(mapped[1].reshape(-1, 1024))
+    float(mapped[1].astype(np.float32).sum())
+    read = _rss_file()
+    assert np.array_equal(backbone.value(), expected[3].reshape(-1, 1024))
+    assert read - _rss_file() >= 0.9 * stored
+    # a copy the cache does not keep (bigger than its budget) leaves the pages where they are
+    float(sum(a.astype(np.float32).sum() for a in expert.arrays()))
+    read = _rss_file()
+    F32Cache(1 << 20).get((0, 0), expert)
+    assert abs(read - _rss_file()) < 0.1 * stored
