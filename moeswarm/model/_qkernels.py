@@ -81,7 +81,7 @@ class Packed:
 def kernel_nbytes(n: int, k: int, bits: int, block: int, bias: bool) -> int:
     """Resident bytes of an ``(n, k)`` matrix on the kernels: MLAS's int8-activation layout holds the codes
     and, per block, the scale and the block sum (``QNBitGemmPackQuantBDataSize``); measured with onnxruntime
-    1.32 on AVX2, codes + 2.6-3 floats per block (scratch copies), so 3 are counted; the bias term's
+    1.32 on AVX2, codes + 2.3-3 floats per block (the rest is scratch), so 3 are counted; the bias term's
     ``(k / block, n)`` float matrix is packed for sgemm.  The weights handed over are released
     (``_ort_session``), so this is all a kernel costs besides its session's ``SESSION_NBYTES``."""
     blocks = n * (k // block)
