@@ -20,13 +20,13 @@ K-quants without a kernel) are decoded to float32 once and kept.  ``packed()`` i
 
 from __future__ import annotations
 
-import mmap
 from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from ._pages import release_pages
 from ._qkernels import REPACKERS, Packed, QLinear, repack
 
 
@@ -106,19 +106,8 @@ class QuantizedTensor:
         return 0 if self._kernel is None else int(self._kernel.nbytes)
 
     def release_pages(self) -> None:
-        """Drop this tensor's mapped pages from the process (``MADV_DONTNEED``; the file keeps them) once a
-        kernel holds its values: RSS then counts the repacked copy, not both.  Reading again re-faults."""
-        base = self.raw
-        while base is not None and not isinstance(base, np.memmap):
-            base = base.base  # type: ignore[assignment]
-        mm = getattr(base, "_mmap", None)
-        if mm is None or self.raw.size == 0:
-            return
-        origin = np.frombuffer(mm, np.uint8).__array_interface__["data"][0]
-        low = self.raw.__array_interface__["data"][0] - origin
-        start, end = -(-low // mmap.PAGESIZE) * mmap.PAGESIZE, (low + self.raw.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if end > start:
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        """Drop this tensor's mapped pages from the process once a kernel holds its values (``_pages``)."""
+        release_pages(self.raw)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         if copy is False:

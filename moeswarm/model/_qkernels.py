@@ -19,8 +19,10 @@ How a stored quantized matrix is wrapped and multiplied
 2. **Multiply**.  ``QLinear(packed).matmul(x)`` gives ``x (M, K) @ W.T -> (M, N)`` float32;
    ``QExpertFFN(gate, up, down, ...)`` runs one routed expert's whole SwiGLU in one onnxruntime
    call (``session.run`` has a fixed cost of ~10 us, so a graph holds as much as it can).  The bias
-   term is ``blocksum(x) @ bias.T`` inside the same graph.  In the engine, ``experts.mm`` calls a
-   tensor's ``matmul`` and ``F32Cache`` turns an expert of packable matrices into a ``KernelExpert``.
+   term is ``blocksum(x) @ bias.T`` inside the same graph.  The weights are handed to onnxruntime
+   from memory and released once it has prepacked them (``_ort_session``): a kernel costs
+   ``kernel_nbytes``, not two or three copies.  In the engine, ``experts.mm`` calls a tensor's
+   ``matmul`` and ``F32Cache`` turns an expert of packable matrices into a ``KernelExpert``.
 
 Precision: the weights are exact (every GGML value is ``fp16 scale x integer``); with
 ``accuracy_level=4`` (the fast path, needed for 8-bit codes) MLAS quantizes the activations to
@@ -29,14 +31,13 @@ int8 per block of ``block`` values, as llama.cpp quantizes them to Q8 for its do
 
 from __future__ import annotations
 
-import ctypes
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import CheckpointError
+from ._ort_session import SESSION_NBYTES, Session, global_pool_active, placeholder, set_threads
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class Packed:
     def nbytes(self) -> int:
         return self.data.nbytes + self.scales.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
+    @property
+    def kernel_nbytes(self) -> int:
+        """What onnxruntime holds for this matrix once its session exists (see ``kernel_nbytes``)."""
+        return kernel_nbytes(self.n, self.k, self.bits, self.block, self.bias is not None)
+
     def take_rows(self, rows: np.ndarray) -> "Packed":
         """The same matrix with its rows reordered (llama.cpp's q/k rotary permutation undone)."""
         return Packed(self.n, self.k, self.bits, self.block, np.ascontiguousarray(self.data[rows]),
@@ -70,6 +76,16 @@ class Packed:
         if self.bias is not None:
             w = w + self.bias[..., None]
         return w.reshape(self.n, self.k)
+
+
+def kernel_nbytes(n: int, k: int, bits: int, block: int, bias: bool) -> int:
+    """Resident bytes of an ``(n, k)`` matrix on the kernels: MLAS's int8-activation layout holds the codes
+    and, per block, the scale and the block sum (``QNBitGemmPackQuantBDataSize``); measured with onnxruntime
+    1.32 on AVX2, codes + 2.3-3 floats per block (the rest is scratch), so 3 are counted; the bias term's
+    ``(k / block, n)`` float matrix is packed for sgemm.  The weights handed over are released
+    (``_ort_session``), so this is all a kernel costs besides its session's ``SESSION_NBYTES``."""
+    blocks = n * (k // block)
+    return n * k * bits // 8 + 3 * 4 * blocks + (4 * (k // block) * -(-n // 16) * 16 if bias else 0)
 
 
 def pack(u: np.ndarray, scales: np.ndarray, bias: np.ndarray | None, bits: int, block: int) -> Packed:
@@ -96,8 +112,8 @@ class Format:
     block: int
     bias: bool  # whether its Packed carries a per-block bias (formats with minimums)
 
-    def packed_nbytes(self, n: int, k: int) -> int:
-        return n * k * self.bits // 8 + n * (k // self.block) * 4 * (2 if self.bias else 1)
+    def kernel_nbytes(self, n: int, k: int) -> int:
+        return kernel_nbytes(n, k, self.bits, self.block, self.bias)
 
 
 REPACKERS: dict[str, Format] = {}
@@ -246,57 +262,13 @@ def _iq4_xs(raw: np.ndarray, n: int, k: int) -> Packed:
 
 # ---------------------------------------------------------------- onnxruntime graphs
 
-_THREADS = {"intra": 0}  # 0: onnxruntime's default (one per physical core)
-_lock = threading.Lock()
-_env_ready = False
-
-
-def set_threads(n: int) -> None:
-    """Threads of the kernels' shared pool; takes effect if called before the first kernel is built."""
-    _THREADS["intra"] = max(0, int(n))
-
-
-def global_pool_active() -> bool:
-    """Whether this process's onnxruntime runs on the kernels' global thread pool: once it does,
-    every other session in the process (e.g. a bridge's ONNX shards) must use it too."""
-    return _env_ready is True
-
-
-def _session(model_bytes: bytes):  # type: ignore[no-untyped-def]
-    global _env_ready
-    import onnxruntime as ort
-
-    with _lock:
-        so = ort.SessionOptions()
-        if not _env_ready:
-            try:  # one thread pool for all kernels (a session each would start its own)
-                ort.capi._pybind_state.set_global_thread_pool_sizes(_THREADS["intra"], 1)
-                _env_ready = True
-            except RuntimeError:
-                _env_ready = None  # type: ignore[assignment]  # the environment exists already
-        if _env_ready:
-            so.use_per_session_threads = False
-        else:
-            so.intra_op_num_threads = _THREADS["intra"]
-        so.log_severity_level = 3
-        session = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
-        _trim()  # the graph's serialized copies are freed now: give their pages back (~20% of RSS measured)
-        return session
-
-
-def _trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 class _Graph:
     """Nodes and initializers of one onnxruntime graph, built by name."""
 
     def __init__(self) -> None:
         self.nodes: list = []  # type: ignore[type-arg]
         self.inits: list = []  # type: ignore[type-arg]
+        self.weights: list[tuple[str, np.ndarray]] = []  # handed to the session, not serialized (_ort_session)
         self._n = 0
 
     def name(self, stem: str) -> str:
@@ -310,6 +282,14 @@ class _Graph:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(a), name))
         return name
 
+    def weight(self, a: np.ndarray, stem: str) -> str:
+        """A constant the session prepacks (quantized codes, scales, the bias matrix): handed over from memory."""
+        name = self.name(stem)
+        a = np.ascontiguousarray(a)
+        self.inits.append(placeholder(name, a))
+        self.weights.append((name, a))
+        return name
+
     def op(self, kind: str, inputs: list[str], domain: str = "", **attrs) -> str:  # type: ignore[no-untyped-def]
         from onnx import helper
 
@@ -319,15 +299,15 @@ class _Graph:
 
     def linear(self, x: str, p: Packed) -> str:
         """``x (M, K) @ W.T``: MatMulNBits, plus ``blocksum(x) @ bias.T`` when ``p`` has a bias."""
-        y = self.op("MatMulNBits", [x, self.const(p.data, "b"), self.const(p.scales.reshape(-1), "s")],
+        y = self.op("MatMulNBits", [x, self.weight(p.data, "b"), self.weight(p.scales.reshape(-1), "s")],
                     domain="com.microsoft", K=p.k, N=p.n, bits=p.bits, block_size=p.block, accuracy_level=4)
         if p.bias is None:
             return y
         blocks = self.op("Reshape", [x, self.const(np.array([-1, p.k // p.block, p.block], np.int64))])
         sums = self.op("ReduceSum", [blocks, self.const(np.array([-1], np.int64))], keepdims=0)  # (M, K/block)
-        return self.op("Add", [y, self.op("MatMul", [sums, self.const(np.ascontiguousarray(p.bias.T), "m")])])
+        return self.op("Add", [y, self.op("MatMul", [sums, self.weight(p.bias.T, "m")])])
 
-    def build(self, inputs: dict[str, int], output: str, width: int):  # type: ignore[no-untyped-def]
+    def build(self, inputs: dict[str, int], output: str, width: int) -> Session:
         from onnx import TensorProto, helper
 
         ins = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["M", k]) for name, k in inputs.items()]
@@ -337,24 +317,20 @@ class _Graph:
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                          helper.make_opsetid("com.microsoft", 1)])
         model.ir_version = 10
-        return _session(model.SerializeToString())
-
-
-def _run(session, x: np.ndarray) -> np.ndarray:  # type: ignore[no-untyped-def]
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    return session.run(("Y",), {"X": x})[0]
+        return Session(model.SerializeToString(), inputs, self.weights)
 
 
 class QLinear:
     """``matmul(x (M, K)) -> x @ W.T (M, N)`` float32, for one repacked matrix (its own graph)."""
 
     def __init__(self, p: Packed) -> None:
-        self.n, self.k, self.nbytes = p.n, p.k, p.nbytes
+        self.n, self.k = p.n, p.k
         g = _Graph()
         self.session = g.build({"X": p.k}, g.linear("X", p), p.n)
+        self.nbytes = p.kernel_nbytes + SESSION_NBYTES + self.session.weights.nbytes  # the last 0 once released
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        return _run(self.session, x)
+        return self.session.run(x)
 
 
 @dataclass(frozen=True)
@@ -372,7 +348,6 @@ class QExpertFFN:
 
     def __init__(self, gate: Packed, up: Packed, down: Packed, act: Activation = Activation(),
                  biases: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] = (None, None, None)) -> None:
-        self.nbytes = gate.nbytes + up.nbytes + down.nbytes
         g = _Graph()
         gb, ub, db = (None if b is None else np.asarray(b, np.float32) for b in biases)
         gx, ux = g.linear("X", gate), g.linear("X", up)
@@ -391,9 +366,11 @@ class QExpertFFN:
         if db is not None:
             y = g.op("Add", [y, g.const(db)])
         self.session = g.build({"X": gate.k}, y, down.n)
+        self.nbytes = (gate.kernel_nbytes + up.kernel_nbytes + down.kernel_nbytes + SESSION_NBYTES
+                       + self.session.weights.nbytes)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return _run(self.session, x)
+        return self.session.run(x)
 
 
 
@@ -410,11 +387,13 @@ def packable(a: object) -> bool:
 
 class KernelExpert:
     """A routed expert whose matrices are computed by one ``QExpertFFN`` (built on first call, since
-    the activation comes from the model config).  ``nbytes``: the repacked size, for cache budgets."""
+    the activation comes from the model config).  ``nbytes``: what its kernels hold (``kernel_nbytes``), for cache
+    budgets."""
 
     def __init__(self, w) -> None:  # type: ignore[no-untyped-def]  # an ExpertWeights of packable matrices
         self.weights = w
-        self.nbytes = sum(REPACKERS[a.kernel_format].packed_nbytes(*a.shape) for a in (w.gate, w.up, w.down))
+        self.nbytes = SESSION_NBYTES + sum(REPACKERS[a.kernel_format].kernel_nbytes(*a.shape)
+                                           for a in (w.gate, w.up, w.down))
         self._ffn: QExpertFFN | None = None
 
     def __call__(self, x: np.ndarray, act: Activation) -> np.ndarray:
@@ -429,4 +408,4 @@ class KernelExpert:
         return self._ffn(x)
 
 __all__ = ["Activation", "IQ4_VALUES", "KernelExpert", "Packed", "QExpertFFN", "QLinear", "REPACKERS", "pack", "packable",
-           "global_pool_active", "repack", "repacker", "set_threads"]
+           "global_pool_active", "kernel_nbytes", "repack", "repacker", "set_threads"]

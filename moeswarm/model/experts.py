@@ -25,6 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import ConfigError
+from ._pages import release_pages
 from ._qkernels import Activation, KernelExpert, packable
 from .config import ModelConfig
 from .weights import ExpertWeights
@@ -73,6 +74,7 @@ class DecodedOnce:
     def value(self) -> np.ndarray:
         if self._value is None:
             self._value = self.stored.astype(np.float32)
+            release_pages(self.stored)  # RSS counts the copy, not both (row lookups fault their rows back)
         return self._value
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
@@ -171,7 +173,9 @@ class F32Cache:
             return kernel
         converted = replace(w, **{k: f32(getattr(w, k)) for k in ("gate", "up", "down", "gate_bias", "up_bias",
                                                                      "down_bias") if getattr(w, k) is not None})
-        self._copies.put(key, converted)
+        if self._copies.put(key, converted):  # kept: RSS counts the copy, not the stored pages too
+            for a in w.arrays():
+                release_pages(a)
         return converted
 
     def layer(self, layer: int, experts: Mapping[int, ExpertWeights],

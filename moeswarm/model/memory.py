@@ -80,16 +80,20 @@ class MemoryStats:
     major_faults: int
     minor_faults: int
     disk_read: int
+    rss_anon: int = 0  # of vm_rss: private memory (kernels, copies, caches)
+    rss_file: int = 0  # of vm_rss: mapped file pages (the checkpoint's, the libraries')
 
     @classmethod
     def now(cls) -> "MemoryStats":
         s, ru = _status(), resource.getrusage(resource.RUSAGE_SELF)
-        return cls(s.get("VmSize", 0), s.get("VmRSS", 0), s.get("VmSwap", 0), ru.ru_majflt, ru.ru_minflt, _read_bytes())
+        return cls(s.get("VmSize", 0), s.get("VmRSS", 0), s.get("VmSwap", 0), ru.ru_majflt, ru.ru_minflt, _read_bytes(),
+                   s.get("RssAnon", 0), s.get("RssFile", 0))
 
     def report(self, since: "MemoryStats", tokens: int, seconds: float) -> str:
         n = max(tokens, 1)
-        return (f"VmSize {self.vm_size / 2**30:.2f} GiB, VmRSS {self.vm_rss / 2**20:.0f} MiB, "
-                f"VmSwap {self.vm_swap / 2**20:.0f} MiB; per token: "
+        return (f"VmSize {self.vm_size / 2**30:.2f} GiB, VmRSS {self.vm_rss / 2**20:.0f} MiB (anon "
+                f"{self.rss_anon / 2**20:.0f}, file {self.rss_file / 2**20:.0f}; {since.vm_rss / 2**20:.0f} MiB before "
+                f"loading), VmSwap {self.vm_swap / 2**20:.0f} MiB; per token: "
                 f"{(self.major_faults - since.major_faults) / n:.0f} major + "
                 f"{(self.minor_faults - since.minor_faults) / n:.0f} minor faults, "
                 f"{(self.disk_read - since.disk_read) / n / 2**20:.1f} MB read from disk; "
@@ -97,9 +101,11 @@ class MemoryStats:
 
 
 def footprint(model) -> str:  # type: ignore[no-untyped-def]
-    """What RSS should be made of: the weights' stored bytes, and the copies built from them (repacked
-    quantized kernels and float32 conversions of the backbone; the expert cache of kernels / float32
-    experts).  ``generate --stats`` prints it beside VmRSS."""
+    """What RSS should be made of: the weights' stored bytes, and the copies built from them (quantized
+    kernels, as ``_qkernels.kernel_nbytes`` counts them, and float32 conversions of the backbone; the
+    expert cache of kernels / float32 experts).  A stored tensor's mapped pages leave RSS once its kernel
+    holds its values, so a quantized model decodes in about its kernels' bytes (~1.3x a Q8_0 file).
+    ``generate --stats`` prints it beside VmRSS."""
     w = model.weights
     seen: set[int] = set()
     stored = backbone = 0

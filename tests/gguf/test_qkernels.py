@@ -59,6 +59,7 @@ def test_repacked_kernel_equals_reference_dequantisation(name: str) -> None:
     assert np.array_equal(packed.dequantize(), reference) or np.abs(packed.dequantize() - reference).max() <= (
         1e-6 * np.abs(reference).max())  # the same fp16 scales and integers: exact up to float32 rounding
     kernel = QLinear(packed)
+    assert not kernel.session.weights.resident  # released: the products below use onnxruntime's prepacked copy alone
     rng = np.random.default_rng(1)
     for M in (1, 3, 17):  # decode, a few tokens, a prefill chunk
         x = rng.standard_normal((M, k)).astype(np.float32)
@@ -93,6 +94,7 @@ def test_fused_expert_equals_its_dequantised_reference(act: str, biases: bool) -
     gb, ub, db = ((rng.standard_normal(m).astype(np.float32) * 0.1) if biases else None for m in (I, I, H))
     activation = Activation(act, alpha=1.702, limit=7.0)
     ffn = QExpertFFN(gate, up, down, activation, (gb, ub, db))
+    assert not ffn.session.weights.resident
     x = rng.standard_normal((5, H)).astype(np.float32)
     g, u = x @ gate.dequantize().T, x @ up.dequantize().T
     if biases:
