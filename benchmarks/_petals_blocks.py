@@ -20,10 +20,14 @@ the file's last change is 5ce4f1a, 2023-09-15):
     ``mean_block_selection_delay = 5`` s;
   - lines 318-321 (``_choose_num_blocks``): ``num_blocks`` = what fits in memory, at most the model's
     blocks; a server that cannot hold one block is refused (``assert num_blocks >= 1``);
-  - lines 366-379 (``run``): after each ``random() * 2 * mean_balance_check_period`` seconds the server
+  - lines 366-380 (``run``): after each ``random() * 2 * mean_balance_check_period`` seconds the server
     calls ``should_choose_other_blocks``; if it says yes the server shuts down its blocks and, lines
     403-411 (``_choose_blocks``), after ``random() * 2 * mean_block_selection_delay`` s calls
     ``choose_best_blocks`` on the swarm as announced then (itself no longer in it).
+* ``src/petals/utils/dht.py`` lines 134-153 (``compute_spans``): joining servers count too
+  (``min_state=JOINING``); ``src/petals/server/throughput.py`` lines 98-103: the announced
+  throughput is the compute per block over the ``(num_blocks + 1) / 2`` blocks a request uses on
+  average, at most the network's (``market_sim.py`` says what it announces instead, and why).
 
 Spans here are keyed by an integer node id (Petals: the ``PeerID``, whose order sets the addition
 order). Petals draws the shuffle from the global ``np.random``; here a seeded ``Generator``.

@@ -181,7 +181,7 @@ def petals_join(policy: Policy, line: PetalsLine, shape: mk.ModelShape, nid: int
     rects: list[mk.Rect] = []
     if n >= 1:
         # Petals' announced throughput is its compute per block over the average blocks a request
-        # uses, (n + 1) / 2 (throughput.py), as a request runs through consecutive blocks; an expert
+        # uses, (n + 1) / 2 (throughput.py lines 98-103), as a request runs through consecutive blocks; an expert
         # call here uses one block, so the announced throughput is the volunteer's calls/s.
         span = pb.Span(pb.choose_best_blocks(n, policy.spans, line.total), n, v.throughput)
         policy.spans[nid] = span
