@@ -93,8 +93,9 @@ class Policy:
     line: PetalsLine | None = None
     spans: dict[int, pb.Span] = field(default_factory=dict)
     checks: list[tuple[float, int]] = field(default_factory=list)
-    verdicts: dict[int, int] = field(default_factory=dict)
-    stats: dict[str, int] = field(default_factory=lambda: {"checks": 0, "simulated": 0, "reused": 0})
+    verdicts: dict[int, tuple[int, bool]] = field(default_factory=dict)  # (version, simulation ran)
+    stats: dict[str, int] = field(default_factory=lambda: {"checks": 0, "simulated": 0, "reused": 0,
+                                                           "reused_simulated": 0})
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(7))
 
 
@@ -201,14 +202,16 @@ def petals_checks(policy: Policy, line: PetalsLine, shape: mk.ModelShape, epoch:
         now, nid = heapq.heappop(policy.checks)
         if nid not in policy.spans:
             continue  # it left
-        if policy.verdicts.get(nid) == policy.version:
+        version, simulated = policy.verdicts.get(nid, (-1, False))
+        if version == policy.version:
             policy.stats["reused"] += 1
+            policy.stats["reused_simulated"] += simulated
         else:
             move, simulated = pb.should_choose_other_blocks(nid, policy.spans, line.total, policy.rng)
             policy.stats["checks"] += 1
             policy.stats["simulated"] += simulated
             if not move:
-                policy.verdicts[nid] = policy.version
+                policy.verdicts[nid] = (policy.version, simulated)
             else:
                 old = policy.spans[nid].start
                 node = policy.nodes[nid]
@@ -442,7 +445,8 @@ def run_scenario(label: str, ratio: float | None, args: argparse.Namespace) -> d
     for pol in policies[1:]:
         out[pol.name]["width"] = pol.line.width
         print(f"{pol.name}: {pol.stats['checks']} checks run ({pol.stats['simulated']} simulated the whole swarm's "
-              f"moves), {pol.stats['reused']} reused a verdict on an unchanged swarm")
+              f"moves), {pol.stats['reused']} reused a verdict on an unchanged swarm ({pol.stats['reused_simulated']} "
+              f"of them a simulated one)")
     out["capacity"] = {"ratio": capacity}
     return out
 
