@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ..errors import ConfigError, Timeout
@@ -31,6 +31,7 @@ class Daemon:
     process: subprocess.Popen[str]
     info: dict[str, Any]
     log: IO[str]  # the process's stderr, in a temporary file
+    lines: list[str] = field(default_factory=list)  # its stdout lines so far (READY, REBALANCE ...), read live
 
     def log_tail(self, chars: int = 2000) -> str:
         self.log.flush()
@@ -38,14 +39,17 @@ class Daemon:
             return fh.read()[-chars:]
 
 
-def _wait_ready(name: str, process: subprocess.Popen[str], timeout_s: float, log: IO[str]) -> dict[str, Any]:
-    """Read the process's stdout until its READY line (in a thread, so the wait is bounded)."""
+def _wait_ready(name: str, process: subprocess.Popen[str], timeout_s: float, log: IO[str],
+                lines: list[str]) -> dict[str, Any]:
+    """Read the process's stdout until its READY line (in a thread, so the wait is bounded); the
+    thread goes on appending every line to ``lines``."""
     found: dict[str, Any] = {}
     done = threading.Event()
 
     def reader(stream: IO[str]) -> None:
         try:
             for line in stream:  # keeps draining stdout so the daemon never blocks on a full pipe
+                lines.append(line.rstrip("\n"))
                 if line.startswith("READY ") and not found:
                     found.update(json.loads(line[6:]))
                     done.set()
@@ -73,7 +77,8 @@ def start_daemon(name: str, args: list[str], timeout_s: float = 120.0, env: dict
         env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})},
     )
     try:
-        return Daemon(name, process, _wait_ready(name, process, timeout_s, log), log)
+        lines: list[str] = []
+        return Daemon(name, process, _wait_ready(name, process, timeout_s, log, lines), log, lines)
     except BaseException:
         if process.stdout is not None:
             process.stdout.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from moeswarm.errors import ProtocolError, SwarmError
 from moeswarm.protocol import (
@@ -112,7 +112,8 @@ async def fetch_state(dht: DHT, shape: ModelShape, *, now_ms: int | None = None,
                       price_config: PriceConfig = PriceConfig(),
                       exclude_peers: Collection[bytes] = (),
                       standing: Mapping[bytes, float] | None = None,
-                      ledger_url: str | None = None) -> MarketState:
+                      ledger_url: str | None = None,
+                      announcements: Sequence[Announcement] | None = None) -> MarketState:
     """The market's state of ``shape``'s model, read live from the DHT.
 
     Supply from the validated announcements of every MoE layer, except those of
@@ -122,10 +123,12 @@ async def fetch_state(dht: DHT, shape: ModelShape, *, now_ms: int | None = None,
     ``ledger_url``, by what each reporter paid that ledger for calls in the last
     ``merge_config.standing_window_s``: the ledger names the ``max_reporters`` clients that paid
     the most, their reports are read by key (so a crowd of fresh providers cannot hide them), and
-    reporters without standing count for nothing.
+    reporters without standing count for nothing. ``announcements`` already read (by a caller that
+    looks at the holders themselves, e.g. ``fetch_announcements``) are used instead of reading them again.
     """
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    announcements = [a for a in await fetch_announcements(dht, shape, now_ms=now) if a.peer_id not in exclude_peers]
+    read = await fetch_announcements(dht, shape, now_ms=now) if announcements is None else announcements
+    holders = [a for a in read if a.peer_id not in exclude_peers]
     if standing is None and ledger_url is not None:
         from ._standing import fetch_top_standing
 
@@ -136,5 +139,5 @@ async def fetch_state(dht: DHT, shape: ModelShape, *, now_ms: int | None = None,
     merged = merge_reports(reports, shape, now_ms=now, config=merge_config, standing=standing)
     if merged.rejected:
         log.info("demand reports dropped: %s", merged.rejected)
-    supply = supply_from_holders(shape, announcements, now_ms=now)
+    supply = supply_from_holders(shape, holders, now_ms=now)
     return MarketState(shape, supply, merged.demand, price_config.epoch_of(now), previous_prices)

@@ -143,11 +143,12 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     The node's own contribution is taken out of ``supply``, the assignment is recomputed for
     the rest of the swarm, and the node moves only if the best blocks beat its current ones at
     the first level where they differ by more than ``hysteresis``: relatively for coverage
-    (``best / now - 1``, infinite from nothing), and for the other levels relative to the node's
-    size too (``(best - now) / max(now, k)`` for a node of ``k`` experts: a node of 100 experts
-    does not move to add one missing replica, which the next joiner adds anyway), it has not
-    moved in the last
-    ``cooldown_epochs`` epochs, and a safe ``plan_move`` exists. With the state unchanged,
+    (``best / now - 1``, infinite from nothing), and for the other levels relative to what the
+    move costs too (``(best - now) / max(now, m)`` for a move that loads ``m`` experts the node
+    does not hold yet: each expert loaded must add more than ``hysteresis`` of a missing replica,
+    so a node of 100 experts does not reload them to add one, which the next joiner adds anyway,
+    while a node of 8 moves to fill 4 missing replicas on 6 new experts), it has not moved in the
+    last ``cooldown_epochs`` epochs, and a safe ``plan_move`` exists. With the state unchanged,
     a node that just moved stays: its new blocks are the best for the same values.
     """
     if epochs_since_move is not None and epochs_since_move < config.cooldown_epochs:
@@ -163,7 +164,8 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     if not better(best_score, now):
         return None
     level = next(i for i, (a, b) in enumerate(zip(best_score, now)) if a > b)
-    base = now[level] if level == 0 else max(now[level], float(k))
+    loads = int((cell_mask(shape.grid, best) & ~cell_mask(shape.grid, rects)).sum())  # experts to load
+    base = now[level] if level == 0 else max(now[level], float(loads))
     gain = (best_score[level] - now[level]) / base if base > 0 else float("inf")
     if gain <= config.hysteresis:
         return None

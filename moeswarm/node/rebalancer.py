@@ -24,6 +24,7 @@ from .._tasks import cancel_and_wait
 from ..errors import ConfigError, SwarmError
 from ..model import ModelConfig, Weights, load_weights
 from ..net.announce import Announcer
+from ..protocol import peer_id_to_str
 from .expert_server import ExpertServer
 
 if TYPE_CHECKING:
@@ -129,6 +130,12 @@ class Rebalancer:
     the new one lacks (``drop_is_safe``; if not, unload the new block and stay); announce the new
     block (new ``seq``); ``rebalance_grace_s`` later (calls in flight, backbones still routing by
     the old record) serve only the new block. No expert the DHT listed a holder for loses it.
+
+    Nodes announcing the same block see the same market and would make the same move at the same
+    time, each before the other's new record is visible, and together leave the experts of that
+    block only they held (seen live: two nodes of one layer both moved to the hot experts): of such
+    twins only the one with the smallest peer ID evaluates; the others stay until it has moved.
+    Holders of different blocks that both drop the same experts in one round are not ruled out.
     """
 
     def __init__(self, p2p: Any, peer_id: bytes, shape: ModelShape, volunteer: Volunteer, holding: Holding,
@@ -177,19 +184,28 @@ class Rebalancer:
                   gain: float | None = None) -> Decision:
         return Decision(action, reason, self.holding.layers, self.holding.experts, gain)
 
-    async def _others(self) -> MarketState:
-        """The market's state without this node's own record (it knows its block better than the DHT)."""
-        from ..market import fetch_state
+    async def _others(self) -> tuple[MarketState, list[bytes]]:
+        """The market's state without this node's own record (it knows its block better than the DHT),
+        and the peer IDs of the other live holders announcing exactly its block (its twins)."""
+        from ..market import fetch_announcements, fetch_state
 
-        return await fetch_state(self.p2p, self.shape, exclude_peers=(self.peer_id,),
-                                 ledger_url=self.config.market_ledger)
+        found = await fetch_announcements(self.p2p, self.shape)
+        state = await fetch_state(self.p2p, self.shape, exclude_peers=(self.peer_id,),
+                                  ledger_url=self.config.market_ledger, announcements=found)
+        block = (self.holding.layers, self.holding.experts)
+        twins = [a.peer_id for a in found if a.peer_id != self.peer_id and (a.layers, a.experts) == block]
+        return state, twins
 
     async def evaluate(self) -> Decision:
         """One re-evaluation; moves (and returns ``moved``) when the market says so."""
         from ..market import rebalance
 
         current = self._block()
-        state = await self._others()
+        state, twins = await self._others()
+        first = min([self.peer_id, *twins])
+        if first != self.peer_id:
+            return self._decision("stay", f"{len(twins)} other node(s) announce this block: {peer_id_to_str(first)} "
+                                          "(the smallest peer ID) decides first")
         rect = self.shape.rect(current)
         supply = state.supply.changed([rect] if rect is not None else [], self.volunteer.throughput, +1)
         since = None if self.moved_epoch is None else state.epoch - self.moved_epoch
@@ -213,7 +229,7 @@ class Rebalancer:
                 for L in old_weights.experts.keys() | new_weights.experts.keys()}
         try:
             h.serve(replace(new_weights, experts=both))
-            others = (await self._others()).supply.replicas
+            others = (await self._others())[0].supply.replicas
         except BaseException:
             h.serve(old_weights)
             raise

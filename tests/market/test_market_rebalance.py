@@ -127,3 +127,22 @@ def test_hysteresis_and_cooldown_hold_a_node_in_place() -> None:
     plan = rebalance(SHAPE, hole, demand, me, [SHAPE.block(mine)])
     assert plan is not None and plan.target == (Block((3, 3), (0, 5)),) and plan.gain == float("inf")
     assert rebalance(SHAPE, hole, demand, me, [SHAPE.block(mine)], epochs_since_move=1) is None  # cooldown
+
+
+def test_a_gain_is_weighed_against_the_experts_the_move_loads() -> None:
+    """The live check's grid (4 x 8, top-2 demo): six 8-expert nodes placed by coverage, then
+    experts 0-1 of every layer wanted 2.5x as much: a second holder of layer 0 moves to them."""
+    shape = ModelShape("org/demo", (0, 1, 2, 3), 8, 10)
+    counts = np.ones(shape.grid)
+    counts[:, :2] = 2.5
+    me = Volunteer(8 * shape.expert_bytes, 1e4)
+    supply = Supply.empty(shape)
+    for layer in (0, 1, 2, 3, 0, 1):
+        supply = supply.changed([Rect(layer, layer, 0, 7)], me.throughput, +1)
+    plan = rebalance(shape, supply, Demand.from_counts(counts), me, [Block((0, 0), (0, 7))])
+    # 6 hot experts below 2 replicas instead of 2, by loading the 6 it lacks: 4 / 6 > 0.5 (by its
+    # size, 4 / 8, it would stay)
+    assert plan is not None and plan.target == (Block((0, 3), (0, 1)),)
+    assert abs(plan.gain - 4 / 6) < 1e-9
+    assert rebalance(shape, supply, Demand.from_counts(counts), me, [Block((0, 0), (0, 7))],
+                     config=RebalanceConfig(hysteresis=0.7)) is None

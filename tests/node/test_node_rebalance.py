@@ -145,6 +145,34 @@ def test_a_move_that_would_uncover_an_expert_keeps_the_old_block() -> None:
     asyncio.run(main())
 
 
+def test_of_two_nodes_announcing_one_block_only_the_smallest_peer_id_moves() -> None:
+    """Twins see the same market: both would leave the block at once and uncover it (seen live)."""
+    async def main() -> None:
+        dht = MemoryDHT()
+        twins = []
+        for _ in range(2):  # nobody holds experts 0-3: each twin, seeing the other, would move there
+            identity, holding = a_node(dht, (0, 3), (4, 7))
+            await holding.announcer.publish()
+            twins.append((identity, holding))
+        twins.sort(key=lambda t: t[0].peer_id)
+        one_expert = held_bytes(load_block(str(CHECKPOINT), CFG, (0, 0), (0, 0)))
+        shape = ModelShape(MODEL, tuple(MOE), CFG.num_experts, one_expert)
+        first, second = (Rebalancer(dht, i.peer_id, shape, Volunteer(16 * one_expert, 1e4), h,
+                                    NodeConfig(SwarmConfig(str(CHECKPOINT)))) for i, h in twins)
+        waits = await second.evaluate()
+        assert waits.action == "stay" and "smallest peer ID" in waits.reason, waits
+        assert (waits.layers, waits.experts) == ((0, 3), (4, 7))
+        moves = await first.evaluate()
+        assert moves.action == "moved" and (moves.layers, moves.experts) == ((0, 3), (0, 3)), moves
+        again = await second.evaluate()  # no twin any more; it is the only holder of experts 4-7
+        assert again.action == "stay" and "smallest peer ID" not in again.reason, again
+        table = SwarmTable(MODEL)
+        await Discovery(dht, table, MOE).refresh()
+        assert table.coverage(MOE, CFG.num_experts) == set()  # what no holder lists: nothing
+
+    asyncio.run(main())
+
+
 def test_requests_accepted_before_a_move_are_computed_after_it() -> None:
     async def main() -> None:
         _, holding = a_node(MemoryDHT(), (0, 3), (4, 7))
