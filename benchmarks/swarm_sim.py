@@ -222,7 +222,14 @@ def measure(swarm: Swarm, truth: np.ndarray, epoch: int, moved: int, cov_left: f
         node_price = np.divide(price_sum, cells, out=np.ones(len(rate)), where=cells > 0)
     flops = 2.0 * swarm.shape.expert_params
     credits = [float((per_node * node_price)[tier_of == t].sum() * flops * 3600 / 1e18) for t in range(len(sm.TIERS))]
+    hub = paint(swarm.grid.grid, rects[tier_of[owner] == 0], np.ones(int((tier_of[owner] == 0).sum()))) \
+        if (tier_of[owner] == 0).any() else np.zeros(swarm.grid.grid)
     row = {
+        # where the hub tier's memory goes (the serving capacity): the demand on experts a hub holds
+        # bounds calls served; hub slots that are an expert's only copy; hub copies per hot expert
+        "hub_demand": float(truth[hub > 0].sum()), "hub_sole": float(hub[r == 1].sum() / max(hub.sum(), 1.0)),
+        "hub_deciles": deciles(hub, truth).tolist(),
+        "hub_rate": float(rate[tier_of == 0].sum() / max(rate.sum(), 1e-9)),
         "epoch": epoch, "nodes": len(rate), "coverage_left": cov_left, "coverage": swarm.supply.coverage(),
         "calls_with_replica": float(truth[r > 0].sum()), "served": served,
         "bound": sm.served_bound(calls, rate, slots) if bound else float("nan"),
@@ -319,7 +326,8 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
 def steady(rows: list[dict], warmup: int) -> dict[str, float]:
     rs = rows[warmup:]
     out = {k: float(np.nanmean([r[k] for r in rs])) for k in ("coverage", "coverage_left", "served", "bound", "ratio",
-                                                              "ideal_ratio", "moved", "calls_with_replica")}
+                                                              "ideal_ratio", "moved", "calls_with_replica",
+                                                              "hub_demand", "hub_sole", "hub_rate")}
     out["coverage_min"] = min(r["coverage"] for r in rows)
     out["coverage_left_min"] = min(r["coverage_left"] for r in rows)
     out["moved_max"] = max(r["moved"] for r in rs)
@@ -465,6 +473,15 @@ def main() -> None:
         print(f"({time.perf_counter() - t:.0f} s)")
     seconds = time.perf_counter() - t0
     print("\n" + summary(results))
+    print("\nwhere the hubs' memory goes (steady state): their share of the serving rate, the demand on experts"
+          " a hub holds (what calls served can reach), hub memory that is an expert's only copy, hub copies per"
+          " expert by demand decile (hottest first), and every tier's")
+    for label, (sc, rows) in results.items():
+        s = steady(rows, sc.warmup)
+        hd = np.mean([r["hub_deciles"] for r in rows[sc.warmup:]], axis=0)
+        td = np.mean([np.sum(r["deciles_by_tier"], axis=0) for r in rows[sc.warmup:]], axis=0)
+        print(f"  {label}: hubs {s['hub_rate']:.1%} of the rate; demand on hub-held {s['hub_demand']:.1%}; hub memory on sole copies {s['hub_sole']:.0%}; "
+              f"hub copies {' '.join(f'{x:.2f}' for x in hd)}; all {' '.join(f'{x:.2f}' for x in td)}")
     for label, (sc, rows) in results.items():
         if sc.shape == "2t":
             print(f"\nlimits, from the last epoch of '{label}' ({rows[-1]['blocks_per_node']:.1f} blocks and "

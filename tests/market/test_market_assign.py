@@ -18,6 +18,7 @@ from moeswarm.market import (
     Volunteer,
     assign,
     capacity_cells,
+    effective_class,
     hot_mask,
     replica_targets,
 )
@@ -124,6 +125,33 @@ def test_hubs_take_hot_experts_and_edge_devices_the_tail() -> None:
     assert share_hot(hub)[0] > 2 * share_hot(edge)[0]
     assert share_hot(hub)[1] >= 2 and share_hot(edge)[1] == 0
     assert far.blocks == edge.blocks  # a hub too far away is placed like an edge device
+
+
+def test_a_hub_whose_link_serves_little_is_placed_like_an_edge_device() -> None:
+    """Capacity, not only the declared class, decides the tier: a home box on a slow uplink among
+    fast hubs (its rate per expert under edge_rate_share of the swarm's mean) takes the tail."""
+    shape = ModelShape("org/m", tuple(range(8)), 32, 1_000_000)
+    rng = np.random.default_rng(1)
+    demand = Demand.from_counts(np.stack([rng.permutation(1.0 / np.arange(1, 33)) for _ in range(8)]))
+    reps = np.full(shape.grid, 2, dtype=np.int64)  # covered twice: only where to serve is left
+    supply = Supply(reps, reps * 5_000.0, np.zeros(shape.grid), 16, int(reps.sum()))  # 5,000 pairs/s per held expert
+    cfg, off = AssignConfig(call_bytes=10_000), AssignConfig(call_bytes=10_000, edge_rate_share=0.0)
+
+    def placed(v: Volunteer, c: AssignConfig = cfg) -> tuple[Block, ...]:
+        return assign(shape, supply, demand, v, c).blocks
+
+    slow = Volunteer(8_000_000, 1e6, "hub", upload_bytes_s=1e6)  # its link: 100 pairs/s, 12.5 per expert
+    edge = Volunteer(8_000_000, 1e6, "edge", upload_bytes_s=1e6)
+    near = Volunteer(8_000_000, 1e6, "hub", upload_bytes_s=2.5e8)  # 25,000 pairs/s: 3,125 per expert, 0.6x the mean
+    assert effective_class(slow, cfg, rate_per_expert=12.5, swarm_rate_per_expert=5_000.0) == "edge"
+    assert effective_class(slow, cfg) == "hub"  # no swarm rate known: the declared class
+    assert placed(slow) == placed(edge) != placed(slow, off)  # the rule moves it from the hot set to the tail
+    assert placed(near) == placed(near, off)  # within 10x of the swarm's rate per expert: still a hub
+    hub_rect, edge_rect = shape.rect(placed(near)[0]), shape.rect(placed(slow)[0])
+    assert hub_rect is not None and edge_rect is not None
+    assert demand.share[hub_rect.slices].sum() > demand.share[edge_rect.slices].sum()
+    with pytest.raises(ConfigError):
+        AssignConfig(edge_rate_share=1.0)
 
 
 def test_uncovered_experts_come_before_the_tier_and_capacity_rules() -> None:
