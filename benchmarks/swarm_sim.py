@@ -75,6 +75,7 @@ class Scenario:
     hub_blocks: int = 64  # blocks a hub-class volunteer may run (one node process each), one per 8 experts
     bound: bool = True
     hysteresis: float = mk.RebalanceConfig().hysteresis
+    edge_rate_share: float = mk.AssignConfig().edge_rate_share
 
 
 @dataclass
@@ -256,8 +257,8 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
     natural = sm.volunteers(np.random.default_rng(seed + 1), sm.draw_tiers(np.random.default_rng(seed + 1), sc.volunteers),
                             shape, 1.0)
     scale = 1.0 if sc.ratio is None else sc.ratio * grid.total_bytes / sum(v.memory_bytes for v in natural)
-    configs = [mk.AssignConfig(max_blocks=sc.hub_blocks if t.device_class == "hub" else 1, call_bytes=shape.call_bytes)
-               for t in sm.TIERS]
+    configs = [mk.AssignConfig(max_blocks=sc.hub_blocks if t.device_class == "hub" else 1, call_bytes=shape.call_bytes,
+                               edge_rate_share=sc.edge_rate_share) for t in sm.TIERS]
     swarm = Swarm(shape, grid, configs, mk.RebalanceConfig(hysteresis=sc.hysteresis), mk.Supply.empty(grid))
     base = np.array([t.share for t in sm.TIERS]) / sum(t.share for t in sm.TIERS) * sc.volunteers
     mean_on = np.array([np.mean([online_share(t, h) for h in range(24)]) for t in sm.TIERS])
@@ -447,6 +448,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated scenario labels to run (default: all)")
     ap.add_argument("--hysteresis", type=float, default=mk.RebalanceConfig().hysteresis,
                     help="RebalanceConfig.hysteresis for every scenario")
+    ap.add_argument("--edge-rate-share", type=float, default=mk.AssignConfig().edge_rate_share,
+                    help="AssignConfig.edge_rate_share for every scenario (0: volunteers keep their declared class)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     counts = sm.measured_routing(tokens=16 if args.quick else 48)
@@ -461,7 +464,7 @@ def main() -> None:
         Scenario("2T natural", "2t", 2000 if q else 10_000, None, 8 if q else 24, sudden=(5,) if q else (12,),
                  eval_share=0.1, hub_blocks=1, warmup=2),
     ]
-    scenarios = [replace(s, hysteresis=args.hysteresis) for s in scenarios]
+    scenarios = [replace(s, hysteresis=args.hysteresis, edge_rate_share=args.edge_rate_share) for s in scenarios]
     if args.only:
         keep = set(args.only.split(","))
         scenarios = [s for s in scenarios if s.label in keep]

@@ -19,9 +19,10 @@ Every expert (grid cell) gets four values for this volunteer, compared lexicogra
 Edge devices leave the hot experts' extra replicas (level 3) to hubs. Capacity decides the tier
 too (``effective_class``): a volunteer that declares itself a hub but serves each of its experts
 at under ``edge_rate_share`` of the swarm's mean rate per held expert (a home box on a 49 Mbit/s
-uplink in a swarm of 200G hubs) is placed like an edge device: its replica of a hot expert adds
-almost no throughput, yet counted as a replica it would meet the hot expert's target and send
-the fast volunteers to cover the tail. Levels 1 to 3 weigh the volunteer's own tier fully and the other tier at ``OFF_TIER`` (hubs:
+uplink in a swarm of 200G hubs) is placed like an edge device for covering and serving: its replica
+of a hot expert adds almost no throughput, so the hot experts' first replicas are left to the fast
+volunteers; it still adds, after its own tier's needs, the further count replicas hot experts
+lack (level 3, at ``OFF_TIER``): a short path, and memory the hubs need not spend on them. Levels 1 to 3 weigh the volunteer's own tier fully and the other tier at ``OFF_TIER`` (hubs:
 the hot set; edges: the tail), so hubs cover and replicate hot experts first and edge devices
 the tail, yet nobody leaves an expert uncovered to stay in its tier. While any expert is
 uncovered, every volunteer that can hold one expert covers at least one.
@@ -203,7 +204,11 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
     else:
         serve = np.where(hot, 0.0, serve)
         tier = np.where(hot, OFF_TIER, 1.0)
-        extra = np.where(hot, 0.0, extra)  # a phone's replica adds little throughput and a slow path
+        if effective_class(volunteer, config) == "edge":
+            extra = np.where(hot, 0.0, extra)  # a phone's replica adds little throughput and a slow path
+        # a nearby machine placed here by its rate alone still adds (at OFF_TIER) the count replicas
+        # hot experts lack: its path is short, and without it the hubs would spend their memory on
+        # them and leave tail experts with no fast holder
     top = float(serve.max())
     if top > 0:
         serve = serve / top
