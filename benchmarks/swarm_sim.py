@@ -9,8 +9,8 @@ experts), so its 10,000 volunteers move over a 64 x 64 grid.
 
 Volunteers come in three tiers (``_swarm_model.TIERS``): hubs on 200G-class links (sub-ms),
 homes on seed 000's measured office link (3.4 ms, 89 down / 49 up Mbit/s), phones behind the
-443 relay (30-80 ms, 3 Mbit/s up). What a volunteer serves is its compute or its upload,
-whichever is slower (``Volunteer.serving_rate``). Each epoch: 10% of the online volunteers leave
+443 relay (30-80 ms, 3 Mbit/s up). What a volunteer serves, and announces as its throughput, is
+its compute or its upload, whichever is slower (``Volunteer.serving_rate``). Each epoch: 10% of the online volunteers leave
 at random, homes and phones follow a day/night cycle (three regions, 8 h apart), and in the
 scenarios that say so 10% more leave at once; as many new volunteers join as the cycle wants
 online, each placed by ``assign``; then a share of the others re-evaluate with ``rebalance``.
