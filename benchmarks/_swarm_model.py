@@ -95,12 +95,15 @@ def draw_tiers(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def volunteers(rng: np.random.Generator, tiers: np.ndarray, shape: Shape, mem_scale: float) -> list[mk.Volunteer]:
-    """A market ``Volunteer`` per tier index; ``throughput`` in calls/s of this model's experts."""
+    """A market ``Volunteer`` per tier index; ``throughput`` in calls/s of this model's experts: what
+    it announces, the rate it measures serving, so its compute or its uplink, whichever is slower
+    (a home box computes 17,700 M3 calls/s but its 49 Mbit/s uplink carries 500)."""
     out = []
     for t in tiers:
         tier = TIERS[t]
         mem = rng.uniform(*tier.memory_gb) * GB * mem_scale
-        out.append(mk.Volunteer(int(mem), tier.flops / (2 * shape.expert_params), tier.device_class,
+        rate = min(tier.flops / (2 * shape.expert_params), tier.up_bps / shape.call_bytes)
+        out.append(mk.Volunteer(int(mem), rate, tier.device_class,
                                 tier.down_bps, float(rng.uniform(*tier.rtt_s)), upload_bytes_s=tier.up_bps))
     return out
 

@@ -9,8 +9,8 @@ experts), so its 10,000 volunteers move over a 64 x 64 grid.
 
 Volunteers come in three tiers (``_swarm_model.TIERS``): hubs on 200G-class links (sub-ms),
 homes on seed 000's measured office link (3.4 ms, 89 down / 49 up Mbit/s), phones behind the
-443 relay (30-80 ms, 3 Mbit/s up). What a volunteer serves is its compute or its upload,
-whichever is slower (``Volunteer.serving_rate``). Each epoch: 10% of the online volunteers leave
+443 relay (30-80 ms, 3 Mbit/s up). What a volunteer serves, and announces as its throughput, is
+its compute or its upload, whichever is slower (``Volunteer.serving_rate``). Each epoch: 10% of the online volunteers leave
 at random, homes and phones follow a day/night cycle (three regions, 8 h apart), and in the
 scenarios that say so 10% more leave at once; as many new volunteers join as the cycle wants
 online, each placed by ``assign``; then a share of the others re-evaluate with ``rebalance``.
@@ -75,6 +75,7 @@ class Scenario:
     hub_blocks: int = 64  # blocks a hub-class volunteer may run (one node process each), one per 8 experts
     bound: bool = True
     hysteresis: float = mk.RebalanceConfig().hysteresis
+    edge_rate_share: float = mk.AssignConfig().edge_rate_share
 
 
 @dataclass
@@ -222,7 +223,14 @@ def measure(swarm: Swarm, truth: np.ndarray, epoch: int, moved: int, cov_left: f
         node_price = np.divide(price_sum, cells, out=np.ones(len(rate)), where=cells > 0)
     flops = 2.0 * swarm.shape.expert_params
     credits = [float((per_node * node_price)[tier_of == t].sum() * flops * 3600 / 1e18) for t in range(len(sm.TIERS))]
+    hub = paint(swarm.grid.grid, rects[tier_of[owner] == 0], np.ones(int((tier_of[owner] == 0).sum()))) \
+        if (tier_of[owner] == 0).any() else np.zeros(swarm.grid.grid)
     row = {
+        # where the hub tier's memory goes (the serving capacity): the demand on experts a hub holds
+        # bounds calls served; hub slots that are an expert's only copy; hub copies per hot expert
+        "hub_demand": float(truth[hub > 0].sum()), "hub_sole": float(hub[r == 1].sum() / max(hub.sum(), 1.0)),
+        "hub_deciles": deciles(hub, truth).tolist(),
+        "hub_rate": float(rate[tier_of == 0].sum() / max(rate.sum(), 1e-9)),
         "epoch": epoch, "nodes": len(rate), "coverage_left": cov_left, "coverage": swarm.supply.coverage(),
         "calls_with_replica": float(truth[r > 0].sum()), "served": served,
         "bound": sm.served_bound(calls, rate, slots) if bound else float("nan"),
@@ -249,8 +257,8 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
     natural = sm.volunteers(np.random.default_rng(seed + 1), sm.draw_tiers(np.random.default_rng(seed + 1), sc.volunteers),
                             shape, 1.0)
     scale = 1.0 if sc.ratio is None else sc.ratio * grid.total_bytes / sum(v.memory_bytes for v in natural)
-    configs = [mk.AssignConfig(max_blocks=sc.hub_blocks if t.device_class == "hub" else 1, call_bytes=shape.call_bytes)
-               for t in sm.TIERS]
+    configs = [mk.AssignConfig(max_blocks=sc.hub_blocks if t.device_class == "hub" else 1, call_bytes=shape.call_bytes,
+                               edge_rate_share=sc.edge_rate_share) for t in sm.TIERS]
     swarm = Swarm(shape, grid, configs, mk.RebalanceConfig(hysteresis=sc.hysteresis), mk.Supply.empty(grid))
     base = np.array([t.share for t in sm.TIERS]) / sum(t.share for t in sm.TIERS) * sc.volunteers
     mean_on = np.array([np.mean([online_share(t, h) for h in range(24)]) for t in sm.TIERS])
@@ -319,7 +327,8 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
 def steady(rows: list[dict], warmup: int) -> dict[str, float]:
     rs = rows[warmup:]
     out = {k: float(np.nanmean([r[k] for r in rs])) for k in ("coverage", "coverage_left", "served", "bound", "ratio",
-                                                              "ideal_ratio", "moved", "calls_with_replica")}
+                                                              "ideal_ratio", "moved", "calls_with_replica",
+                                                              "hub_demand", "hub_sole", "hub_rate")}
     out["coverage_min"] = min(r["coverage"] for r in rows)
     out["coverage_left_min"] = min(r["coverage_left"] for r in rows)
     out["moved_max"] = max(r["moved"] for r in rs)
@@ -439,6 +448,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated scenario labels to run (default: all)")
     ap.add_argument("--hysteresis", type=float, default=mk.RebalanceConfig().hysteresis,
                     help="RebalanceConfig.hysteresis for every scenario")
+    ap.add_argument("--edge-rate-share", type=float, default=mk.AssignConfig().edge_rate_share,
+                    help="AssignConfig.edge_rate_share for every scenario (0: volunteers keep their declared class)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     counts = sm.measured_routing(tokens=16 if args.quick else 48)
@@ -453,7 +464,7 @@ def main() -> None:
         Scenario("2T natural", "2t", 2000 if q else 10_000, None, 8 if q else 24, sudden=(5,) if q else (12,),
                  eval_share=0.1, hub_blocks=1, warmup=2),
     ]
-    scenarios = [replace(s, hysteresis=args.hysteresis) for s in scenarios]
+    scenarios = [replace(s, hysteresis=args.hysteresis, edge_rate_share=args.edge_rate_share) for s in scenarios]
     if args.only:
         keep = set(args.only.split(","))
         scenarios = [s for s in scenarios if s.label in keep]
@@ -465,6 +476,15 @@ def main() -> None:
         print(f"({time.perf_counter() - t:.0f} s)")
     seconds = time.perf_counter() - t0
     print("\n" + summary(results))
+    print("\nwhere the hubs' memory goes (steady state): their share of the serving rate, the demand on experts"
+          " a hub holds (what calls served can reach), hub memory that is an expert's only copy, hub copies per"
+          " expert by demand decile (hottest first), and every tier's")
+    for label, (sc, rows) in results.items():
+        s = steady(rows, sc.warmup)
+        hd = np.mean([r["hub_deciles"] for r in rows[sc.warmup:]], axis=0)
+        td = np.mean([np.sum(r["deciles_by_tier"], axis=0) for r in rows[sc.warmup:]], axis=0)
+        print(f"  {label}: hubs {s['hub_rate']:.1%} of the rate; demand on hub-held {s['hub_demand']:.1%}; hub memory on sole copies {s['hub_sole']:.0%}; "
+              f"hub copies {' '.join(f'{x:.2f}' for x in hd)}; all {' '.join(f'{x:.2f}' for x in td)}")
     for label, (sc, rows) in results.items():
         if sc.shape == "2t":
             print(f"\nlimits, from the last epoch of '{label}' ({rows[-1]['blocks_per_node']:.1f} blocks and "

@@ -16,7 +16,13 @@ Every expert (grid cell) gets four values for this volunteer, compared lexicogra
    hot experts short of throughput first;
    an edge device: the same outside the hot set, 0 inside: the warmest of the long tail first.
 
-Edge devices leave the hot experts' extra replicas (level 3) to hubs. Levels 1 to 3 weigh the volunteer's own tier fully and the other tier at ``OFF_TIER`` (hubs:
+Edge devices leave the hot experts' extra replicas (level 3) to hubs. Capacity decides the tier
+too (``effective_class``): a volunteer that declares itself a hub but serves each of its experts
+at under ``edge_rate_share`` of the swarm's mean rate per held expert (a home box on a 49 Mbit/s
+uplink in a swarm of 200G hubs) is placed like an edge device for covering and serving: its replica
+of a hot expert adds almost no throughput, so the hot experts' first replicas are left to the fast
+volunteers; it still adds, after its own tier's needs, the further count replicas hot experts
+lack (level 3, at ``OFF_TIER``): a short path, and memory the hubs need not spend on them. Levels 1 to 3 weigh the volunteer's own tier fully and the other tier at ``OFF_TIER`` (hubs:
 the hot set; edges: the tail), so hubs cover and replicate hot experts first and edge devices
 the tail, yet nobody leaves an expert uncovered to stay in its tier. While any expert is
 uncovered, every volunteer that can hold one expert covers at least one.
@@ -88,6 +94,8 @@ class AssignConfig:
     max_blocks: int = 1  # blocks per volunteer; 1 = what one `moeswarm node` process announces today
     hot_share: float = 0.5  # the most-demanded experts that carry this share of calls are "hot": for hubs
     hub_max_rtt_s: float = 0.05  # a hub whose round trip exceeds this, seconds, is placed like an edge device
+    edge_rate_share: float = 0.1  # a hub serving each expert at under this share of the swarm's mean rate
+    # per held expert (Supply.throughput summed over held_cells) is placed like an edge device; 0: never
     max_load_s: float = 3600.0  # never assign more weights than its link downloads in this long, seconds
     width_bonus: float = 0.1  # extra score of a block spanning all experts of its layers (fewer requests)
     call_bytes: int = 0  # bytes one (token, expert) call moves each way (hidden size x bytes per value);
@@ -99,6 +107,8 @@ class AssignConfig:
             raise ConfigError("need min_replicas >= 0, max_blocks >= 1, 0 <= hot_share <= 1")
         if self.hub_max_rtt_s < 0 or self.max_load_s <= 0 or self.width_bonus < 0 or self.call_bytes < 0:
             raise ConfigError("need hub_max_rtt_s >= 0, max_load_s > 0, width_bonus >= 0, call_bytes >= 0")
+        if not 0 <= self.edge_rate_share < 1:
+            raise ConfigError("need 0 <= edge_rate_share < 1")
         if self.block_cells < 1:
             raise ConfigError("block_cells must be >= 1")
 
@@ -123,9 +133,14 @@ class Assignment:
         return self.blocks[0].cli_args()
 
 
-def effective_class(volunteer: Volunteer, config: AssignConfig) -> DeviceClass:
-    """``edge`` for edge devices and for hubs too far away to serve hot experts quickly."""
+def effective_class(volunteer: Volunteer, config: AssignConfig, *, rate_per_expert: float | None = None,
+                    swarm_rate_per_expert: float = 0.0) -> DeviceClass:
+    """``edge`` for edge devices, for hubs too far away to serve hot experts quickly, and for hubs
+    that serve each expert (``rate_per_expert``, pairs/s) at under ``edge_rate_share`` of the
+    swarm's mean rate per held expert (``swarm_rate_per_expert``; 0: unknown, no such rule)."""
     if volunteer.device_class == "edge" or volunteer.rtt_s > config.hub_max_rtt_s:
+        return "edge"
+    if rate_per_expert is not None and rate_per_expert < config.edge_rate_share * swarm_rate_per_expert:
         return "edge"
     return "hub"
 
@@ -183,12 +198,17 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
     w = supply.throughput
     floor = max(float(w.mean()), t) * 1e-3
     serve = p * np.log1p(t / (w + floor))
-    if effective_class(volunteer, config) == "hub":
+    swarm_rate = float(w.sum()) / supply.held_cells if supply.held_cells > 0 else 0.0
+    if effective_class(volunteer, config, rate_per_expert=t, swarm_rate_per_expert=swarm_rate) == "hub":
         tier = np.where(hot, 1.0, OFF_TIER)
     else:
         serve = np.where(hot, 0.0, serve)
         tier = np.where(hot, OFF_TIER, 1.0)
-        extra = np.where(hot, 0.0, extra)  # a phone's replica adds little throughput and a slow path
+        if effective_class(volunteer, config) == "edge":
+            extra = np.where(hot, 0.0, extra)  # a phone's replica adds little throughput and a slow path
+        # a nearby machine placed here by its rate alone still adds (at OFF_TIER) the count replicas
+        # hot experts lack: its path is short, and without it the hubs would spend their memory on
+        # them and leave tail experts with no fast holder
     top = float(serve.max())
     if top > 0:
         serve = serve / top

@@ -207,9 +207,13 @@ class Rebalancer:
             return self._decision("stay", f"{len(twins)} other node(s) announce this block: {peer_id_to_str(first)} "
                                           "(the smallest peer ID) decides first")
         rect = self.shape.rect(current)
-        supply = state.supply.changed([rect] if rect is not None else [], self.volunteer.throughput, +1)
+        # the rate it measured serving (what it announces, as the others do), once it has served:
+        # the market compares it with theirs (AssignConfig.edge_rate_share)
+        measured = self.holding.server.throughput
+        me = replace(self.volunteer, throughput=float(measured)) if measured > 0 else self.volunteer
+        supply = state.supply.changed([rect] if rect is not None else [], me.throughput, +1)
         since = None if self.moved_epoch is None else state.epoch - self.moved_epoch
-        plan = rebalance(self.shape, supply, state.demand, self.volunteer, [current], config=self.policy,
+        plan = rebalance(self.shape, supply, state.demand, me, [current], config=self.policy,
                          epochs_since_move=since)
         if plan is None:
             if since is not None and since < self.policy.cooldown_epochs:

@@ -18,6 +18,7 @@ from moeswarm.market import (
     Volunteer,
     assign,
     capacity_cells,
+    effective_class,
     hot_mask,
     replica_targets,
 )
@@ -124,6 +125,35 @@ def test_hubs_take_hot_experts_and_edge_devices_the_tail() -> None:
     assert share_hot(hub)[0] > 2 * share_hot(edge)[0]
     assert share_hot(hub)[1] >= 2 and share_hot(edge)[1] == 0
     assert far.blocks == edge.blocks  # a hub too far away is placed like an edge device
+
+
+def test_a_hub_whose_link_serves_little_is_placed_like_an_edge_device() -> None:
+    """Capacity, not only the declared class, decides the tier: a home box on a slow uplink among
+    fast hubs (its rate per expert under edge_rate_share of the swarm's mean) covers the tail."""
+    shape = ModelShape("org/m", (0, 1), 8, 1_000_000)
+    share = np.array([[8.0, 4, 2, 1, 1, 1, 1, 1], [8, 4, 2, 1, 1, 1, 1, 1]])
+    demand = Demand.from_counts(share)
+    hot = hot_mask(demand.share, AssignConfig().hot_share)
+    reps = np.full(shape.grid, 2, dtype=np.int64)
+    reps[0, 0] = reps[1, 7] = 0  # nobody holds the hottest expert of layer 0, nor a tail expert of layer 1
+    assert hot[0, 0] and not hot[1, 7]
+    supply = Supply(reps, reps * 5_000.0, np.zeros(shape.grid), 7, int(reps.sum()))  # 5,000 pairs/s per held expert
+    cfg, off = AssignConfig(call_bytes=10_000), AssignConfig(call_bytes=10_000, edge_rate_share=0.0)
+
+    def placed(v: Volunteer, c: AssignConfig = cfg) -> tuple[Block, ...]:
+        return assign(shape, supply, demand, v, c).blocks
+
+    slow = Volunteer(1_000_000, 1e6, "hub", upload_bytes_s=1e6)  # one expert; its link: 100 pairs/s
+    fast = Volunteer(1_000_000, 1e6, "hub", upload_bytes_s=1e10)  # 1e6 pairs/s
+    near = Volunteer(1_000_000, 1e6, "hub", upload_bytes_s=1e7)  # 1,000 pairs/s: a fifth of the mean
+    edge = Volunteer(1_000_000, 1e6, "edge", upload_bytes_s=1e10)
+    assert effective_class(slow, cfg, rate_per_expert=100.0, swarm_rate_per_expert=5_000.0) == "edge"
+    assert effective_class(slow, cfg) == "hub"  # no swarm rate known: the declared class
+    tail, top = (Block((1, 1), (7, 7)),), (Block((0, 0), (0, 0)),)
+    assert placed(fast) == placed(near) == placed(slow, off) == top  # hubs cover the hot expert first
+    assert placed(slow) == placed(edge) == tail  # too slow to serve it: covers the tail like an edge device
+    with pytest.raises(ConfigError):
+        AssignConfig(edge_rate_share=1.0)
 
 
 def test_uncovered_experts_come_before_the_tier_and_capacity_rules() -> None:
