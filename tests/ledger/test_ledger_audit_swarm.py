@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from ledger_support import LyingServer, start_ledger
+from ledger_process import start_ledger
+from ledger_support import LyingServer
 
 from moeswarm.daemon import SwarmConfig
 from moeswarm.demo import CHECKPOINT, DEFAULT_PROMPT
