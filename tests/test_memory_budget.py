@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from moeswarm.model.memory import parse_size
 from moeswarm.model.synthetic import random_mixtral
+from rss_support import generate_sampling_rss
 
 pytestmark = pytest.mark.slow
 BUDGET = "100MiB"
@@ -21,32 +19,7 @@ BUDGET = "100MiB"
 
 def run(folder: Path, *extra: str) -> tuple[list[int], int, str]:
     """Generate in a subprocess; returns (tokens, peak VmRSS sampled every ~2 ms, stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "moeswarm.cli", "generate", "--model", str(folder),
-                             "--prompt-ids", "[5, 6, 7, 8, 9, 10]", "--max-new-tokens", "10", "--print-token-ids",
-                             "--stats", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = 0
-    done = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            try:
-                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        peak = max(peak, int(line.split()[1]) * 1024)
-            except (OSError, ValueError):
-                return
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        out, err = proc.communicate(timeout=300)
-    finally:
-        done.set()
-        sampler.join()
-    assert proc.returncode == 0, err
-    return json.loads(out.strip().splitlines()[-1]), peak, err
+    return generate_sampling_rss(folder, "[5, 6, 7, 8, 9, 10]", 10, *extra)
 
 
 def test_generation_stays_within_the_memory_budget(tmp_path: Path) -> None:

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +18,7 @@ from moeswarm.model._gguf_meta import write_metadata
 from moeswarm.model._gguf_names import gguf_name
 from moeswarm.model.config import ModelConfig
 from moeswarm.model.weights import expected_shapes, expert_shapes
+from rss_support import generate_sampling_rss
 
 pytestmark = pytest.mark.slow  # 7-25 s (machine load): writes 180 MiB and decodes in two processes
 Q = gguf.GGMLQuantizationType
@@ -65,31 +62,7 @@ def write_q8_gguf(path: Path, layers: int, rng: np.random.Generator) -> int:
 
 def generate_with_stats(path: Path, tokens: int) -> tuple[list[int], int, str]:
     """``moeswarm generate --stats`` in a subprocess: (its tokens, its peak VmRSS sampled every ~2 ms, stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "moeswarm.cli", "generate", "--model", str(path), "--prompt-ids",
-                             "[1, 5, 70, 300, 9, 42, 600, 17]", "--max-new-tokens", str(tokens), "--print-token-ids",
-                             "--stats"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak, done = 0, threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not done.is_set():
-            try:
-                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        peak = max(peak, int(line.split()[1]) * 1024)
-            except (OSError, ValueError):
-                return
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        out, err = proc.communicate(timeout=240)
-    finally:
-        done.set()
-        sampler.join()
-    assert proc.returncode == 0, err
-    return json.loads(out.strip().splitlines()[-1]), peak, err
+    return generate_sampling_rss(path, "[1, 5, 70, 300, 9, 42, 600, 17]", tokens, timeout_s=240)
 
 
 def mib(pattern: str, text: str) -> int:
