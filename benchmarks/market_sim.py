@@ -58,12 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from moeswarm import market as mk
-from moeswarm.market._grid import paint, prefix_sum, rect_sums
 from moeswarm.protocol import Identity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _petals_blocks as pb
-from _swarm_model import served_bound
+from _swarm_model import routed, served_bound
 
 GB = 1e9
 # name, share, device class, memory GB, throughput pairs/s, bandwidth B/s, rtt s   (uniform ranges)
@@ -279,20 +278,9 @@ def served_share(policy: Policy, shape: mk.ModelShape, truth: np.ndarray, utiliz
 
 def routed_share(shape: mk.ModelShape, truth: np.ndarray, utilization: float, rects: np.ndarray,
                  owner: np.ndarray, cap: np.ndarray, iters: int = 40) -> float:
-    """Calls for each expert go to its holders in proportion to routing weights; a holder serves
-    at most its throughput; weights move away from overloaded holders (as the backbone does with
-    ``load_permille``). Returns served calls / all calls."""
-    demand = truth * utilization * cap.sum()
-    held = paint(shape.grid, rects, np.ones(len(rects))) > 0.5  # calls to experts nobody holds are lost
-    w = cap / cap.max()
-    load = np.zeros_like(cap)
-    for _ in range(iters):
-        weight = paint(shape.grid, rects, w[owner])
-        pressure = np.divide(demand, weight, out=np.zeros_like(demand), where=held)
-        load = w * np.bincount(owner, rect_sums(prefix_sum(pressure), rects), minlength=len(cap))
-        w = w * np.clip(cap / np.maximum(load, 1e-12), 0.25, 4.0) ** 0.5
-        w = np.clip(w / w.max(), 1e-9, 1.0)
-    return float(np.minimum(load, cap).sum() / demand.sum())
+    """Served calls / all calls when the volunteers get ``utilization`` of what they could serve,
+    spread over the experts as ``truth`` (load-aware routing: ``_swarm_model.routed``)."""
+    return routed(shape, truth * utilization * cap.sum(), rects, owner, cap, iters)[0]
 
 
 def bound_share(policy: Policy, shape: mk.ModelShape, truth: np.ndarray, utilization: float) -> float:
