@@ -42,22 +42,32 @@ def target_replicas(weight: np.ndarray, slots: int, *, floor: int = 1, cap: int 
         return np.full(w.shape, floor, dtype=np.int64)
     if slots >= hi_cap * n:
         return np.full(w.shape, int(hi_cap), dtype=np.int64)
-    flat = w.reshape(-1) / float(w.max())
-    # sum of clip(c * w) is monotone in c: bisect log(c) (weights may span hundreds of decades)
-    lo = math.log(max(slots, 1) / float(flat.sum())) - 1.0  # c * sum(w) < slots: below the answer
-    hi = math.log(float(slots) + 1.0) - math.log(float(flat[flat > 0].min()))  # every w > 0 at >= slots
-    for _ in range(100):
+    flat = w.reshape(-1)
+    pos = flat > 0
+    log_w = np.full(n, -np.inf)
+    log_w[pos] = np.log(flat[pos]) - math.log(float(flat.max()))  # relative to the largest, in logs:
+    # weights may span hundreds of decades, down to subnormal ones a division would flush to zero
+
+    def scaled(log_c: float) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            out: np.ndarray = np.clip(np.exp(log_c + log_w), floor, hi_cap)
+        return out
+
+    # sum of clip(c * w) is monotone in c: bisect log(c)
+    lo = math.log(max(slots, 1) / float(np.exp(log_w).sum())) - 1.0  # c * sum(w) < slots: below the answer
+    hi = math.log(float(slots) + 1.0) - float(log_w[pos].min())  # every w > 0 at >= slots
+    for _ in range(200):
         mid = 0.5 * (lo + hi)
-        if np.clip(math.exp(mid) * flat, floor, hi_cap).sum() > slots:
+        if scaled(mid).sum() > slots:
             hi = mid
         else:
             lo = mid
-    real = np.clip(math.exp(lo) * flat, floor, hi_cap)
+    real = scaled(lo)
     out = np.floor(real).astype(np.int64)
     short = int(slots - out.sum())
     if short > 0:  # largest remainders first; ties to the heavier cell, then the lower index
-        room = (out < hi_cap) & (flat > 0)
+        room = (out < hi_cap) & pos
         frac = np.where(room, real - out, -1.0)
-        order = np.lexsort((-flat, -frac))[: min(short, int(room.sum()))]
+        order = np.lexsort((-log_w, -frac))[: min(short, int(room.sum()))]
         out[order] += 1
     return out.reshape(w.shape)
