@@ -49,14 +49,13 @@ def target_replicas(weight: np.ndarray, slots: int, *, floor: int = 1, cap: int 
     # weights may span hundreds of decades, down to subnormal ones a division would flush to zero
 
     def scaled(log_c: float) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            out: np.ndarray = np.clip(np.exp(log_c + log_w), floor, hi_cap)
+        out: np.ndarray = np.clip(np.exp(np.minimum(log_c + log_w, 700.0)), floor, hi_cap)  # e^700 > any cap
         return out
 
     # sum of clip(c * w) is monotone in c: bisect log(c)
     lo = math.log(max(slots, 1) / float(np.exp(log_w).sum())) - 1.0  # c * sum(w) < slots: below the answer
     hi = math.log(float(slots) + 1.0) - float(log_w[pos].min())  # every w > 0 at >= slots
-    for _ in range(200):
+    for _ in range(100):
         mid = 0.5 * (lo + hi)
         if scaled(mid).sum() > slots:
             hi = mid
