@@ -48,12 +48,18 @@ def target_replicas(weight: np.ndarray, slots: int, *, floor: int = 1, cap: int 
     log_w[pos] = np.log(flat[pos]) - math.log(float(flat.max()))  # relative to the largest, in logs:
     # weights may span hundreds of decades, down to subnormal ones a division would flush to zero
 
+    wide = float(log_w[pos].min()) < -500.0  # else c * w in plain floats (faster): e^(500 + log slots) is finite
+    rel = np.exp(log_w)
+
     def scaled(log_c: float) -> np.ndarray:
-        out: np.ndarray = np.clip(np.exp(np.minimum(log_c + log_w, 700.0)), floor, hi_cap)  # e^700 > any cap
+        if wide:
+            out: np.ndarray = np.clip(np.exp(np.minimum(log_c + log_w, 700.0)), floor, hi_cap)  # e^700 > any cap
+        else:
+            out = np.clip(math.exp(log_c) * rel, floor, hi_cap)
         return out
 
     # sum of clip(c * w) is monotone in c: bisect log(c)
-    lo = math.log(max(slots, 1) / float(np.exp(log_w).sum())) - 1.0  # c * sum(w) < slots: below the answer
+    lo = math.log(max(slots, 1) / float(rel.sum())) - 1.0  # c * sum(w) < slots: below the answer
     hi = math.log(float(slots) + 1.0) - float(log_w[pos].min())  # every w > 0 at >= slots
     for _ in range(100):
         mid = 0.5 * (lo + hi)
