@@ -30,9 +30,9 @@ Metrics (``--utilization`` u: the swarm's calls are u x its total throughput):
 
 * coverage: share of experts held by someone (after departures, and after repair);
 * calls finding a replica: demand-weighted coverage;
-* served: share of calls served under load-aware routing (calls spread over an expert's
-  holders by weight, weights shifted away from overloaded holders, as the backbone does with
-  ``load_permille``), next to min(1, 1/u) (all the volunteers' throughput) and to an upper
+* served: share of calls served when each expert's calls go to its holders with headroom, as the
+  backbone's load-aware routing does with ``load_permille`` (the best routing of the placement, a
+  maximum flow: ``_swarm_model.routed``), next to min(1, 1/u) (all the volunteers' throughput) and to an upper
   bound no placement can beat (a linear program, ``_swarm_model.served_bound``);
 * replicas vs demand: Spearman correlation, hottest-decile / coldest-decile mean replicas, and
   the same ratio for replicas proportional to demand (at least one each; a reference shape, not a
@@ -266,7 +266,7 @@ def remove_node(policy: Policy, nid: int) -> None:
 
 
 def served_share(policy: Policy, shape: mk.ModelShape, truth: np.ndarray, utilization: float) -> float:
-    """Share of calls served under load-aware routing (see the module docstring)."""
+    """Share of calls served with the best routing of this placement (see the module docstring)."""
     nodes = [n for n in policy.nodes.values() if n.rects]
     if not nodes:
         return 0.0
@@ -277,10 +277,10 @@ def served_share(policy: Policy, shape: mk.ModelShape, truth: np.ndarray, utiliz
 
 
 def routed_share(shape: mk.ModelShape, truth: np.ndarray, utilization: float, rects: np.ndarray,
-                 owner: np.ndarray, cap: np.ndarray, iters: int = 40) -> float:
+                 owner: np.ndarray, cap: np.ndarray) -> float:
     """Served calls / all calls when the volunteers get ``utilization`` of what they could serve,
-    spread over the experts as ``truth`` (load-aware routing: ``_swarm_model.routed``)."""
-    return routed(shape, truth * utilization * cap.sum(), rects, owner, cap, iters)[0]
+    spread over the experts as ``truth`` (``_swarm_model.routed``: the best routing of the placement)."""
+    return routed(shape, truth * utilization * cap.sum(), rects, owner, cap)[0]
 
 
 def bound_share(policy: Policy, shape: mk.ModelShape, truth: np.ndarray, utilization: float) -> float:

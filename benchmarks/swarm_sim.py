@@ -22,8 +22,10 @@ layer. The market sees it as counted by backbones (2M sampled calls per epoch). 
 scenario re-ranks every layer's experts every 4 epochs (the top tenth swaps with random
 experts from the colder half).
 
-Per epoch: coverage right after departures and after repair, calls served under load-aware
-routing (utilisation 0.7: calls are 70% of what the volunteers could serve) next to an upper
+Per epoch: coverage right after departures and after repair, calls served when every expert's
+calls go to its holders with headroom (``routed``: the best routing of the placement, which the
+backbone's load-aware routing tends to; utilisation 0.7: calls are 70% of what the volunteers
+could serve) next to an upper
 bound from a linear program (``served_bound``: no placement or routing can serve more), mean
 replicas per demand decile next to the ideal (replicas proportional to demand, at least one:
 an independent water-filling), nodes moved, decode tokens/s for a backbone of each tier (the
