@@ -21,6 +21,7 @@ from ._assign import (
     cell_values,
     choose_rects,
     effective_class,
+    fast_held,
     folded,
     hot_mask,
     replica_targets,
@@ -96,7 +97,7 @@ __all__ = [
     "price_table_to_json", "price_table_from_json",
     # assignment
     "Volunteer", "DeviceClass", "AssignConfig", "Assignment", "assign", "capacity_cells", "cell_values",
-    "choose_rects", "score_rects", "effective_class", "hot_mask", "CellValues", "OFF_TIER", "folded",
+    "choose_rects", "score_rects", "effective_class", "hot_mask", "CellValues", "OFF_TIER", "folded", "fast_held",
     "replica_targets", "target_replicas",
     # rebalancing
     "RebalanceConfig", "PlanStep", "MovePlan", "rebalance", "plan_move", "check_plan", "drop_is_safe",

@@ -1,31 +1,42 @@
 """Assignment: which experts a joining volunteer should hold, as a pure function of the swarm.
 
-Every expert (grid cell) gets four values for this volunteer, compared lexicographically
+Every expert (grid cell) gets five values for this volunteer, compared lexicographically
 (a block's score is the tuple of its sums, most important first):
 
 1. cover: 1 for an expert nobody holds;
-2. redundancy: replicas the expert lacks below ``min(t_e, min_replicas)``, where ``t_e`` is its
+2. tier: the copy this volunteer's tier owes the expert --
+   a hub: ``1 + p_e / mean(p)`` where no fast holder serves the expert yet (``fast_held``) and
+   it ranks among the ``F`` most demanded, ``F`` the experts fast holders serve now (what the
+   hubs' copies can reach), ``OFF_TIER * p_e / mean(p)`` below them (the tail edge devices
+   hold): the hubs carry nearly all the serving rate, so calls served reach the demand on experts
+   some hub holds, and the hubs' memory goes to one fast copy of as many experts as it can,
+   hottest first (what the served bound's optimum does), before any second copy;
+   an edge device: 1 for a tail expert (ranked below the experts the hubs' copies can reach)
+   whose only holder is a hub: the hand-off that lets that hub move to a hotter expert;
+   0 everywhere when every holder serves at about the same rate (no tier to owe);
+3. redundancy: replicas the expert lacks below ``min(t_e, min_replicas)``, where ``t_e`` is its
    target (``replica_targets``: ``target_replicas`` of demand over the swarm's expert slots,
    what every holder holds plus this volunteer, at least 1 each, raised to ``min_replicas`` when
    the slots allow it);
-3. demand: the further replicas it lacks below ``t_e``: replicas follow demand;
-4. serve, normalised to at most 1: where this volunteer helps most --
+4. demand: the further replicas it lacks below ``t_e``: replicas follow demand;
+5. serve, normalised to at most 1: where this volunteer helps most --
    a hub: ``p_e * log(1 + t / W_e)``, the gain in ``sum_e p_e log W_e`` (whose optimum is
    serving throughput ``W`` proportional to demand ``p``) from adding its per-expert
    throughput ``t`` (``Volunteer.serving_rate``: its compute, or its link if that is slower):
    hot experts short of throughput first;
    an edge device: the same outside the hot set, 0 inside: the warmest of the long tail first.
 
-Edge devices leave the hot experts' extra replicas (level 3) to hubs. Capacity decides the tier
+Edge devices leave the hot experts' extra replicas (level 4) to hubs. Capacity decides the tier
 too (``effective_class``): a volunteer that declares itself a hub but serves each of its experts
 at under ``edge_rate_share`` of the swarm's mean rate per held expert (a home box on a 49 Mbit/s
 uplink in a swarm of 200G hubs) is placed like an edge device for covering and serving: its replica
 of a hot expert adds almost no throughput, so the hot experts' first replicas are left to the fast
 volunteers; it still adds, after its own tier's needs, the further count replicas hot experts
-lack (level 3, at ``OFF_TIER``): a short path, and memory the hubs need not spend on them. Levels 1 to 3 weigh the volunteer's own tier fully and the other tier at ``OFF_TIER`` (hubs:
-the hot set; edges: the tail), so hubs cover and replicate hot experts first and edge devices
-the tail, yet nobody leaves an expert uncovered to stay in its tier. While any expert is
-uncovered, every volunteer that can hold one expert covers at least one.
+lack (level 4, at ``OFF_TIER``): a short path, and memory the hubs need not spend on them. Levels
+1, 3 and 4 weigh the volunteer's own tier fully and the other tier at ``OFF_TIER`` (hubs: the hot
+set; edges: the tail), so hubs cover and replicate hot experts first and edge devices the tail,
+yet nobody leaves an expert uncovered to stay in its tier. While any expert is uncovered, every
+volunteer that can hold one expert covers at least one.
 
 Blocks are one layer range x one expert range (what a node announces). With one block per
 volunteer it is chosen among the largest shapes that fit (``pareto_shapes``) with 2-D prefix
@@ -120,7 +131,7 @@ class Assignment:
     blocks: tuple[Block, ...]  # best first; empty if it cannot hold even one expert
     cells: int  # experts held in all
     bytes: int  # cells * expert_bytes; never above the volunteer's memory
-    score: Score  # (cover, redundancy, demand, serve) sums under the state it was computed for
+    score: Score  # (cover, tier, redundancy, demand, serve) sums under the state it was computed for
 
     def node_args(self) -> list[str]:
         """``--layers A-B --experts X-Y`` of the best block, for ``moeswarm node``.
@@ -168,6 +179,7 @@ class CellValues(NamedTuple):
     """The value levels of every expert for one volunteer, each ``(L, E)``, most important first."""
 
     cover: np.ndarray
+    tier: np.ndarray
     redundancy: np.ndarray
     demand: np.ndarray
     serve: np.ndarray
@@ -184,6 +196,26 @@ def replica_targets(shape: ModelShape, supply: Supply, demand: Demand, capacity:
     return target
 
 
+def fast_held(supply: Supply, config: AssignConfig = AssignConfig()) -> np.ndarray:
+    """``(L, E)``: experts whose holders serve them at hub rate, at least ``edge_rate_share`` of the
+    swarm's mean throughput per held expert (``Supply.throughput`` against ``held_cells``); with
+    ``edge_rate_share`` 0 (the tier rule off) every held expert."""
+    held: np.ndarray = supply.replicas > 0
+    if config.edge_rate_share <= 0 or supply.held_cells <= 0:
+        return held
+    swarm_rate = float(supply.throughput.sum()) / supply.held_cells
+    out: np.ndarray = held & (supply.throughput >= config.edge_rate_share * swarm_rate)
+    return out
+
+
+def placed_as(supply: Supply, volunteer: Volunteer, config: AssignConfig, capacity: int) -> DeviceClass:
+    """The tier the volunteer is placed in (``effective_class``) when it holds ``capacity``
+    experts among the holders of ``supply``."""
+    swarm_rate = float(supply.throughput.sum()) / supply.held_cells if supply.held_cells > 0 else 0.0
+    rate = volunteer.serving_rate(config.call_bytes) / max(capacity, 1)
+    return effective_class(volunteer, config, rate_per_expert=rate, swarm_rate_per_expert=swarm_rate)
+
+
 def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer,
                 config: AssignConfig = AssignConfig(), *, capacity: int | None = None) -> CellValues:
     """The value of this volunteer holding each expert, given the others' ``supply``."""
@@ -198,9 +230,15 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
     w = supply.throughput
     floor = max(float(w.mean()), t) * 1e-3
     serve = p * np.log1p(t / (w + floor))
-    swarm_rate = float(w.sum()) / supply.held_cells if supply.held_cells > 0 else 0.0
-    if effective_class(volunteer, config, rate_per_expert=t, swarm_rate_per_expert=swarm_rate) == "hub":
+    fast = fast_held(supply, config)
+    tail = np.zeros(p.shape, dtype=bool)
+    if config.edge_rate_share > 0:  # the experts beyond what the hubs' copies can reach
+        rank = np.empty(p.size, dtype=np.int64)
+        rank[np.argsort(-p.reshape(-1), kind="stable")] = np.arange(p.size)
+        tail = rank.reshape(p.shape) >= int(fast.sum())
+    if placed_as(supply, volunteer, config, k) == "hub":
         tier = np.where(hot, 1.0, OFF_TIER)
+        first = np.where(fast, 0.0, np.where(tail, OFF_TIER * p * p.size, 1.0 + p * p.size))
     else:
         serve = np.where(hot, 0.0, serve)
         tier = np.where(hot, OFF_TIER, 1.0)
@@ -209,16 +247,19 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
         # a nearby machine placed here by its rate alone still adds (at OFF_TIER) the count replicas
         # hot experts lack: its path is short, and without it the hubs would spend their memory on
         # them and leave tail experts with no fast holder
+        first = (tail & fast & (r == 1)).astype(np.float64)
     top = float(serve.max())
     if top > 0:
         serve = serve / top
-    return CellValues(tier * (r <= 0), tier * short, tier * extra, serve)
+    return CellValues(tier * (r <= 0), first, tier * short, tier * extra, serve)
 
 
-def choose_rects(values: CellValues, capacity: int, config: AssignConfig = AssignConfig()) -> tuple[list[Rect], Score]:
-    """Up to ``max_blocks`` disjoint rectangles, greedily best first, within ``capacity`` cells."""
-    if config.max_blocks > 1:
-        return _choose_signed(values, capacity, config)
+def choose_rects(values: CellValues, capacity: int, config: AssignConfig = AssignConfig(), *,
+                 taken: np.ndarray | None = None) -> tuple[list[Rect], Score]:
+    """Up to ``max_blocks`` disjoint rectangles, greedily best first, within ``capacity`` cells;
+    with ``max_blocks > 1``, none over a cell of the ``taken`` mask (blocks the node keeps)."""
+    if config.max_blocks > 1 or taken is not None:
+        return _choose_signed(values, capacity, config, taken)
     levels = [v.copy() for v in values]
     rects: list[Rect] = []
     score: Score = tuple(0.0 for _ in levels)
@@ -234,7 +275,7 @@ def choose_rects(values: CellValues, capacity: int, config: AssignConfig = Assig
     return rects, score
 
 
-def folded(values: CellValues, capacity: int) -> np.ndarray:
+def folded(values: Sequence[np.ndarray], capacity: int) -> np.ndarray:
     """The levels as one number per cell: a unit of a level outweighs everything the levels below
     it add up to over ``capacity`` cells, so sums over blocks compare lexicographically."""
     out = np.zeros_like(values[0])
@@ -246,19 +287,22 @@ def folded(values: CellValues, capacity: int) -> np.ndarray:
     return out
 
 
-def _choose_signed(values: CellValues, capacity: int, config: AssignConfig) -> tuple[list[Rect], Score]:
+def _choose_signed(values: CellValues, capacity: int, config: AssignConfig,
+                   mask: np.ndarray | None = None) -> tuple[list[Rect], Score]:
     """Up to ``max_blocks`` disjoint rectangles: first (all but one) each the best under the
     opportunity cost (the ``capacity``-th best cell's value; the first always taken, later ones
     only if worth it, each at most ``block_cells``), then the memory left goes to the rectangles
     that cover or replicate most (uncovered experts first) without overlapping."""
     v = folded(values, capacity)
-    flat = v.reshape(-1)
+    mask = np.zeros(v.shape, dtype=bool) if mask is None else mask
+    flat = v[~mask]
     k = min(capacity, flat.size)
     kth = float(np.partition(flat, flat.size - k)[flat.size - k]) if k > 0 else 0.0
     below = flat[flat < kth]
     cost = (kth + float(below.max())) / 2 if below.size else kth - 1.0  # the k best cells (and ties) gain
     signed = v - cost
     taken = -2.0 * (float(np.abs(signed).sum()) + 1.0)  # below any sum of untaken cells, yet exact in float64
+    signed[mask] = taken
     rects: list[Rect] = []
     left = capacity
     while len(rects) < config.max_blocks - 1 and left > 0:
@@ -269,9 +313,9 @@ def _choose_signed(values: CellValues, capacity: int, config: AssignConfig) -> t
         rects.append(rect)
         left -= rect.cells
         signed[rect.slices] = taken
-    # the rest of memory goes where it covers or replicates (levels 1-2), in the largest rectangles
+    # the rest of memory goes where it covers, adds its tier's copy or replicates (levels 1-3), in the largest rectangles
     # that hold most of it without overlapping the blocks taken
-    need = values.cover * (1.0 + capacity * float(values.redundancy.max(initial=0.0))) + values.redundancy
+    need = folded((values.cover, values.tier, values.redundancy), capacity)
     fill = np.where(signed == taken, -2.0 * (float(need.sum()) + 1.0) * max(capacity, 1), need)
     while len(rects) < config.max_blocks and left > 0:
         found = best_signed_rect(fill, left)
@@ -305,7 +349,7 @@ def assign(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunte
         raise ConfigError("supply and demand must be grids of the model's shape")
     k = capacity_cells(shape, volunteer, config)
     if k < 1:
-        return Assignment((), 0, 0, (0.0, 0.0, 0.0, 0.0))
+        return Assignment((), 0, 0, (0.0, 0.0, 0.0, 0.0, 0.0))
     values = cell_values(shape, supply, demand, volunteer, config, capacity=k)
     rects, score = choose_rects(values, k, config)
     cells = sum(r.cells for r in rects)

@@ -15,14 +15,23 @@ nodes may have left since the plan was made) and wait instead of dropping if it 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
 from moeswarm.errors import ConfigError
 
-from ._assign import AssignConfig, Volunteer, capacity_cells, cell_values, choose_rects, score_rects
+from ._assign import (
+    AssignConfig,
+    CellValues,
+    Volunteer,
+    capacity_cells,
+    cell_values,
+    choose_rects,
+    placed_as,
+    score_rects,
+)
 from ._demand import Demand
 from ._grid import Block, ModelShape, Rect, better, cell_mask, union_cells
 from ._supply import Supply
@@ -34,11 +43,14 @@ class RebalanceConfig:
 
     hysteresis: float = 0.5  # move only if the best blocks score this fraction above the current ones
     cooldown_epochs: int = 2  # after a move, stay put for at least this many epochs
+    edge_levels: int = 1  # score levels a volunteer placed like an edge device moves for (1: only to
+    # cover an expert nobody holds): its move is a download over a slow link, and the edge tier turns
+    # over within hours, so its joiners place the rest
     transition_slack: float = 0.0  # extra memory (fraction of the volunteer's) usable while old and new overlap
 
     def __post_init__(self) -> None:
-        if self.hysteresis < 0 or self.cooldown_epochs < 0 or self.transition_slack < 0:
-            raise ConfigError("hysteresis, cooldown_epochs and transition_slack must be >= 0")
+        if self.hysteresis < 0 or self.cooldown_epochs < 0 or self.transition_slack < 0 or self.edge_levels < 0:
+            raise ConfigError("hysteresis, cooldown_epochs, transition_slack and edge_levels must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -135,21 +147,31 @@ def plan_move(shape: ModelShape, others: np.ndarray, source: Sequence[Block], ta
     return None
 
 
+def _bounds(mask: np.ndarray, rect: Rect) -> Rect:
+    """The smallest rectangle inside ``rect`` around its cells where ``mask`` is set (some are)."""
+    rows, cols = np.nonzero(mask[rect.slices])
+    return Rect(rect.r0 + int(rows.min()), rect.r0 + int(rows.max()), rect.e0 + int(cols.min()), rect.e0 + int(cols.max()))
+
+
 def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, current: Sequence[Block],
               *, assign_config: AssignConfig = AssignConfig(), config: RebalanceConfig = RebalanceConfig(),
               epochs_since_move: int | None = None) -> MovePlan | None:
     """Re-evaluate a node that holds ``current`` (included in ``supply``): a plan, or ``None`` to stay.
 
-    The node's own contribution is taken out of ``supply``, the assignment is recomputed for
-    the rest of the swarm, and the node moves only if the best blocks beat its current ones at
-    the first level where they differ by more than ``hysteresis``: relatively for coverage
-    (``best / now - 1``, infinite from nothing), and for the other levels relative to what the
-    move costs too (``(best - now) / max(now, m)`` for a move that loads ``m`` experts the node
-    does not hold yet: each expert loaded must add more than ``hysteresis`` of a missing replica,
-    so a node of 100 experts does not reload them to add one, which the next joiner adds anyway,
-    while a node of 8 moves to fill 4 missing replicas on 6 new experts), it has not moved in the
-    last ``cooldown_epochs`` epochs, and a safe ``plan_move`` exists. With the state unchanged,
-    a node that just moved stays: its new blocks are the best for the same values.
+    The node's own contribution is taken out of ``supply`` and the assignment is recomputed for
+    the rest of the swarm; a node of several blocks counts the experts it holds ``1 + hysteresis``
+    times their value (it swaps only experts a new one beats by the hysteresis) and also weighs
+    keeping the blocks around the only copies it holds and choosing the rest afresh. It
+    moves only if the new blocks beat its current ones at the first level where they differ by
+    more than ``hysteresis``: relatively for coverage (``best / now - 1``, infinite from nothing),
+    and for the other levels per expert the move loads (``(best - now) / max(m, 1)`` for a move
+    that loads ``m`` experts the node does not hold yet: each expert loaded must add more than
+    ``hysteresis`` of a missing replica or of a mean expert's first fast copy, so a node of 100
+    experts does not reload them to add one, while it does swap 20 of them for 20 worth more).
+    A volunteer placed like an edge device moves only for the first ``edge_levels`` levels
+    (coverage). It must not have moved in the last ``cooldown_epochs`` epochs, and a safe
+    ``plan_move`` must exist. With the state unchanged, a node that just moved stays: its new
+    blocks are the best for the same values.
     """
     if epochs_since_move is not None and epochs_since_move < config.cooldown_epochs:
         return None
@@ -157,16 +179,37 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     others = supply.changed(rects, volunteer.throughput, -1) if rects else supply
     k = capacity_cells(shape, volunteer, assign_config)
     values = cell_values(shape, others, demand, volunteer, assign_config, capacity=k)
-    best, best_score = choose_rects(values, k, assign_config)
-    if sorted(best) == sorted(rects):
-        return None
+    held = cell_mask(shape.grid, rects)
+    sticky = values
+    if assign_config.max_blocks > 1:
+        # the experts held count (1 + hysteresis) times their value in the choice: a node of many
+        # blocks swaps only the experts a new one beats by the hysteresis and keeps the rest (one
+        # block moves whole: the gain below weighs it)
+        sticky = CellValues(*(np.where(held, level * (1.0 + config.hysteresis), level) for level in values))
+    candidates = [choose_rects(sticky, k, assign_config)[0]]
+    keep = [_bounds(values.cover, r) for r in rects if values.cover[r.slices].any()]  # around the only copies it holds
+    if assign_config.max_blocks > len(keep) > 0:
+        # a node of many blocks also weighs keeping those and choosing the rest afresh: the fresh
+        # choice alone may not fit every only copy it holds into its blocks, and then never moves
+        more, _ = choose_rects(sticky, k - sum(r.cells for r in keep),
+                               replace(assign_config, max_blocks=assign_config.max_blocks - len(keep)),
+                               taken=cell_mask(shape.grid, keep))
+        candidates.append(keep + more)
     now = score_rects(values, rects, assign_config)
-    if not better(best_score, now):
-        return None
-    level = next(i for i, (a, b) in enumerate(zip(best_score, now)) if a > b)
-    loads = int((cell_mask(shape.grid, best) & ~cell_mask(shape.grid, rects)).sum())  # experts to load
-    base = now[level] if level == 0 else max(now[level], float(loads))
-    gain = (best_score[level] - now[level]) / base if base > 0 else float("inf")
+    edge = placed_as(others, volunteer, assign_config, k) == "edge"
+    best, gain = rects, 0.0
+    for option in candidates:
+        score = score_rects(values, option, assign_config)
+        if sorted(option) == sorted(rects) or not better(score, now):
+            continue
+        level = next(i for i, (a, b) in enumerate(zip(score, now)) if a > b)
+        if level >= config.edge_levels and edge:
+            continue
+        loads = int((cell_mask(shape.grid, option) & ~held).sum())  # experts to load
+        base = now[level] if level == 0 else max(float(loads), 1.0)
+        g = (score[level] - now[level]) / base if base > 0 else float("inf")
+        if g > gain:
+            best, gain = option, g
     if gain <= config.hysteresis:
         return None
     limit = int(k * (1.0 + config.transition_slack))

@@ -18,6 +18,7 @@ from moeswarm.market import (
     Volunteer,
     assign,
     capacity_cells,
+    cell_values,
     effective_class,
     hot_mask,
     replica_targets,
@@ -73,10 +74,12 @@ def test_enough_volunteers_cover_every_expert_with_min_replicas(swarm: tuple[Mod
     cfg = AssignConfig(min_replicas=min_replicas)
     supply = Supply.empty(shape)
     # joiners hold >= 1 expert each: after cells * min_replicas of them the slots allow min_replicas
-    # everywhere, and from then on each one fixes an expert below it, so twice that many suffice
+    # everywhere, and from then on each one fixes an expert below it or adds the copy its tier owes
+    # (a fast volunteer: the first fast copy of an expert; a slow one: a hub's tail expert), of
+    # which there are at most cells each, so three times that many suffice
     joiners = 0
     while supply.replicas.min() < min_replicas:
-        assert joiners < 2 * shape.cells * min_replicas, "min_replicas not reached"
+        assert joiners < 3 * shape.cells * min_replicas, "min_replicas not reached"
         v = pool[joiners % len(pool)]
         v = Volunteer(max(v.memory_bytes, shape.expert_bytes), v.throughput, v.device_class, 1e12, v.rtt_s)
         before = supply.replicas.copy()
@@ -87,7 +90,8 @@ def test_enough_volunteers_cover_every_expert_with_min_replicas(swarm: tuple[Mod
         if (before == 0).any():  # every joiner covers at least one uncovered expert while there is one
             assert (before[rect.slices] == 0).any()
         elif (before < np.minimum(target, min_replicas)).any():  # then one short of min(its target, min_replicas)
-            assert (before[rect.slices] < np.minimum(target, min_replicas)[rect.slices]).any()
+            owed = cell_values(shape, supply, demand, v, cfg).tier > 0  # or its tier's copy, which comes first
+            assert (before[rect.slices] < np.minimum(target, min_replicas)[rect.slices]).any() or owed[rect.slices].any()
         supply = supply.changed([rect], v.throughput, +1)
         joiners += 1
     assert supply.coverage() == 1.0
@@ -175,3 +179,24 @@ def test_uncovered_experts_come_before_the_tier_and_capacity_rules() -> None:
         Volunteer(1, 1.0, "phone")  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         AssignConfig(max_blocks=0)
+
+
+def test_a_hub_adds_the_first_fast_copy_and_an_edge_device_relieves_a_hub_of_the_tail() -> None:
+    """Hubs carry nearly all the serving rate, so a hub's memory goes first to the hottest expert
+    no fast holder serves (not to a second copy of one a hub already serves), and a slow machine
+    takes a tail expert whose only holder is a hub (so that hub can move to a hotter one)."""
+    shape = ModelShape("org/m", (0,), 8, 1_000_000)
+    demand = Demand.from_counts(np.array([[8.0, 7, 6, 5, 4, 3, 2, 1]]))
+    reps = np.ones(shape.grid, dtype=np.int64)  # every expert held once
+    tput = np.array([[1e6, 1e6, 1.0, 1.0, 1.0, 1.0, 1.0, 1e6]])  # 0, 1 and the coldest (7) by fast holders
+    supply = Supply(reps, tput, np.zeros(shape.grid), 8, 8)
+    cfg = AssignConfig(edge_rate_share=0.1)
+    hub = assign(shape, supply, demand, Volunteer(shape.expert_bytes, 1e6, "hub"), cfg)
+    edge = assign(shape, supply, demand, Volunteer(shape.expert_bytes, 1.0, "edge"), cfg)
+    # expert 2: the hottest without a fast holder (experts 0 and 1, hotter, have one; by count alone
+    # the hub would add a second copy of expert 0)
+    assert hub.blocks == (Block((0, 0), (2, 2)),)
+    # expert 7: fast holders serve 3 experts, so the tail is ranks 3..7; of those only 7 is a hub's alone
+    assert edge.blocks == (Block((0, 0), (7, 7)),)
+    off = AssignConfig(edge_rate_share=0.0)  # the tier rule off: no tier copies, count and serving decide
+    assert assign(shape, supply, demand, Volunteer(shape.expert_bytes, 1e6, "hub"), off).blocks == (Block((0, 0), (0, 0)),)

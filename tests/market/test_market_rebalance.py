@@ -146,3 +146,47 @@ def test_a_gain_is_weighed_against_the_experts_the_move_loads() -> None:
     assert abs(plan.gain - 4 / 6) < 1e-9
     assert rebalance(shape, supply, Demand.from_counts(counts), me, [Block((0, 0), (0, 7))],
                      config=RebalanceConfig(hysteresis=0.7)) is None
+
+
+def test_a_node_of_many_blocks_keeps_its_only_copies_and_moves_the_rest() -> None:
+    """A fast node of 4 blocks holds the only copies of experts 0, 8 and 15 beside duplicates of
+    cold ones, while hot experts 3-5 have no fast holder: it keeps the three only copies (as blocks
+    of their own) and moves the duplicates' memory to 3-5, never uncovering an expert."""
+    shape = ModelShape("org/m", (0,), 16, 10)
+    counts = np.ones(shape.grid)
+    counts[0, 3:6] = 20.0
+    demand = Demand.from_counts(counts)
+    me = Volunteer(6 * shape.expert_bytes, 1e6, "hub")
+    cfg = AssignConfig(max_blocks=4, edge_rate_share=0.1)
+    mine = [Rect(0, 0, 0, 1), Rect(0, 0, 7, 8), Rect(0, 0, 14, 15)]
+    supply = Supply.empty(shape)
+    for e in (1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14):  # slow holders of everything but 0, 8 and 15
+        supply = supply.changed([Rect(0, 0, e, e)], 1.0, +1)
+    for e in (2, 6, 9, 10, 11, 12, 13):  # cold experts a fast node serves
+        supply = supply.changed([Rect(0, 0, e, e)], 1e6, +1)
+    supply = supply.changed(mine, me.throughput, +1)
+    plan = rebalance(shape, supply, demand, me, [shape.block(r) for r in mine], assign_config=cfg)
+    assert plan is not None
+    held = {e for b in plan.target for e in range(b.experts[0], b.experts[1] + 1)}
+    assert {0, 8, 15} <= held and {3, 4, 5} <= held and len(held) <= 6
+    others = supply.changed(mine, me.throughput, -1)
+    assert not check_plan(shape, others.replicas, plan, 6)
+
+
+def test_an_edge_device_moves_only_to_cover() -> None:
+    """A slow machine does not move for count replicas (the edge tier's joiners place those), but
+    does move to cover an expert nobody holds."""
+    demand = Demand.from_counts(np.array([[9.0, 1, 1, 1, 1, 1]] * 4))
+    me = Volunteer(SHAPE.expert_bytes, 1.0, "edge")
+    supply = Supply.empty(SHAPE)
+    for layer in range(4):
+        supply = supply.changed([Rect(layer, layer, 0, 5)], 1.0, +1)
+    mine = Rect(3, 3, 5, 5)  # a second copy of a cold expert
+    supply = supply.changed([mine], me.throughput, +1)
+    eager = RebalanceConfig(hysteresis=0.0)  # any gain would do: the rule alone holds it
+    assert rebalance(SHAPE, supply, demand, me, [SHAPE.block(mine)], config=eager) is None  # hot experts lack replicas
+    assert rebalance(SHAPE, supply, demand, me, [SHAPE.block(mine)],
+                     config=RebalanceConfig(hysteresis=0.0, edge_levels=5)) is not None
+    hole = supply.changed([Rect(2, 2, 0, 5)], 1.0, -1)  # layer 2's holder left
+    plan = rebalance(SHAPE, hole, demand, me, [SHAPE.block(mine)])
+    assert plan is not None and plan.gain == float("inf")
