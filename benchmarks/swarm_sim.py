@@ -188,12 +188,17 @@ def shift(rng: np.random.Generator, truth: np.ndarray) -> np.ndarray:
     return out
 
 
-def decode_table(swarm: Swarm, truth: np.ndarray, rng: np.random.Generator, rects: np.ndarray,
-                 owner: np.ndarray, tier_of: np.ndarray) -> dict[str, list[float]]:
-    """Tokens/s for a backbone of each tier, at each batch size, with this placement."""
+def tier_copies(grid: tuple[int, int], rects: np.ndarray, owner: np.ndarray, tier_of: np.ndarray) -> list[np.ndarray]:
+    """For each tier, ``(L, E)`` copies of every expert its volunteers hold."""
+    mine = [tier_of[owner] == t for t in range(len(sm.TIERS))]
+    return [paint(grid, rects[m], np.ones(int(m.sum()))) if m.any() else np.zeros(grid) for m in mine]
+
+
+def decode_table(swarm: Swarm, truth: np.ndarray, rng: np.random.Generator, copies: list[np.ndarray]) -> dict[str, list[float]]:
+    """Tokens/s for a backbone of each tier, at each batch size, with this placement (``copies``:
+    ``tier_copies``)."""
     grid = swarm.grid.grid
-    held = [paint(grid, rects[tier_of[owner] == t], np.ones(int((tier_of[owner] == t).sum()))) > 0.5
-            if (tier_of[owner] == t).any() else np.zeros(grid, dtype=bool) for t in range(len(sm.TIERS))]
+    held = [c > 0.5 for c in copies]
     out = {}
     for bt in sm.TIERS:
         best = []
@@ -225,8 +230,8 @@ def measure(swarm: Swarm, truth: np.ndarray, epoch: int, moved: int, cov_left: f
         node_price = np.divide(price_sum, cells, out=np.ones(len(rate)), where=cells > 0)
     flops = 2.0 * swarm.shape.expert_params
     credits = [float((per_node * node_price)[tier_of == t].sum() * flops * 3600 / 1e18) for t in range(len(sm.TIERS))]
-    hub = paint(swarm.grid.grid, rects[tier_of[owner] == 0], np.ones(int((tier_of[owner] == 0).sum()))) \
-        if (tier_of[owner] == 0).any() else np.zeros(swarm.grid.grid)
+    copies = tier_copies(swarm.grid.grid, rects, owner, tier_of)
+    hub = copies[0]
     row = {
         # where the hub tier's memory goes (the serving capacity): the demand on experts a hub holds
         # bounds calls served; hub slots that are an expert's only copy; hub copies per hot expert
@@ -237,16 +242,14 @@ def measure(swarm: Swarm, truth: np.ndarray, epoch: int, moved: int, cov_left: f
         "calls_with_replica": float(truth[r > 0].sum()), "served": served,
         "bound": sm.served_bound(calls, rate, slots) if bound else float("nan"),
         "deciles": dec.tolist(), "ideal_deciles": idec.tolist(),
-        "deciles_by_tier": [deciles(paint(swarm.grid.grid, rects[tier_of[owner] == t],
-                                          np.ones(int((tier_of[owner] == t).sum()))), truth).tolist()
-                            for t in range(len(sm.TIERS))],
+        "deciles_by_tier": [deciles(c, truth).tolist() for c in copies],
         "ratio": float(dec[0] / max(dec[-1], 1e-9)), "ideal_ratio": float(idec[0] / max(idec[-1], 1e-9)),
         "moved": moved / max(1, len(rate)), "credits_eflop": credits,
         "calls_by_tier": [float(per_node[tier_of == t].sum()) for t in range(len(sm.TIERS))],
         "blocks_per_node": len(rects) / max(1, len(rate)),
         "layers_per_node": float(np.mean([len({i for r in n.rects for i in range(r.r0, r.r1 + 1)})
                                           for n in swarm.nodes.values()])),  # expert-EFLOP x multiplier per hour, per tier
-        "decode": decode_table(swarm, truth, rng, rects, owner, tier_of),
+        "decode": decode_table(swarm, truth, rng, copies),
     }
     return row, table
 
