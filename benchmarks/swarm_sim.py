@@ -194,7 +194,8 @@ def tier_copies(grid: tuple[int, int], rects: np.ndarray, owner: np.ndarray, tie
     return [paint(grid, rects[m], np.ones(int(m.sum()))) if m.any() else np.zeros(grid) for m in mine]
 
 
-def decode_table(swarm: Swarm, truth: np.ndarray, rng: np.random.Generator, copies: list[np.ndarray]) -> dict[str, list[float]]:
+def decode_table(swarm: Swarm, truth: np.ndarray, rng: np.random.Generator,
+                 copies: list[np.ndarray]) -> dict[str, list[float]]:
     """Tokens/s for a backbone of each tier, at each batch size, with this placement (``copies``:
     ``tier_copies``)."""
     grid = swarm.grid.grid

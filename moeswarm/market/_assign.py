@@ -198,22 +198,20 @@ def replica_targets(shape: ModelShape, supply: Supply, demand: Demand, capacity:
 
 def fast_held(supply: Supply, config: AssignConfig = AssignConfig()) -> np.ndarray:
     """``(L, E)``: experts whose holders serve them at hub rate, at least ``edge_rate_share`` of the
-    swarm's mean throughput per held expert (``Supply.throughput`` against ``held_cells``); with
+    swarm's mean throughput per held expert (``Supply.rate_per_held_expert``); with
     ``edge_rate_share`` 0 (the tier rule off) every held expert."""
     held: np.ndarray = supply.replicas > 0
     if config.edge_rate_share <= 0 or supply.held_cells <= 0:
         return held
-    swarm_rate = float(supply.throughput.sum()) / supply.held_cells
-    out: np.ndarray = held & (supply.throughput >= config.edge_rate_share * swarm_rate)
+    out: np.ndarray = held & (supply.throughput >= config.edge_rate_share * supply.rate_per_held_expert)
     return out
 
 
 def placed_as(supply: Supply, volunteer: Volunteer, config: AssignConfig, capacity: int) -> DeviceClass:
     """The tier the volunteer is placed in (``effective_class``) when it holds ``capacity``
     experts among the holders of ``supply``."""
-    swarm_rate = float(supply.throughput.sum()) / supply.held_cells if supply.held_cells > 0 else 0.0
     rate = volunteer.serving_rate(config.call_bytes) / max(capacity, 1)
-    return effective_class(volunteer, config, rate_per_expert=rate, swarm_rate_per_expert=swarm_rate)
+    return effective_class(volunteer, config, rate_per_expert=rate, swarm_rate_per_expert=supply.rate_per_held_expert)
 
 
 def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer,
@@ -257,7 +255,7 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
 def choose_rects(values: CellValues, capacity: int, config: AssignConfig = AssignConfig(), *,
                  taken: np.ndarray | None = None) -> tuple[list[Rect], Score]:
     """Up to ``max_blocks`` disjoint rectangles, greedily best first, within ``capacity`` cells;
-    with ``max_blocks > 1``, none over a cell of the ``taken`` mask (blocks the node keeps)."""
+    with a ``taken`` mask (the blocks a node keeps), none over its cells (``_choose_signed``)."""
     if config.max_blocks > 1 or taken is not None:
         return _choose_signed(values, capacity, config, taken)
     levels = [v.copy() for v in values]
@@ -292,7 +290,8 @@ def _choose_signed(values: CellValues, capacity: int, config: AssignConfig,
     """Up to ``max_blocks`` disjoint rectangles: first (all but one) each the best under the
     opportunity cost (the ``capacity``-th best cell's value; the first always taken, later ones
     only if worth it, each at most ``block_cells``), then the memory left goes to the rectangles
-    that cover or replicate most (uncovered experts first) without overlapping."""
+    that cover, add the tier's copy or replicate most (uncovered experts first) without
+    overlapping each other or the cells of ``mask``, which are not counted for the opportunity cost."""
     v = folded(values, capacity)
     mask = np.zeros(v.shape, dtype=bool) if mask is None else mask
     flat = v[~mask]
@@ -313,8 +312,8 @@ def _choose_signed(values: CellValues, capacity: int, config: AssignConfig,
         rects.append(rect)
         left -= rect.cells
         signed[rect.slices] = taken
-    # the rest of memory goes where it covers, adds its tier's copy or replicates (levels 1-3), in the largest rectangles
-    # that hold most of it without overlapping the blocks taken
+    # the rest of memory goes where it covers, adds its tier's copy or replicates (levels 1-3), in
+    # the largest rectangles that hold most of it without overlapping the blocks taken
     need = folded((values.cover, values.tier, values.redundancy), capacity)
     fill = np.where(signed == taken, -2.0 * (float(need.sum()) + 1.0) * max(capacity, 1), need)
     while len(rects) < config.max_blocks and left > 0:

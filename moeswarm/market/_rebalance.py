@@ -150,7 +150,8 @@ def plan_move(shape: ModelShape, others: np.ndarray, source: Sequence[Block], ta
 def _bounds(mask: np.ndarray, rect: Rect) -> Rect:
     """The smallest rectangle inside ``rect`` around its cells where ``mask`` is set (some are)."""
     rows, cols = np.nonzero(mask[rect.slices])
-    return Rect(rect.r0 + int(rows.min()), rect.r0 + int(rows.max()), rect.e0 + int(cols.min()), rect.e0 + int(cols.max()))
+    return Rect(rect.r0 + int(rows.min()), rect.r0 + int(rows.max()),
+                rect.e0 + int(cols.min()), rect.e0 + int(cols.max()))
 
 
 def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, current: Sequence[Block],

@@ -54,6 +54,12 @@ class Supply:
         out: np.ndarray = self.load_sum / np.maximum(self.replicas, 1)
         return out
 
+    @property
+    def rate_per_held_expert(self) -> float:
+        """The swarm's mean serving throughput per expert held (pairs/s; 0 while nothing is held):
+        the yardstick a holder's rate per expert is compared with (``AssignConfig.edge_rate_share``)."""
+        return float(self.throughput.sum()) / self.held_cells if self.held_cells > 0 else 0.0
+
     def coverage(self) -> float:
         """Share of experts with at least one live holder."""
         return float(np.count_nonzero(self.replicas)) / self.replicas.size
