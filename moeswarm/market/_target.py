@@ -70,9 +70,10 @@ def target_replicas(weight: np.ndarray, slots: int, *, floor: int = 1, cap: int 
     real = scaled(lo)
     out = np.floor(real).astype(np.int64)
     short = int(slots - out.sum())
-    if short > 0:  # largest remainders first; ties to the heavier cell, then the lower index
+    if short > 0:  # largest remainders first; ties to the heavier cell (by the weights themselves:
+        # two weights a rounding apart have the same log), then the lower index
         room = (out < hi_cap) & pos
         frac = np.where(room, real - out, -1.0)
-        order = np.lexsort((-log_w, -frac))[: min(short, int(room.sum()))]
+        order = np.lexsort((-flat, -frac))[: min(short, int(room.sum()))]
         out[order] += 1
     return out.reshape(w.shape)
