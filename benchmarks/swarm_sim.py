@@ -78,6 +78,8 @@ class Scenario:
     bound: bool = True
     hysteresis: float = mk.RebalanceConfig().hysteresis
     edge_rate_share: float = mk.AssignConfig().edge_rate_share
+    edge_levels: int = mk.RebalanceConfig().edge_levels
+    cells_per_block: int = 2  # a hub-class volunteer runs one node process (block) per this many experts
 
 
 @dataclass
@@ -265,7 +267,8 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
     scale = 1.0 if sc.ratio is None else sc.ratio * grid.total_bytes / sum(v.memory_bytes for v in natural)
     configs = [mk.AssignConfig(max_blocks=sc.hub_blocks if t.device_class == "hub" else 1, call_bytes=shape.call_bytes,
                                edge_rate_share=sc.edge_rate_share) for t in sm.TIERS]
-    swarm = Swarm(shape, grid, configs, mk.RebalanceConfig(hysteresis=sc.hysteresis), mk.Supply.empty(grid))
+    swarm = Swarm(shape, grid, configs, mk.RebalanceConfig(hysteresis=sc.hysteresis, edge_levels=sc.edge_levels),
+                  mk.Supply.empty(grid), cells_per_block=sc.cells_per_block)
     base = np.array([t.share for t in sm.TIERS]) / sum(t.share for t in sm.TIERS) * sc.volunteers
     mean_on = np.array([np.mean([online_share(t, h) for h in range(24)]) for t in sm.TIERS])
 
@@ -284,7 +287,8 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
         print(f"\n## {sc.label}: {sm.SHAPES[sc.shape].arithmetic()}")
         cap = sum(n.v.memory_bytes for n in swarm.nodes.values()) / grid.total_bytes
         print(f"{len(swarm.nodes)} volunteers online at the start, memory {cap:.1f}x the model; "
-              f"demand Zipf {trace_s:.2f} per layer; hubs run up to {sc.hub_blocks} blocks")
+              f"demand Zipf {trace_s:.2f} per layer; hubs run up to {sc.hub_blocks} blocks, "
+              f"one per {sc.cells_per_block} experts held")
         print(f"{'epoch':>5} {'nodes':>6} {'cov-left':>8} {'coverage':>8} {'served':>7} {'bound':>7} {'hot/cold':>8} "
               f"{'ideal':>6} {'moved':>6} {'tok/s home 1 | 32':>18} {'credits hub/home/phone':>24}")
     rows: list[dict] = []
@@ -456,6 +460,11 @@ def main() -> None:
                     help="RebalanceConfig.hysteresis for every scenario")
     ap.add_argument("--edge-rate-share", type=float, default=mk.AssignConfig().edge_rate_share,
                     help="AssignConfig.edge_rate_share for every scenario (0: volunteers keep their declared class)")
+    ap.add_argument("--edge-levels", type=int, default=mk.RebalanceConfig().edge_levels,
+                    help="RebalanceConfig.edge_levels for every scenario (4: edge devices also move for count replicas)")
+    ap.add_argument("--cells-per-block", type=int, default=2,
+                    help="experts per block of a hub-class volunteer (1: a block per expert, as a node process "
+                         "announcing several blocks would allow)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     counts = sm.measured_routing(tokens=16 if args.quick else 48)
@@ -470,7 +479,8 @@ def main() -> None:
         Scenario("2T natural", "2t", 2000 if q else 10_000, None, 8 if q else 24, sudden=(5,) if q else (12,),
                  eval_share=0.1, hub_blocks=1, warmup=2),
     ]
-    scenarios = [replace(s, hysteresis=args.hysteresis, edge_rate_share=args.edge_rate_share) for s in scenarios]
+    scenarios = [replace(s, hysteresis=args.hysteresis, edge_rate_share=args.edge_rate_share,
+                         edge_levels=args.edge_levels, cells_per_block=args.cells_per_block) for s in scenarios]
     if args.only:
         keep = set(args.only.split(","))
         scenarios = [s for s in scenarios if s.label in keep]

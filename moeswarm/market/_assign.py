@@ -4,39 +4,44 @@ Every expert (grid cell) gets five values for this volunteer, compared lexicogra
 (a block's score is the tuple of its sums, most important first):
 
 1. cover: 1 for an expert nobody holds;
-2. tier: the copy this volunteer's tier owes the expert --
-   a hub: ``1 + p_e / mean(p)`` where no fast holder serves the expert yet (``fast_held``) and
-   it ranks among the ``F`` most demanded, ``F`` the experts fast holders serve now (what the
-   hubs' copies can reach), ``OFF_TIER * p_e / mean(p)`` below them (the tail edge devices
-   hold): the hubs carry nearly all the serving rate, so calls served reach the demand on experts
-   some hub holds, and the hubs' memory goes to one fast copy of as many experts as it can,
-   hottest first (what the served bound's optimum does), before any second copy;
-   an edge device: 1 for a tail expert (ranked below the experts the hubs' copies can reach)
-   whose only holder is a hub: the hand-off that lets that hub move to a hotter expert;
-   0 everywhere when every holder serves at about the same rate (no tier to owe);
+2. tier: a hub's first fast copy: ``1 + p_e / mean(p)`` where no fast holder serves the expert
+   yet (``fast_held``) and it ranks among the ``F`` most demanded, ``F`` the experts fast holders
+   serve now (what the hubs' copies can reach), ``OFF_TIER * p_e / mean(p)`` below them (the tail
+   edge devices hold): the hubs carry nearly all the serving rate, so calls served reach the
+   demand on experts some hub holds, and the hubs' memory goes to one fast copy of as many
+   experts as it can, hottest first (what the served bound's optimum does), before any second
+   copy; 0 for an edge device, and everywhere when every holder serves at about the same rate;
 3. redundancy: replicas the expert lacks below ``min(t_e, min_replicas)``, where ``t_e`` is its
    target (``replica_targets``: ``target_replicas`` of demand over the swarm's expert slots,
    what every holder holds plus this volunteer, at least 1 each, raised to ``min_replicas`` when
-   the slots allow it);
-4. demand: the further replicas it lacks below ``t_e``: replicas follow demand;
-5. serve, normalised to at most 1: where this volunteer helps most --
+   the slots allow it); for an edge device, whose memory holds the count replicas while the
+   hubs' is spent (some experts have no fast holder), every replica the expert lacks below
+   ``t_e`` until the slots allow ``min_replicas`` everywhere (so the most lacking, the hottest
+   experts', come first: a second copy of an expert whose target is 2 does not come before a
+   third of one whose target is 5), then the replicas below ``min_replicas``;
+4. demand: the further replicas it lacks below ``t_e``: replicas follow demand. Once the hubs'
+   copies reach every expert, the hot experts' count replicas are the hubs' to add (fast copies
+   serve them): an edge device weighs the hot set at ``OFF_TIER`` in levels 3 and 4 (a phone at
+   0 in level 4);
+5. serve: where this volunteer helps most --
    a hub: ``p_e * log(1 + t / W_e)``, the gain in ``sum_e p_e log W_e`` (whose optimum is
    serving throughput ``W`` proportional to demand ``p``) from adding its per-expert
    throughput ``t`` (``Volunteer.serving_rate``: its compute, or its link if that is slower):
-   hot experts short of throughput first;
-   an edge device: the same outside the hot set, 0 inside: the warmest of the long tail first.
+   hot experts short of throughput first, normalised to at most 1;
+   an edge device: the same outside the hot set, 0 inside (the warmest of the long tail first),
+   left in its own units, tiny next to a hub's as its throughput is: its blocks do not stretch
+   over experts only to serve them.
 
-Edge devices leave the hot experts' extra replicas (level 4) to hubs. Capacity decides the tier
-too (``effective_class``): a volunteer that declares itself a hub but serves each of its experts
-at under ``edge_rate_share`` of the swarm's mean rate per held expert (a home box on a 49 Mbit/s
-uplink in a swarm of 200G hubs) is placed like an edge device for covering and serving: its replica
-of a hot expert adds almost no throughput, so the hot experts' first replicas are left to the fast
-volunteers; it still adds, after its own tier's needs, the further count replicas hot experts
-lack (level 4, at ``OFF_TIER``): a short path, and memory the hubs need not spend on them. Levels
-1, 3 and 4 weigh the volunteer's own tier fully and the other tier at ``OFF_TIER`` (hubs: the hot
-set; edges: the tail), so hubs cover and replicate hot experts first and edge devices the tail,
-yet nobody leaves an expert uncovered to stay in its tier. While any expert is uncovered, every
-volunteer that can hold one expert covers at least one.
+Capacity decides the tier too (``effective_class``): a volunteer that declares itself a hub but
+serves each of its experts at under ``edge_rate_share`` of the swarm's mean rate per held expert
+(a home box on a 49 Mbit/s uplink in a swarm of 200G hubs) is placed like an edge device: its
+copy of a hot expert adds almost no throughput. So the replica counts that follow demand come
+from the edge tier's memory: the hubs' memory goes to serving rate (level 2), and an edge device
+covers the tail (level 1 weighs the hot experts and, under the tier rule, every expert inside the
+hubs' reach at ``OFF_TIER``: a hub will hold those) and gives the rest to count replicas, the most
+lacking first (level 3, unweighted, while the hubs' memory is spent). A hub's levels 1, 3 and 4 weigh the hot set fully and
+the rest at ``OFF_TIER``. Nobody leaves an expert uncovered to stay in its tier: while any expert is
+uncovered, every volunteer that can hold one expert covers at least one.
 
 Blocks are one layer range x one expert range (what a node announces). With one block per
 volunteer it is chosen among the largest shapes that fit (``pareto_shapes``) with 2-D prefix
@@ -66,6 +71,8 @@ from ._target import target_replicas
 DeviceClass = Literal["hub", "edge"]
 OFF_TIER: Final = 0.1
 """Weight of covering / replicating an expert of the other tier (hot for edges, tail for hubs)."""
+EDGE_SERVE: Final = 1e-3
+"""Most an edge device's serving value (level 5) reaches: its throughput is a rounding error next to a hub's."""
 _TAKEN: Final = 1e30  # penalty that keeps a volunteer's blocks disjoint
 
 
@@ -237,19 +244,26 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
     if placed_as(supply, volunteer, config, k) == "hub":
         tier = np.where(hot, 1.0, OFF_TIER)
         first = np.where(fast, 0.0, np.where(tail, OFF_TIER * p * p.size, 1.0 + p * p.size))
-    else:
+        short, extra = tier * short, tier * extra
+        serve = serve / max(float(serve.max()), 1e-300)
+    else:  # the tail first (what the hubs reach, they will hold), then count replicas
         serve = np.where(hot, 0.0, serve)
-        tier = np.where(hot, OFF_TIER, 1.0)
-        if effective_class(volunteer, config) == "edge":
-            extra = np.where(hot, 0.0, extra)  # a phone's replica adds little throughput and a slow path
-        # a nearby machine placed here by its rate alone still adds (at OFF_TIER) the count replicas
-        # hot experts lack: its path is short, and without it the hubs would spend their memory on
-        # them and leave tail experts with no fast holder
-        first = (tail & fast & (r == 1)).astype(np.float64)
-    top = float(serve.max())
-    if top > 0:
-        serve = serve / top
-    return CellValues(tier * (r <= 0), first, tier * short, tier * extra, serve)
+        serve = EDGE_SERVE * serve / max(float(serve.max()), 1e-300)
+        reach = ~tail if config.edge_rate_share > 0 else np.zeros(p.shape, dtype=bool)
+        tier = np.where(hot | reach, OFF_TIER, 1.0)
+        first = np.zeros(p.shape)
+        if config.edge_rate_share > 0 and not tail.any():
+            # the hubs' copies reach every expert: the hot experts' count replicas are theirs to add
+            # (fast copies serve; a phone's would only take their place in the counts)
+            phone = effective_class(volunteer, config) == "edge"
+            short = np.where(hot, OFF_TIER, 1.0) * short
+            extra = np.where(hot, 0.0 if phone else OFF_TIER, 1.0) * extra
+        elif supply.held_cells + k >= config.min_replicas * shape.cells:  # below min_replicas first
+            short = np.where(r > 0, np.clip(config.min_replicas - r, 0, None), 0).astype(np.float64)
+            extra = np.where(r > 0, np.clip(target - np.maximum(r, config.min_replicas), 0, None), 0).astype(np.float64)
+        else:  # every replica it lacks, the most lacking first, in level 3 (which memory left over fills)
+            short, extra = np.where(r > 0, np.clip(target - r, 0, None), 0).astype(np.float64), np.zeros(p.shape)
+    return CellValues(tier * (r <= 0), first, short, extra, serve)
 
 
 def choose_rects(values: CellValues, capacity: int, config: AssignConfig = AssignConfig(), *,

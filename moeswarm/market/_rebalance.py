@@ -43,14 +43,21 @@ class RebalanceConfig:
 
     hysteresis: float = 0.5  # move only if the best blocks score this fraction above the current ones
     cooldown_epochs: int = 2  # after a move, stay put for at least this many epochs
+    move_cost: float = 0.0015  # a move of a volunteer placed like an edge device for missing replicas
+    # (levels 3-4, with edge_levels > 2) must add more than this times the model's experts (11 for
+    # MiniMax M3's 7,296): each costs a download over a slow link and announcements through a relay
+    # whatever it loads, and in a large model one replica is a small part of the swarm, so edge
+    # devices gather their swaps into fewer, larger moves (a hub's moves: the hysteresis per expert)
     edge_levels: int = 1  # score levels a volunteer placed like an edge device moves for (1: only to
-    # cover an expert nobody holds): its move is a download over a slow link, and the edge tier turns
-    # over within hours, so its joiners place the rest
+    # cover an expert nobody holds): its move is a download over a slow link, the edge tier turns
+    # over within hours, so its joiners place the rest, and when demand shifts every edge device
+    # would chase the same new count replicas at once (with 4, swarm_sim's shifting M3 moved 13% of
+    # all nodes in one epoch)
     transition_slack: float = 0.0  # extra memory (fraction of the volunteer's) usable while old and new overlap
 
     def __post_init__(self) -> None:
-        if self.hysteresis < 0 or self.cooldown_epochs < 0 or self.transition_slack < 0 or self.edge_levels < 0:
-            raise ConfigError("hysteresis, cooldown_epochs, transition_slack and edge_levels must be >= 0")
+        if min(self.hysteresis, self.cooldown_epochs, self.transition_slack, self.edge_levels, self.move_cost) < 0:
+            raise ConfigError("hysteresis, cooldown_epochs, transition_slack, edge_levels and move_cost must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -170,7 +177,8 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     ``hysteresis`` of a missing replica or of a mean expert's first fast copy, so a node of 100
     experts does not reload them to add one, while it does swap 20 of them for 20 worth more).
     A volunteer placed like an edge device moves only for the first ``edge_levels`` levels
-    (coverage). It must not have moved in the last ``cooldown_epochs`` epochs, and a safe
+    (coverage), and for replicas only if the move adds more than ``move_cost`` times the
+    model's experts in all. It must not have moved in the last ``cooldown_epochs`` epochs, and a safe
     ``plan_move`` must exist. With the state unchanged, a node that just moved stays: its new
     blocks are the best for the same values.
     """
@@ -208,6 +216,8 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
             continue
         loads = int((cell_mask(shape.grid, option) & ~held).sum())  # experts to load
         base = now[level] if level == 0 else max(float(loads), 1.0)
+        if edge and 0 < level < len(score) - 1 and score[level] - now[level] <= config.move_cost * shape.cells:
+            continue
         g = (score[level] - now[level]) / base if base > 0 else float("inf")
         if g > gain:
             best, gain = option, g

@@ -173,20 +173,24 @@ def test_a_node_of_many_blocks_keeps_its_only_copies_and_moves_the_rest() -> Non
     assert not check_plan(shape, others.replicas, plan, 6)
 
 
-def test_an_edge_device_moves_only_to_cover() -> None:
-    """A slow machine does not move for count replicas (the edge tier's joiners place those), but
-    does move to cover an expert nobody holds."""
+def test_an_edge_device_moves_to_cover_and_a_move_must_be_worth_its_cost() -> None:
+    """A slow machine moves to cover an expert nobody holds, not for count replicas (the edge
+    tier's joiners place those; ``edge_levels`` can allow it), and a move for replicas must add
+    more than ``move_cost`` times the model's experts."""
     demand = Demand.from_counts(np.array([[9.0, 1, 1, 1, 1, 1]] * 4))
     me = Volunteer(SHAPE.expert_bytes, 1.0, "edge")
     supply = Supply.empty(SHAPE)
-    for layer in range(4):
-        supply = supply.changed([Rect(layer, layer, 0, 5)], 1.0, +1)
+    for layer in range(4):  # layer 3's holder is slow: its experts have no fast holder, so the hubs'
+        supply = supply.changed([Rect(layer, layer, 0, 5)], 1.0 if layer < 3 else 1e-3, +1)  # memory is spent
     mine = Rect(3, 3, 5, 5)  # a second copy of a cold expert
     supply = supply.changed([mine], me.throughput, +1)
-    eager = RebalanceConfig(hysteresis=0.0)  # any gain would do: the rule alone holds it
-    assert rebalance(SHAPE, supply, demand, me, [SHAPE.block(mine)], config=eager) is None  # hot experts lack replicas
-    assert rebalance(SHAPE, supply, demand, me, [SHAPE.block(mine)],
-                     config=RebalanceConfig(hysteresis=0.0, edge_levels=5)) is not None
+    assert rebalance(SHAPE, supply, demand, me, [SHAPE.block(mine)]) is None  # hot experts lack replicas
+    # 25 slots in all, one per expert and the last to a hot one: an expert 0 lacks its second copy
+    counts = RebalanceConfig(edge_levels=4)
+    plan = rebalance(SHAPE, supply, demand, me, [SHAPE.block(mine)], config=counts)
+    assert plan is not None and plan.target[0].experts == (0, 0) and plan.gain == 1.0
+    assert rebalance(SHAPE, supply, demand, me, [SHAPE.block(mine)],  # a move must add more than 1
+                     config=RebalanceConfig(edge_levels=4, move_cost=1.0 / SHAPE.cells)) is None
     hole = supply.changed([Rect(2, 2, 0, 5)], 1.0, -1)  # layer 2's holder left
     plan = rebalance(SHAPE, hole, demand, me, [SHAPE.block(mine)])
     assert plan is not None and plan.gain == float("inf")
