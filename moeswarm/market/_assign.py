@@ -258,11 +258,11 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
             phone = effective_class(volunteer, config) == "edge"
             short = np.where(hot, OFF_TIER, 1.0) * short
             extra = np.where(hot, 0.0 if phone else OFF_TIER, 1.0) * extra
-        elif supply.held_cells + k >= config.min_replicas * shape.cells:  # below min_replicas first
-            short = np.where(r > 0, np.clip(config.min_replicas - r, 0, None), 0).astype(np.float64)
-            extra = np.where(r > 0, np.clip(target - np.maximum(r, config.min_replicas), 0, None), 0).astype(np.float64)
-        else:  # every replica it lacks, the most lacking first, in level 3 (which memory left over fills)
-            short, extra = np.where(r > 0, np.clip(target - r, 0, None), 0).astype(np.float64), np.zeros(p.shape)
+        elif supply.held_cells + k < config.min_replicas * shape.cells:
+            # every replica it lacks (t_e - r_e), the most lacking first, in level 3 (which memory
+            # left over fills); once the slots allow min_replicas everywhere (t_e >= min_replicas),
+            # short and extra are already those below it and the rest
+            short, extra = short + extra, np.zeros(p.shape)
     return CellValues(tier * (r <= 0), first, short, extra, serve)
 
 
