@@ -2,7 +2,7 @@
 
 Two DHTs (libp2p on loopback) hold the signed demand reports of the same 40 honest backbones,
 each of which paid the ledger (a real ``moeswarm-ledger serve`` process, over HTTP) for the
-calls it made. In the second, the attacker, its own process, came first with 256 fresh keys:
+calls it made. In the second, the attacker, its own process, came first with 64 fresh keys:
 each joins the DHT as a peer and publishes a report putting all its demand on one expert, dated
 299 s ahead. The market is read from both the way ``moeswarm market --ledger URL`` reads it
 (``fetch_state(..., ledger_url=...)``); the share moved is the largest difference.
@@ -13,8 +13,11 @@ without the operator's grants, which it does not have; the rest unchanged) this 
 ``moved == 0.0``: the target expert's share went from 0.0016 to 1.0000 (moved 0.998), because the
 DHT's provider list, read 20 at a time, held only the attacker's keys and nothing weighed them.
 Now reports count by what their reporter paid the ledger, the ledger names the paying reporters
-(read by key, whatever the provider list holds), and the 256 keys without standing move the
-share by exactly 0."""
+(read by key, whatever the provider list holds), and the 64 keys without standing move the
+share by exactly 0. The same run reads the attacked DHT once more the way the market did before
+(``fetch_state`` without ``ledger_url``: no standing) as a negative control: there the provider
+list holds only fakes and the target expert gets all the demand (share 1.0000 with 64 fakes; the
+attack ran with 256 until 2026-12-02, 64 take a quarter of the time and still fill the list)."""
 
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ from moeswarm.protocol import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-HONEST, FAKES = 40, 256
+HONEST, FAKES = 40, 64  # 64 > the 20 providers a read returns: before standing they were all fakes
 TARGET = (1, 6)  # (row of the MoE layers, expert) the attacker wants
 
 
@@ -130,7 +133,7 @@ def test_fake_reporters_without_standing_move_no_share(tmp_path: Path) -> None:
                     str(shape.moe_layers[TARGET[0]]), str(TARGET[1]), str(FAKES))
                 # one clock for both swarms: the honest reports are byte-identical and decay alike, so
                 # the share may differ between the two only by what the fakes add
-                now_ms, shares, merged = int(time.time() * 1000), [], []
+                now_ms, shares, merged, blind = int(time.time() * 1000), [], [], None
                 for boot in (clean, attacked):
                     addr = boot.multiaddrs[0]
                     await _publish_honest(addr, clients, shape, truth, now_ms - 60_000)
@@ -142,23 +145,27 @@ def test_fake_reporters_without_standing_move_no_share(tmp_path: Path) -> None:
                         shares.append(demand.share)
                         merged.append(demand.reporters)
                         if boot is attacked:  # the fakes really are in the DHT, valid, under their keys
+                            # negative control: read without standing (the market before the fix)
+                            blind = (await fetch_state(reader, shape, now_ms=now_ms)).demand.share
                             stored = 0
                             for peer in fakes["reporters"]:
                                 stored += await reader.get(demand_key(model_id, peer_id_from_str(peer))) is not None
-                return shares[0], shares[1], results, stored, merged
+                return shares[0], shares[1], results, stored, merged, blind
             finally:
                 await attacked.stop()
                 await clean.stop()
 
-        before, after, results, stored, merged = asyncio.run(scenario())
+        before, after, results, stored, merged, blind = asyncio.run(scenario())
     finally:
         ledger.stop()
 
     assert [r["status"] for r in results] == ["accepted"] * HONEST  # every honest backbone has standing
     assert stored == FAKES
+    assert blind is not None and blind[TARGET] > 0.9  # the attack is live: without standing the fakes own the share
     assert merged == [HONEST, HONEST]  # both markets merged every honest report and no fake one
     moved = float(np.abs(after - before).max())
-    print(f"\ntarget expert share: before {before[TARGET]:.4f}, after {FAKES} fake reporters {after[TARGET]:.4f}; "
+    print(f"\ntarget expert share: before {before[TARGET]:.4f}, after {FAKES} fake reporters {after[TARGET]:.4f} "
+          f"(without standing {blind[TARGET]:.4f}); "
           f"largest share moved {moved}")
     assert 0.5 * np.abs(before - truth).sum() < 0.05  # the honest reports are what the market sees
     assert moved == 0.0
