@@ -501,6 +501,11 @@ def main() -> None:
         td = np.mean([np.sum(r["deciles_by_tier"], axis=0) for r in rows[sc.warmup:]], axis=0)
         print(f"  {label}: hubs {s['hub_rate']:.1%} of the rate; demand on hub-held {s['hub_demand']:.1%}; hub memory on sole copies {s['hub_sole']:.0%}; "
               f"hub copies {' '.join(f'{x:.2f}' for x in hd)}; all {' '.join(f'{x:.2f}' for x in td)}")
+        for t, tier in enumerate(sm.TIERS):  # copies per expert by demand decile, hottest first
+            tiers = np.mean([r["deciles_by_tier"][t] for r in rows[sc.warmup:]], axis=0)
+            print(f"    {tier.name + ' copies':<12} {' '.join(f'{x:5.2f}' for x in tiers)}")
+        ideal = np.mean([r["ideal_deciles"] for r in rows[sc.warmup:]], axis=0)
+        print(f"    {'all':<12} {' '.join(f'{x:5.2f}' for x in td)}\n    {'ideal':<12} {' '.join(f'{x:5.2f}' for x in ideal)}")
     for label, (sc, rows) in results.items():
         if sc.shape == "2t":
             print(f"\nlimits, from the last epoch of '{label}' ({rows[-1]['blocks_per_node']:.1f} blocks and "
