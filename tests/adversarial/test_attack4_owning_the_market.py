@@ -33,6 +33,7 @@ from ledger_attack_support import attacker, start_ledger
 from moeswarm.demo import CHECKPOINT
 from moeswarm.ledger import Ledger, StoreConfig
 from moeswarm.market import (
+    MergeConfig,
     demand_key,
     fetch_state,
     model_shape,
@@ -145,8 +146,13 @@ def test_fake_reporters_without_standing_move_no_share(tmp_path: Path) -> None:
                         shares.append(demand.share)
                         merged.append(demand.reporters)
                         if boot is attacked:  # the fakes really are in the DHT, valid, under their keys
-                            # negative control: read without standing (the market before the fix)
-                            blind = (await fetch_state(reader, shape, now_ms=now_ms)).demand.share
+                            # negative control: read without standing (the market before the fix); a
+                            # read that met fewer reports than a merge needs (a timed-out lookup) again
+                            for _ in range(3):
+                                seen = (await fetch_state(reader, shape, now_ms=now_ms)).demand
+                                if seen.reporters >= MergeConfig().min_reporters:
+                                    break
+                            blind = seen.share
                             stored = 0
                             for peer in fakes["reporters"]:
                                 stored += await reader.get(demand_key(model_id, peer_id_from_str(peer))) is not None
