@@ -139,20 +139,22 @@ def test_fake_reporters_without_standing_move_no_share(tmp_path: Path) -> None:
                     addr = boot.multiaddrs[0]
                     await _publish_honest(addr, clients, shape, truth, now_ms - 60_000)
                     async with P2PNode(Identity.generate(), P2PConfig(bootstrap=(addr,), client_mode=True)) as reader:
-                        for _ in range(3):  # a DHT read that timed out on a loaded machine is read again
-                            demand = (await fetch_state(reader, shape, now_ms=now_ms, ledger_url=ledger.url)).demand
-                            if demand.reporters == HONEST:
-                                break
+
+                        async def read(enough: int, **standing: str):  # type: ignore[no-untyped-def]
+                            # a read that met fewer reports than ``enough`` (a DHT lookup that timed out
+                            # on a loaded machine) is read again, up to 3 times
+                            for _ in range(3):
+                                demand = (await fetch_state(reader, shape, now_ms=now_ms, **standing)).demand
+                                if demand.reporters >= enough:
+                                    break
+                            return demand
+
+                        demand = await read(HONEST, ledger_url=ledger.url)
                         shares.append(demand.share)
                         merged.append(demand.reporters)
                         if boot is attacked:  # the fakes really are in the DHT, valid, under their keys
-                            # negative control: read without standing (the market before the fix); a
-                            # read that met fewer reports than a merge needs (a timed-out lookup) again
-                            for _ in range(3):
-                                seen = (await fetch_state(reader, shape, now_ms=now_ms)).demand
-                                if seen.reporters >= MergeConfig().min_reporters:
-                                    break
-                            blind = seen.share
+                            # negative control: read without standing (the market before the fix)
+                            blind = (await read(MergeConfig().min_reporters)).share
                             stored = 0
                             for peer in fakes["reporters"]:
                                 stored += await reader.get(demand_key(model_id, peer_id_from_str(peer))) is not None
