@@ -43,9 +43,9 @@ lacking first (level 3, unweighted, while the hubs' memory is spent). A hub's le
 the rest at ``OFF_TIER``. Nobody leaves an expert uncovered to stay in its tier: while any expert is
 uncovered, every volunteer that can hold one expert covers at least one.
 
-Blocks are one layer range x one expert range (what a node announces). With one block per
+Blocks are one layer range x one expert range (a node announces up to 64). With one block per
 volunteer it is chosen among the largest shapes that fit (``pareto_shapes``) with 2-D prefix
-sums: O(shapes x L x E). With ``max_blocks > 1`` (a machine running one node process per block)
+sums: O(shapes x L x E). With ``max_blocks > 1`` (a node process announcing several blocks)
 the levels are folded into one number per cell and each cell is charged the volunteer's
 opportunity cost, the value of the ``k``-th best cell for a volunteer that can hold ``k``: blocks
 then gather the cells worth most instead of filling memory with one large rectangle, and stop
@@ -109,7 +109,7 @@ class AssignConfig:
     """Policy of the assignment."""
 
     min_replicas: int = 2  # replicas every expert should have before any expert gets more (when capacity allows)
-    max_blocks: int = 1  # blocks per volunteer; 1 = what one `moeswarm node` process announces today
+    max_blocks: int = 1  # blocks per volunteer (one `moeswarm node` process announces up to --max-blocks, 64)
     hot_share: float = 0.5  # the most-demanded experts that carry this share of calls are "hot": for hubs
     hub_max_rtt_s: float = 0.05  # a hub whose round trip exceeds this, seconds, is placed like an edge device
     edge_rate_share: float = 0.1  # a hub serving each expert at under this share of the swarm's mean rate
@@ -141,10 +141,8 @@ class Assignment:
     score: Score  # (cover, tier, redundancy, demand, serve) sums under the state it was computed for
 
     def node_args(self) -> list[str]:
-        """``--layers A-B --experts X-Y`` of the best block, for ``moeswarm node``.
-
-        A node process announces one block; with ``max_blocks > 1`` run one process per
-        block (or take only this one, the block worth most).
+        """``--layers A-B --experts X-Y`` of the best block, for ``moeswarm node`` with fixed
+        ranges (a node given ``--experts auto`` asks the market itself and holds every block).
         """
         if not self.blocks:
             raise ConfigError("this volunteer cannot hold a single expert")

@@ -241,7 +241,9 @@ def best_signed_rect(values: np.ndarray, capacity: int) -> tuple[Rect, float] | 
     """The rectangle of at most ``capacity`` cells with the largest sum of ``values`` (which may
     be negative: a cell below the volunteer's opportunity cost), over every shape, and its sum.
 
-    Ties go to more cells, then the lowest row and column. O(capacity log capacity x L x E)
+    Ties go to fewer cells (the same gain in less memory leaves room for another block: a gap of
+    8 + 4 experts in an L is two blocks, not one 12-cell rectangle that spends 2 on held experts
+    and misses 2), then the lowest row and column. O(capacity log capacity x L x E)
     (every ``h x w`` with ``h * w <= capacity``). ``None`` if ``capacity < 1``.
     """
     L, E = values.shape
@@ -256,7 +258,7 @@ def best_signed_rect(values: np.ndarray, capacity: int) -> tuple[Rect, float] | 
             k = int(np.argmax(sums))
             s = float(sums.flat[k])
             tol = 1e-9 * max(1.0, abs(s))
-            if best is None or s > best[0] + tol or (s > best[0] - tol and h * w > best[1]):
+            if best is None or s > best[0] + tol or (s > best[0] - tol and h * w < best[1]):
                 i, j = divmod(k, sums.shape[1])
                 best = (s, h * w, Rect(i, i + h - 1, j, j + w - 1))
     assert best is not None

@@ -51,6 +51,9 @@ class HolderRecord:
     expires_at_ms: int = NEVER_MS
     seq: int = 0
 
+    def blocks(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+        return ((self.layers, self.experts),)
+
 
 @dataclass(frozen=True, eq=False)
 class MarketState:

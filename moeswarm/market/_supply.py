@@ -31,6 +31,7 @@ class HolderLike(Protocol):
     def expires_at_ms(self) -> int: ...
     @property
     def seq(self) -> int: ...
+    def blocks(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,15 +105,16 @@ def supply_from_holders(
     load_sum = np.zeros(shape.grid)
     count = cells = 0
     for h in latest.values():
-        if not (0 <= h.layers[0] <= h.layers[1] and 0 <= h.experts[0] <= h.experts[1]):
-            continue
-        rect = shape.rect(Block(h.layers, h.experts))
-        if rect is None:
+        rects = [shape.rect(Block(L, E)) for L, E in h.blocks() if 0 <= L[0] <= L[1] and 0 <= E[0] <= E[1]]
+        rects = [r for r in rects if r is not None]  # blocks are disjoint (the codec checks announcements')
+        held = sum(r.cells for r in rects)
+        if not held:
             continue
         speed = float(h.throughput) if h.throughput > 0 else default_throughput
-        replicas[rect.slices] += 1
-        tput[rect.slices] += speed / rect.cells
-        load_sum[rect.slices] += min(max(h.load_permille, 0), 1000) / 1000.0
+        for rect in rects:
+            replicas[rect.slices] += 1
+            tput[rect.slices] += speed / held
+            load_sum[rect.slices] += min(max(h.load_permille, 0), 1000) / 1000.0
         count += 1
-        cells += rect.cells
+        cells += held
     return Supply(replicas, tput, load_sum, count, cells)

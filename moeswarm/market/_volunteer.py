@@ -1,5 +1,5 @@
 """The shell a volunteer (an expert node or a device bridge) runs for ``--experts auto``: the
-model's expert grid as the market sees it, read from the checkpoint, and the block the market
+model's expert grid as the market sees it, read from the checkpoint, and the blocks the market
 assigns, read from the live DHT."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..model import ModelConfig, load_weights
-from ._assign import Volunteer, assign
+from ._assign import AssignConfig, Volunteer, assign
 from ._dht import fetch_state
 from ._grid import Block, ModelShape
 
@@ -22,12 +22,13 @@ def model_shape(model_dir: str, cfg: ModelConfig, model_id: str) -> ModelShape:
 
 
 async def market_assignment(p2p: Any, shape: ModelShape, volunteer: Volunteer, *,
-                            ledger_url: str | None = None) -> Block:
-    """Ask the market which block of experts this volunteer should hold (demand weighed by the
-    standing ``ledger_url`` gives each reporter, when given)."""
+                            ledger_url: str | None = None, config: AssignConfig = AssignConfig()) -> tuple[Block, ...]:
+    """Ask the market which blocks of experts this volunteer should hold (at most
+    ``config.max_blocks``, best first; demand weighed by the standing ``ledger_url`` gives each
+    reporter, when given)."""
     state = await fetch_state(p2p, shape, ledger_url=ledger_url)
-    assignment = assign(shape, state.supply, state.demand, volunteer)
+    assignment = assign(shape, state.supply, state.demand, volunteer, config)
     if not assignment.blocks:
         raise ConfigError(f"{volunteer.memory_bytes / 2**20:.0f} MiB cannot hold a single expert "
                           f"({shape.expert_bytes / 2**20:.1f} MiB)")
-    return assignment.blocks[0]
+    return assignment.blocks

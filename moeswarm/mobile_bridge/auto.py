@@ -81,7 +81,7 @@ async def market_block(config: AutoConfig, cfg: ModelConfig, model_id: str) -> B
     volunteer = Volunteer(memory_bytes=memory, throughput=config.throughput, device_class="edge")
     reader = load_identity(None)  # a throwaway key: reading the market says nothing about the device
     async with p2p_node(reader, SwarmConfig(config.model_dir, bootstrap=config.bootstrap, client_mode=True)) as dht:
-        return await market_assignment(dht, shape, volunteer)
+        return (await market_assignment(dht, shape, volunteer))[0]  # a device serves one block
 
 
 async def market_shards(config: AutoConfig) -> tuple[Path, Block]:

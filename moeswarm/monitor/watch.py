@@ -213,12 +213,13 @@ class SwarmWatch:
             reachable = np.zeros((len(moe), E), np.int32)
             for h in live:
                 measured = self.measured.get(h.peer_id, Measured())
-                rows = [i for i, L in enumerate(moe) if h.layers[0] <= L <= h.layers[1]]
-                cols = slice(h.experts[0], min(h.experts[1], E - 1) + 1)
-                for i in rows:
-                    announced[i, cols] += 1
-                    if measured.state != "unreachable":
-                        reachable[i, cols] += 1
+                for layers, experts in h.blocks():
+                    rows = [i for i, L in enumerate(moe) if layers[0] <= L <= layers[1]]
+                    cols = slice(experts[0], min(experts[1], E - 1) + 1)
+                    for i in rows:
+                        announced[i, cols] += 1
+                        if measured.state != "unreachable":
+                            reachable[i, cols] += 1
                 nodes.append(self._node(h, m, measured))
             uncovered = int((reachable == 0).sum())
             per_token = max(1, m.cfg.top_k * len(moe))
@@ -244,7 +245,7 @@ class SwarmWatch:
         relay = any(e.startswith(("relay+wss://", "relay+ws://")) for e in h.endpoints)
         return {
             "peer_id": peer_id_to_str(h.peer_id), "model_id": m.model_id, "layers": list(h.layers),
-            "experts": list(h.experts), "endpoints": list(h.endpoints), "via": "relay" if relay else "direct",
+            "experts": list(h.experts), "blocks": [[*L, *E] for L, E in h.blocks()], "endpoints": list(h.endpoints), "via": "relay" if relay else "direct",
             "state": measured.state, "rtt_ms": measured.rtt_ms, "error": measured.error or None,
             "load_permille": h.load_permille, "throughput": h.throughput, "software": h.software,
             "calls_served": measured.calls_served, "status_url": measured.status_url,

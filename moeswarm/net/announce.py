@@ -1,7 +1,7 @@
 """Announcements in the DHT: a node's signed record, refreshed on a period, withdrawn at exit.
 
-One record covers the node's layer range; it is stored under the node's own key for every MoE
-layer it holds and the node registers as a provider of each layer's key, which is how
+One record covers the node's blocks (a layer range x an expert range each, ``more_blocks``
+beside the first); it is stored under the node's own key for every MoE layer it holds and the node registers as a provider of each layer's key, which is how
 backbones find it (``protocol_spec/``: DHT keys).
 """
 
@@ -40,6 +40,10 @@ class AnnounceConfig:
     capacity_bytes: int  # memory given to expert weights, bytes
     interval_s: float = 240.0  # refresh period (protocol_spec: every 4 minutes)
     ttl_s: float = 600.0  # records expire this long after each refresh
+    more_blocks: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = ()  # (layers, experts) beside the first
+
+    def blocks(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+        return ((self.layers, self.experts), *self.more_blocks)
 
 
 class Announcer:
@@ -63,7 +67,7 @@ class Announcer:
         return sign_announcement(
             self.identity, model_id=c.model_id, layers=c.layers, experts=c.experts, endpoints=c.endpoints,
             capacity_bytes=c.capacity_bytes, throughput=throughput, load_permille=load, software=SOFTWARE,
-            seq=seq, expires_at_ms=int((time.time() + ttl_s) * 1000),
+            seq=seq, expires_at_ms=int((time.time() + ttl_s) * 1000), more_blocks=c.more_blocks,
         )
 
     async def publish(self, ttl_s: float | None = None, *, provide: bool = True) -> None:
@@ -75,25 +79,30 @@ class Announcer:
                 await self.dht.provide(provider_key(self.config.model_id, layer))
         self.last = record
 
-    async def move(self, layers: tuple[int, int], moe_layers: Sequence[int], experts: tuple[int, int],
+    async def move(self, blocks: Sequence[tuple[tuple[int, int], tuple[int, int]]], moe_layers: Sequence[int],
                    capacity_bytes: int, *, retire_ttl_s: float = 2.0) -> None:
-        """Announce another block instead of the current one (one record per node, new ``seq``).
+        """Announce other ``blocks`` (layers, experts) instead of the current ones (one record per
+        node, new ``seq``); ``moe_layers``: the MoE layers they hold.
 
         The new record goes under the keys of the new layers. A record stored under a layer's key
         must cover that layer, so the key of each layer no longer held gets a record of that layer
-        alone (old experts), expiring in ``retire_ttl_s``, with a ``seq`` below the new record's:
-        readers that keep a peer's newest record and re-read it under layers that record does not
-        cover (``Discovery``) see the new block at once. The caller serves the old block longer.
+        alone (the old blocks' experts there), expiring in ``retire_ttl_s``, with a ``seq`` below
+        the new record's: readers that keep a peer's newest record and re-read it under layers that
+        record does not cover (``Discovery``) see the new blocks at once. The caller serves the old
+        blocks longer.
         """
         old = self.config
         stale = [L for L in old.moe_layers if L not in moe_layers]
         retire_seqs = range(self._seq + 1, self._seq + 1 + len(stale))
         self._seq += len(stale)
+        (layers, experts), *more = blocks
         self.config = replace(old, layers=layers, moe_layers=tuple(moe_layers), experts=experts,
-                              capacity_bytes=capacity_bytes)
+                              capacity_bytes=capacity_bytes, more_blocks=tuple(more))
         await self.publish()
         for layer, seq in zip(stale, retire_seqs):
-            record = self.record(retire_ttl_s, replace(old, layers=(layer, layer), moe_layers=(layer,)), seq)
+            (first, *rest) = [((layer, layer), E) for L, E in old.blocks() if L[0] <= layer <= L[1]]
+            left = replace(old, layers=first[0], experts=first[1], more_blocks=tuple(rest), moe_layers=(layer,))
+            record = self.record(retire_ttl_s, left, seq)
             try:
                 await self.dht.put(announcement_key(old.model_id, layer, self.identity.peer_id), encode(record))
             except SwarmError as e:  # readers then believe the old record (which we serve) until it expires

@@ -23,9 +23,8 @@ def fits_model(record: Announcement, num_layers: int | None, num_experts: int | 
     """Whether a record's ranges lie inside the model (layers below ``num_layers``, experts below
     ``num_experts``; ``None``: not known). A record claiming more than the model has is a lie
     (it would win every holder choice), not a holder of what it does have."""
-    if num_layers is not None and record.layers[1] >= num_layers:
-        return False
-    return num_experts is None or record.experts[1] < num_experts
+    return all((num_layers is None or layers[1] < num_layers) and (num_experts is None or experts[1] < num_experts)
+               for layers, experts in record.blocks())
 
 
 class Discovery:

@@ -29,9 +29,14 @@ class Holder:
     failures: int = 0  # consecutive failed calls
     banned_until: float = 0.0  # monotonic seconds; skipped until then
     software: str = ""  # as announced, e.g. "moeswarm/0.1.0"
+    more_blocks: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = ()  # as announced: blocks beside the first
+
+    def blocks(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+        """Every (layers, experts) block it announced, the first one first."""
+        return ((self.layers, self.experts), *self.more_blocks)
 
     def holds(self, layer: int, expert: int) -> bool:
-        return self.layers[0] <= layer <= self.layers[1] and self.experts[0] <= expert <= self.experts[1]
+        return any(L[0] <= layer <= L[1] and E[0] <= expert <= E[1] for L, E in self.blocks())
 
     def score(self) -> float:
         """Lower is better: expected latency, inflated by load."""
@@ -62,7 +67,7 @@ class SwarmTable:
         if old is not None and old.seq >= ann.seq:
             return
         h = Holder(ann.peer_id, ann.endpoints, ann.model_id, ann.layers, ann.experts, ann.expires_at_ms, ann.seq,
-                   ann.load_permille, ann.throughput, software=ann.software)
+                   ann.load_permille, ann.throughput, software=ann.software, more_blocks=ann.more_blocks)
         if old is not None and old.endpoints == ann.endpoints:  # keep what we measured
             h.rtt_s, h.failures, h.banned_until = old.rtt_s, old.failures, old.banned_until
         self.holders[ann.peer_id] = h

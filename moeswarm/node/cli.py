@@ -69,6 +69,9 @@ def host_port(text: str) -> tuple[str, int]:
                    "else half the free RAM).")
 @click.option("--device-class", default="hub", show_default=True, type=click.Choice(["hub", "edge"]),
               help="With --experts auto: hub machines take hot experts, edge devices the long tail.")
+@click.option("--max-blocks", default=64, show_default=True, type=click.IntRange(1, 64),
+              help="With --experts auto: blocks (a layer range x an expert range each) this node may hold and "
+                   "announce in its one record; the market uses as many as gather the experts worth most.")
 @click.option("--rebalance-interval", default=600.0, show_default=True, type=click.FloatRange(min=0),
               metavar="SECONDS",
               help="With --experts auto: ask the market about this often whether another block is clearly worth "
@@ -105,7 +108,7 @@ def host_port(text: str) -> tuple[str, int]:
               metavar="SECONDS", help="Data plane: close a connection that sent nothing this long with no "
                                       "request in flight.")
 @friendly_errors
-def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str,
+def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str, max_blocks: int,
          rebalance_interval: float, data_port: int, announce_port: int | None, memory_budget: str | None,
          status: str, probe_interval: float, no_weight_fetches: bool, require_funded: str | None,
          market_ledger: str | None, max_connections: int, max_conns_per_ip: int, max_conns_per_peer: int,
@@ -128,7 +131,7 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
     Every peer must use the same checkpoint (the model id is derived from its config.json).
 
     Prints `READY {json}` (peer_id, multiaddrs, endpoint, status URL) on stdout once serving, and
-    with --experts auto a `REBALANCE {json}` line (action, reason, layers, experts) per
+    with --experts auto a `REBALANCE {json}` line (action, reason, layers, experts, more_blocks) per
     re-evaluation. `moeswarm node status` shows what a running node measures and plans.
     """
     from ..model.memory import parse_size
@@ -138,7 +141,7 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
     budget = parse_size(memory_budget) if memory_budget is not None else None
     config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port,  # type: ignore[arg-type]
                         memory_budget=budget, capacity_bytes=parse_size(capacity) if capacity else None,
-                        device_class=device_class, rebalance_interval_s=rebalance_interval,
+                        device_class=device_class, max_blocks=max_blocks, rebalance_interval_s=rebalance_interval,
                         status=None if status == "off" else host_port(status), probe_interval_s=probe_interval,
                         serve_weights=not no_weight_fetches, require_funded=require_funded,
                         market_ledger=market_ledger, max_connections=max_connections,

@@ -28,6 +28,7 @@ class NodeConfig:
     capacity_bytes: int | None = None  # --experts auto: memory offered for expert weights (default: budget or half of free RAM)
     throughput: float = 10_000.0  # --experts auto: (expert, token) pairs per second this machine can compute
     device_class: str = "hub"  # --experts auto: "hub" (fat link) or "edge" (phone, NAT'd box)
+    max_blocks: int = 64  # --experts auto: blocks (layer range x expert range) this process may hold and announce
     rebalance_interval_s: float = 600.0  # --experts auto: re-evaluate the block about this often, seconds (0: never)
     rebalance_grace_s: float = 30.0  # after a move, serve the old block this long too (calls in flight, stale tables)
     rebalance: RebalanceConfig | None = None  # --experts auto: hysteresis and cooldown of moves (None: the market's)
@@ -41,6 +42,12 @@ class NodeConfig:
     max_conns_per_peer: int = 4  # ... by one authenticated peer
     frame_timeout_s: float = 10.0  # ... a frame's body must arrive within this plus 1 s per MB once its header did
     idle_timeout_s: float = 300.0  # ... a connection silent this long with nothing in flight is closed
+
+    def __post_init__(self) -> None:
+        from ..protocol import MAX_BLOCKS
+
+        if not 1 <= self.max_blocks <= MAX_BLOCKS:
+            raise ConfigError(f"--max-blocks is 1..{MAX_BLOCKS} (what one announcement may claim), not {self.max_blocks}")
 
 
 @dataclass(frozen=True)

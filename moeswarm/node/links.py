@@ -100,20 +100,23 @@ def choose_probed(live: list[Holder], max_peers: int, measured: Container[bytes]
     order = sorted(live, key=lambda h: (h.peer_id not in measured, h.score(), h.peer_id))
     if len(order) <= max_peers:
         return order
-    lo = np.array([[h.layers[0], h.experts[0]] for h in order])
-    hi = np.array([[h.layers[1], h.experts[1]] for h in order]) + 1
+    owner = np.array([i for i, h in enumerate(order) for _ in h.blocks()])  # a holder may announce several blocks
+    lo = np.array([[L[0], E[0]] for h in order for L, E in h.blocks()])
+    hi = np.array([[L[1], E[1]] for h in order for L, E in h.blocks()]) + 1
     uncovered = np.ones((int(hi[:, 0].max()), int(hi[:, 1].max())), np.int64)
     chosen: list[int] = []
     while len(chosen) < max_peers:
         s = np.zeros((uncovered.shape[0] + 1, uncovered.shape[1] + 1), np.int64)  # 2-D prefix sums
         s[1:, 1:] = uncovered.cumsum(0).cumsum(1)
-        gain = s[hi[:, 0], hi[:, 1]] - s[lo[:, 0], hi[:, 1]] - s[hi[:, 0], lo[:, 1]] + s[lo[:, 0], lo[:, 1]]
+        per_block = s[hi[:, 0], hi[:, 1]] - s[lo[:, 0], hi[:, 1]] - s[hi[:, 0], lo[:, 1]] + s[lo[:, 0], lo[:, 1]]
+        gain = np.bincount(owner, per_block, minlength=len(order))
         gain[chosen] = 0
         best = int(np.argmax(gain))  # the first of the best: the sort order breaks ties
         if gain[best] <= 0:
             break
         chosen.append(best)
-        uncovered[lo[best, 0]:hi[best, 0], lo[best, 1]:hi[best, 1]] = 0
+        for b in np.flatnonzero(owner == best):
+            uncovered[lo[b, 0]:hi[b, 0], lo[b, 1]:hi[b, 1]] = 0
     taken = set(chosen)
     rest = [i for i in range(len(order)) if i not in taken]
     return [order[i] for i in chosen + rest[: max_peers - len(chosen)]]

@@ -1,8 +1,9 @@
-"""Market-driven nodes: which block of experts to hold (``--experts auto``) and when to move.
+"""Market-driven nodes: which blocks of experts to hold (``--experts auto``) and when to move.
 
 A ``Rebalancer`` re-reads the market on a jittered period and moves only when the gain clears
-the hysteresis: it loads the new block beside the old, checks that dropping the old block leaves
-every expert covered, announces the new block, and unloads the old one after a grace period.
+the hysteresis: it loads the new blocks beside the old, checks that dropping each old block
+leaves every expert covered, announces the new blocks, and unloads the old ones after a grace
+period. One node process holds up to ``--max-blocks`` blocks (one record announces them all).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -36,8 +37,16 @@ log = logging.getLogger(__name__)
 
 def load_block(model_dir: str, cfg: ModelConfig, layers: tuple[int, int], experts: tuple[int, int]) -> Weights:
     """The weights of one block (memory-mapped: cheap until experts are called)."""
+    from ..market import Block
+
+    return load_blocks(model_dir, cfg, [Block(layers, experts)])
+
+
+def load_blocks(model_dir: str, cfg: ModelConfig, blocks: Sequence[Block]) -> Weights:
+    """The weights of every expert in ``blocks`` (memory-mapped: cheap until experts are called)."""
+    spans = [(b.layers, b.experts) for b in blocks]
     return load_weights(model_dir, config=cfg,
-                        keep_expert=lambda L, e: layers[0] <= L <= layers[1] and experts[0] <= e <= experts[1])
+                        keep_expert=lambda L, e: any(l0 <= L <= l1 and e0 <= e <= e1 for (l0, l1), (e0, e1) in spans))
 
 
 def moe_layers_in(cfg: ModelConfig, layers: tuple[int, int]) -> tuple[int, ...]:
@@ -45,6 +54,11 @@ def moe_layers_in(cfg: ModelConfig, layers: tuple[int, int]) -> tuple[int, ...]:
     if not moe:
         raise ConfigError(f"layers {layers[0]}-{layers[1]} hold no MoE layer")
     return moe
+
+
+def moe_layers_of(cfg: ModelConfig, blocks: Sequence[Block]) -> tuple[int, ...]:
+    """The MoE layers of all ``blocks`` (each must hold one), ascending: the keys a record goes under."""
+    return tuple(sorted({L for b in blocks for L in moe_layers_in(cfg, b.layers)}))
 
 
 def held_bytes(weights: Weights) -> int:
@@ -75,24 +89,23 @@ def watch_memory(server: ExpertServer, weights: Weights, budget: int | None) -> 
 
 @dataclass
 class Holding:
-    """What a node serves (``weights``) and announces (one block); ``Rebalancer`` moves it."""
+    """What a node serves (``weights``) and announces (its blocks, best first); ``Rebalancer`` moves it."""
 
     cfg: ModelConfig
     server: ExpertServer
     announcer: Announcer
     weights: Weights
-    layers: tuple[int, int]
-    experts: tuple[int, int]
+    blocks: tuple[Block, ...]
     memory_budget: int | None = None
 
     def serve(self, weights: Weights) -> None:
-        self.server.serve(weights, self.layers, self.experts)
+        self.server.serve(weights, self.blocks[0].layers, self.blocks[0].experts)
         watch_memory(self.server, weights, self.memory_budget)
         self.weights = weights
 
-    async def announce(self, block: Block, weights: Weights) -> None:
-        self.layers, self.experts = block.layers, block.experts
-        await self.announcer.move(block.layers, moe_layers_in(self.cfg, block.layers), block.experts,
+    async def announce(self, blocks: Sequence[Block], weights: Weights) -> None:
+        self.blocks = tuple(blocks)
+        await self.announcer.move([(b.layers, b.experts) for b in blocks], moe_layers_of(self.cfg, blocks),
                                   held_bytes(weights), retire_ttl_s=2.0)
 
 
@@ -103,10 +116,11 @@ class Decision:
     action: Literal["stay", "moved", "kept", "failed"]  # moved: the new block is announced; kept: moving
     # would have left an expert without a holder; failed: the market could not be read (or the block loaded)
     reason: str
-    layers: tuple[int, int]  # the block announced after this decision
+    layers: tuple[int, int]  # the (first) block announced after this decision
     experts: tuple[int, int]
     gain: float | None = None  # the market's relative gain of the move considered (inf: from nothing)
     time_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+    more_blocks: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = ()  # (layers, experts) announced beside it
 
 
 def report_decision(decision: Decision) -> None:
@@ -121,19 +135,24 @@ def _fmt(block: Block) -> str:
     return f"layers {block.layers[0]}-{block.layers[1]} x experts {block.experts[0]}-{block.experts[1]}"
 
 
+def _fmts(blocks: Sequence[Block]) -> str:
+    return _fmt(blocks[0]) if len(blocks) == 1 else f"{len(blocks)} blocks ({', '.join(map(_fmt, blocks))})"
+
+
 class Rebalancer:
     """``--experts auto``: about every ``rebalance_interval_s`` asks the market (``rebalance``, with
-    the live state) whether another block is worth more than the hysteresis margin, and moves.
+    the live state) whether other blocks are worth more than the hysteresis margin, and moves.
 
-    A node announces one record, so a move is: load the new block (memory-mapped) and serve old
-    and new; check with a fresh state that other live holders hold every expert of the old block
-    the new one lacks (``drop_is_safe``; if not, unload the new block and stay); announce the new
-    block (new ``seq``); ``rebalance_grace_s`` later (calls in flight, backbones still routing by
-    the old record) serve only the new block. No expert the DHT listed a holder for loses it.
+    A node announces one record (all its blocks), so a move is: load the new blocks (memory-mapped)
+    and serve old and new; check with a fresh state that, dropping the old blocks the new set lacks
+    one by one, other live holders or the blocks kept hold every expert (``drop_is_safe``; if not,
+    unload the new blocks and stay); announce the new blocks (new ``seq``); ``rebalance_grace_s``
+    later (calls in flight, backbones still routing by the old record) serve only the new ones. No
+    expert the DHT listed a holder for loses it.
 
-    Nodes announcing the same block see the same market and would make the same move at the same
-    time, each before the other's new record is visible, and together leave the experts of that
-    block only they held (seen live: two nodes of one layer both moved to the hot experts): of such
+    Nodes announcing the same blocks see the same market and would make the same move at the same
+    time, each before the other's new record is visible, and together leave the experts of those
+    blocks only they held (seen live: two nodes of one layer both moved to the hot experts): of such
     twins only the one with the smallest peer ID evaluates; the others stay until it has moved.
     Holders of different blocks that both drop the same experts in one round are not ruled out.
     """
@@ -167,68 +186,64 @@ class Rebalancer:
             except (SwarmError, OSError) as e:
                 decision = self._decision("failed", f"{type(e).__name__}: {e}")
             self.last = decision
-            log.info("rebalance: %s, holding %s: %s", decision.action, _fmt(self._block()), decision.reason)
+            log.info("rebalance: %s, holding %s: %s", decision.action, _fmts(self.holding.blocks), decision.reason)
             self.on_decision(decision)
             if self._drop_after_grace is not None:
                 await asyncio.sleep(self.config.rebalance_grace_s)
                 self.holding.serve(self._drop_after_grace)
                 self._drop_after_grace = None
-                log.info("rebalance: stopped serving the old block")
-
-    def _block(self) -> Block:
-        from ..market import Block
-
-        return Block(self.holding.layers, self.holding.experts)
+                log.info("rebalance: stopped serving the old blocks")
 
     def _decision(self, action: Literal["stay", "moved", "kept", "failed"], reason: str,
                   gain: float | None = None) -> Decision:
-        return Decision(action, reason, self.holding.layers, self.holding.experts, gain)
+        first, *more = self.holding.blocks
+        return Decision(action, reason, first.layers, first.experts, gain,
+                        more_blocks=tuple((b.layers, b.experts) for b in more))
 
     async def _others(self) -> tuple[MarketState, list[bytes]]:
-        """The market's state without this node's own record (it knows its block better than the DHT),
-        and the peer IDs of the other live holders announcing exactly its block (its twins)."""
+        """The market's state without this node's own record (it knows its blocks better than the DHT),
+        and the peer IDs of the other live holders announcing exactly its blocks (its twins)."""
         from ..market import fetch_announcements, fetch_state
 
         found = await fetch_announcements(self.p2p, self.shape)
         state = await fetch_state(self.p2p, self.shape, exclude_peers=(self.peer_id,),
                                   ledger_url=self.config.market_ledger, announcements=found)
-        block = (self.holding.layers, self.holding.experts)
-        twins = [a.peer_id for a in found if a.peer_id != self.peer_id and (a.layers, a.experts) == block]
+        mine = {(b.layers, b.experts) for b in self.holding.blocks}
+        twins = [a.peer_id for a in found if a.peer_id != self.peer_id and set(a.blocks()) == mine]
         return state, twins
 
     async def evaluate(self) -> Decision:
         """One re-evaluation; moves (and returns ``moved``) when the market says so."""
-        from ..market import rebalance
+        from ..market import AssignConfig, rebalance
 
-        current = self._block()
+        current = self.holding.blocks
         state, twins = await self._others()
         first = min([self.peer_id, *twins])
         if first != self.peer_id:
-            return self._decision("stay", f"{len(twins)} other node(s) announce this block: {peer_id_to_str(first)} "
+            return self._decision("stay", f"{len(twins)} other node(s) announce these blocks: {peer_id_to_str(first)} "
                                           "(the smallest peer ID) decides first")
-        rect = self.shape.rect(current)
+        rects = [r for r in (self.shape.rect(b) for b in current) if r is not None]
         # the rate it measured serving (what it announces, as the others do), once it has served:
         # the market compares it with theirs (AssignConfig.edge_rate_share)
         measured = self.holding.server.throughput
         me = replace(self.volunteer, throughput=float(measured)) if measured > 0 else self.volunteer
-        supply = state.supply.changed([rect] if rect is not None else [], me.throughput, +1)
+        supply = state.supply.changed(rects, me.throughput, +1)
         since = None if self.moved_epoch is None else state.epoch - self.moved_epoch
-        plan = rebalance(self.shape, supply, state.demand, me, [current], config=self.policy,
-                         epochs_since_move=since)
+        plan = rebalance(self.shape, supply, state.demand, me, list(current), config=self.policy,
+                         assign_config=AssignConfig(max_blocks=self.config.max_blocks), epochs_since_move=since)
         if plan is None:
             if since is not None and since < self.policy.cooldown_epochs:
                 return self._decision("stay", f"moved {since} epochs ago, cooling down")
-            return self._decision("stay", "no block is worth the move (hysteresis), or none is reachable "
+            return self._decision("stay", "no blocks are worth the move (hysteresis), or none are reachable "
                                           "without uncovering an expert")
-        (target,) = plan.target  # one block per node: AssignConfig.max_blocks = 1
-        return await self._move(current, target, plan.gain, state.epoch)
+        return await self._move(current, plan.target, plan.gain, state.epoch)
 
-    async def _move(self, old: Block, new: Block, gain: float, epoch: int) -> Decision:
+    async def _move(self, old: Sequence[Block], new: Sequence[Block], gain: float, epoch: int) -> Decision:
         from ..market import drop_is_safe
 
         h = self.holding
         old_weights = h.weights
-        new_weights = await asyncio.to_thread(load_block, self.config.swarm.model_dir, h.cfg, new.layers, new.experts)
+        new_weights = await asyncio.to_thread(load_blocks, self.config.swarm.model_dir, h.cfg, new)
         both = {L: {**old_weights.experts.get(L, {}), **new_weights.experts.get(L, {})}
                 for L in old_weights.experts.keys() | new_weights.experts.keys()}
         try:
@@ -237,9 +252,13 @@ class Rebalancer:
         except BaseException:
             h.serve(old_weights)
             raise
-        if not drop_is_safe(self.shape, others, [old, new], old):
-            h.serve(old_weights)
-            return self._decision("kept", f"{_fmt(new)} would leave experts of {_fmt(old)} without a holder", gain)
+        held = [*old, *(b for b in new if b not in old)]
+        for block in [b for b in old if b not in new]:  # dropped one by one, as the plan's steps do
+            if not drop_is_safe(self.shape, others, held, block):
+                h.serve(old_weights)
+                return self._decision("kept", f"{_fmts(new)} would leave experts of {_fmt(block)} without a holder",
+                                      gain)
+            held.remove(block)
         try:
             await h.announce(new, new_weights)
             note = ""
@@ -247,4 +266,4 @@ class Rebalancer:
             note = f"; announcing failed for now ({e})"
         self.moved_epoch = epoch
         self._drop_after_grace = new_weights
-        return self._decision("moved", f"from {_fmt(old)}, gain {gain:.2f}{note}", gain)
+        return self._decision("moved", f"from {_fmts(old)}, gain {gain:.2f}{note}", gain)

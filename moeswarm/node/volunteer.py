@@ -1,5 +1,6 @@
-"""The volunteer's daemon: an expert node serving a block of a model's experts over the data plane,
-announcing it in the DHT, reporting its status, and (``--experts auto``) following the market."""
+"""The volunteer's daemon: an expert node serving blocks of a model's experts over the data plane
+(one block, or with ``--experts auto`` up to ``--max-blocks``), announcing them in the DHT,
+reporting its status, and (``--experts auto``) following the market."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ..daemon import (
     ready,
     stop_event,
 )
-from ..market import market_assignment
+from ..market import AssignConfig, Block, market_assignment
 from ..model import ModelConfig, load_config
 from ..model.model_id import model_id_for
 from ..net.announce import AnnounceConfig, Announcer
@@ -33,8 +34,9 @@ from .rebalancer import (
     Rebalancer,
     held_bytes,
     load_block,
+    load_blocks,
     market_view,
-    moe_layers_in,
+    moe_layers_of,
     report_decision,
     watch_memory,
 )
@@ -52,13 +54,14 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
         market = None
         if config.experts == "auto":
             market = market_view(cfg, model_id, config)
-            block = await market_assignment(p2p, *market, ledger_url=config.market_ledger)
-            layers, experts = block.layers, block.experts
+            blocks = await market_assignment(p2p, *market, ledger_url=config.market_ledger,
+                                             config=AssignConfig(max_blocks=config.max_blocks))
         else:
-            layers = parse_range(config.layers, cfg.num_layers, "layers")
-            experts = parse_range(config.experts, cfg.num_experts, "experts")
-        moe = moe_layers_in(cfg, layers)
-        weights = load_block(sc.model_dir, cfg, layers, experts)
+            blocks = (Block(parse_range(config.layers, cfg.num_layers, "layers"),
+                            parse_range(config.experts, cfg.num_experts, "experts")),)
+        (layers, experts), more = (blocks[0].layers, blocks[0].experts), blocks[1:]
+        moe = moe_layers_of(cfg, blocks)
+        weights = load_blocks(sc.model_dir, cfg, blocks)
         server = ExpertServer(weights, identity, ExpertServerConfig(
             model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
         watch_memory(server, weights, config.memory_budget)
@@ -84,15 +87,18 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
             endpoint = f"tcp+tls://{host}:{config.announce_port or dataplane.port}"
             announcer = Announcer(p2p, identity, AnnounceConfig(
                 model_id, layers, moe, experts, (endpoint,), held_bytes(weights), config.announce_interval_s,
-                config.record_ttl_s), stats=lambda: (server.throughput, server.load_permille))
+                config.record_ttl_s, more_blocks=tuple((b.layers, b.experts) for b in more)),
+                stats=lambda: (server.throughput, server.load_permille))
             await announcer.start()
             async with contextlib.AsyncExitStack() as stack:
-                status_url = await _node_status(stack, config, identity, p2p, cfg, model_id, server, endpoint)
+                status_url = await _node_status(stack, config, identity, p2p, cfg, model_id, server, endpoint,
+                                                announcer)
                 on_ready({"peer_id": identity.peer_id_str, "multiaddrs": public_multiaddrs(p2p.multiaddrs, sc),
                           "endpoint": endpoint, "model_id": model_id, "layers": list(layers),
-                          "experts": list(experts), "status": status_url})
+                          "experts": list(experts), "blocks": [[*b.layers, *b.experts] for b in blocks],
+                          "status": status_url})
                 if market is not None and config.rebalance_interval_s > 0:
-                    holding = Holding(cfg, server, announcer, weights, layers, experts, config.memory_budget)
+                    holding = Holding(cfg, server, announcer, weights, tuple(blocks), config.memory_budget)
                     await Rebalancer(p2p, identity.peer_id, *market, holding, config, on_decision).run_until(stop)
                 else:
                     await stop.wait()
@@ -105,7 +111,8 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
 
 
 async def _node_status(stack: contextlib.AsyncExitStack, config: NodeConfig, identity: Identity, p2p: Any,
-                       cfg: ModelConfig, model_id: str, server: ExpertServer, endpoint: str) -> str | None:
+                       cfg: ModelConfig, model_id: str, server: ExpertServer, endpoint: str,
+                       announcer: Announcer) -> str | None:
     """``moeswarm node status``'s source: the tier planner over the whole local checkpoint (what
     this machine would compute itself, call, or fetch), link figures, memory, what it served."""
     from .status import cache_snapshot, memory_snapshot, run_file, serve_status
@@ -126,6 +133,7 @@ async def _node_status(stack: contextlib.AsyncExitStack, config: NodeConfig, ide
         out: dict[str, Any] = {
             "role": "node", "peer_id": identity.peer_id_str, "model_id": model_id, "endpoint": endpoint,
             "layers": list(server.config.layers), "experts": list(server.config.experts),
+            "blocks": [[*L, *E] for L, E in announcer.config.blocks()],
             "uptime_s": round(time.time() - started, 1), "memory": memory_snapshot(),
             "memory_budget": config.memory_budget,
             "serving": {"requests": server.requests_served, "pairs": server.pairs_served,

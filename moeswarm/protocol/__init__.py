@@ -24,6 +24,7 @@ from ._identity import (
 )
 from ._limits import (
     DEFAULT_MAX_FRAME,
+    MAX_BLOCKS,
     EXPERT_TENSORS,
     FATAL_CODES,
     MAX_EXPERT,
@@ -79,7 +80,7 @@ from ._wire import DecodeLimits, canonical, scan, unpack
 __all__ = [
     # constants
     "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "DEFAULT_MAX_FRAME", "ErrorCode", "FATAL_CODES",
-    "MAX_PROBE_BYTES", "EXPERT_TENSORS", "MAX_HANDSHAKE_FRAME", "MAX_LAYER", "MAX_EXPERT",
+    "MAX_PROBE_BYTES", "MAX_BLOCKS", "EXPERT_TENSORS", "MAX_HANDSHAKE_FRAME", "MAX_LAYER", "MAX_EXPERT",
     "SignatureKind", "WIRE_DTYPES", "DHT_NAMESPACE",
     # messages
     "Message", "Hello", "HelloAck", "Auth", "ExpertRows", "ExpertRequest", "ExpertResponse",

@@ -20,6 +20,7 @@ from ._limits import (
     EXPERT_TENSORS,
     HASH_SIZE,
     LOAD_SCALE,
+    MAX_BLOCKS,
     MAX_ENDPOINT_BYTES,
     MAX_ENDPOINTS,
     MAX_ERROR_MESSAGE_BYTES,
@@ -318,8 +319,10 @@ def _dec_countersigned(f: Fields) -> CountersignedReceipt:
 
 
 def announcement_body(a: Announcement) -> dict[str, Any]:
-    """The fields of an announcement its signature covers: its wire map without ``sig``."""
-    return sorted_map({
+    """The fields of an announcement its signature covers: its wire map without ``sig``
+    (``more_blocks`` only when there are any, so a one-block record reads as it always did)."""
+    more = {"more_blocks": [[_u(L[0]), _u(L[1]), _u(E[0]), _u(E[1])] for L, E in a.more_blocks]} if a.more_blocks else {}
+    return sorted_map({**more,
         "capacity_bytes": _u(a.capacity_bytes), "endpoints": list(a.endpoints),
         "experts": [_u(a.experts[0]), _u(a.experts[1])],
         "expires_at_ms": _u(a.expires_at_ms),
@@ -334,16 +337,42 @@ def _enc_announcement(a: Announcement) -> dict[str, Any]:
     return {**announcement_body(a), "sig": a.sig}
 
 
+def _more_blocks(f: Fields) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+    if not f.has("more_blocks"):
+        return ()
+    out = []
+    for i, item in enumerate(f.array("more_blocks", lo=1, hi=MAX_BLOCKS - 1)):
+        name = f"more_blocks[{i}]"
+        if type(item) is not list or len(item) != 4:
+            bad(f"{name} is not [first layer, last layer, first expert, last expert]")
+        l0, l1 = (check_uint(v, name, hi=MAX_LAYER) for v in item[:2])
+        e0, e1 = (check_uint(v, name, hi=MAX_EXPERT) for v in item[2:])
+        if l0 > l1 or e0 > e1:
+            bad(f"{name} = {item} is empty")
+        out.append(((l0, l1), (e0, e1)))
+    return tuple(out)
+
+
+def _disjoint(blocks: tuple[tuple[tuple[int, int], tuple[int, int]], ...]) -> None:
+    """A record claims each expert once: overlapping blocks would count one holder as several."""
+    for i, ((a0, a1), (b0, b1)) in enumerate(blocks):
+        for (c0, c1), (d0, d1) in blocks[:i]:
+            if a0 <= c1 and c0 <= a1 and b0 <= d1 and d0 <= b1:
+                bad(f"announcement block {i} overlaps an earlier one")
+
+
 def _dec_announcement(f: Fields) -> Announcement:
     raw = f.array("endpoints", lo=1, hi=MAX_ENDPOINTS)
     endpoints = tuple(check_text(e, "endpoints[]", max_bytes=MAX_ENDPOINT_BYTES, pattern=ENDPOINT_RE)
                       for e in raw)
+    layers, experts, more = _range(f, "layers", MAX_LAYER), _range(f, "experts", MAX_EXPERT), _more_blocks(f)
+    _disjoint(((layers, experts), *more))
     return Announcement(
-        _model_id(f), _range(f, "layers", MAX_LAYER), _range(f, "experts", MAX_EXPERT), endpoints,
+        _model_id(f), layers, experts, endpoints,
         f.uint("capacity_bytes"), f.uint("throughput"), f.uint("load_permille", hi=LOAD_SCALE),
         f.text("software", max_bytes=MAX_SOFTWARE_BYTES, pattern=SOFTWARE_RE),
         f.uint("seq"), f.uint("expires_at_ms"), _peer(f, "peer_id"),
-        f.bin("public_key", size=PUBLIC_KEY_SIZE), f.bin("sig", size=SIGNATURE_SIZE),
+        f.bin("public_key", size=PUBLIC_KEY_SIZE), f.bin("sig", size=SIGNATURE_SIZE), more,
     )
 
 

@@ -48,6 +48,8 @@ MAX_ENDPOINTS: Final = 8
 MAX_ENDPOINT_BYTES: Final = 256
 MAX_SOFTWARE_BYTES: Final = 64
 MAX_RECORD_BYTES: Final = 8192
+MAX_BLOCKS: Final = 64
+"""Blocks (layer range x expert range) one announcement may claim: the first and 63 more."""
 MAX_RECORD_TTL_MS: Final = 24 * 3600 * 1000
 """An announcement may not expire more than this far in the future."""
 CLOCK_SKEW_MS: Final = 5 * 60 * 1000

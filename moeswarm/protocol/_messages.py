@@ -182,6 +182,16 @@ class Announcement:
     peer_id: bytes
     public_key: bytes
     sig: bytes = b""
+    more_blocks: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = ()  # further (layers, experts)
+    # blocks one node process serves beside the first (``layers`` x ``experts``); at most
+    # ``MAX_BLOCKS - 1``, each a rectangle like the first; absent on the wire when empty
+
+    def blocks(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+        """Every (layers, experts) block this record claims, the first one first."""
+        return ((self.layers, self.experts), *self.more_blocks)
+
+    def covers_layer(self, layer: int) -> bool:
+        return any(lo <= layer <= hi for (lo, hi), _ in self.blocks())
 
 
 Message = (

@@ -82,13 +82,14 @@ def sign_announcement(
     software: str,
     seq: int,
     expires_at_ms: int,
+    more_blocks: Sequence[tuple[tuple[int, int], tuple[int, int]]] = (),
 ) -> Announcement:
-    """A new announcement signed by ``identity``."""
+    """A new announcement signed by ``identity`` (``more_blocks``: blocks held beside the first)."""
     unsigned = Announcement(
         model_id=model_id, layers=layers, experts=experts, endpoints=tuple(endpoints),
         capacity_bytes=capacity_bytes, throughput=throughput, load_permille=load_permille,
         software=software, seq=seq, expires_at_ms=expires_at_ms, peer_id=identity.peer_id,
-        public_key=identity.public_key,
+        public_key=identity.public_key, more_blocks=tuple(more_blocks),
     )
     sig = identity.sign(SignatureKind.ANNOUNCEMENT, canonical(announcement_body(unsigned)))
     return replace(unsigned, sig=sig)
@@ -141,7 +142,7 @@ def validate_record(
     if not isinstance(record, Announcement):
         raise ProtocolError("DHT value is not an announcement", code=ErrorCode.BAD_FIELD)
     model_id, layer, peer_id = parse_announcement_key(key)
-    if model_id != record.model_id or not record.layers[0] <= layer <= record.layers[1]:
+    if model_id != record.model_id or not record.covers_layer(layer):
         raise ProtocolError("key's model or layer is not covered by the record",
                             code=ErrorCode.BAD_FIELD)
     if peer_id != record.peer_id:
@@ -208,7 +209,7 @@ async def read_announcements(dht: DHT, model_id: str, layers: Iterable[int], *,
             continue
         for peer in providers:
             seen = newest.get(peer)
-            if seen is not None and seen.layers[0] <= layer <= seen.layers[1]:
+            if seen is not None and seen.covers_layer(layer):
                 continue  # the record read under an earlier layer covers this one
             try:
                 key = announcement_key(model_id, layer, peer_id_from_str(peer))

@@ -357,6 +357,8 @@ def _records() -> dict[str, Any]:
     client_key = p.announcement_key(MODEL_ID, 3, CLIENT.peer_id)
     flipped = bytearray(value)
     flipped[value.index(good.sig)] ^= 0x01
+    several = p.encode(_announcement(more_blocks=[((9, 10), (2, 2))]))  # layers 2-5 x experts 0-15, and 9-10 x expert 2
+    overlapping = p.encode(_announcement(more_blocks=[((5, 6), (7, 7))]))
     cases: list[tuple[str, str, bytes, bytes | None, int, int | None]] = [
         ("valid", key, value, None, NOW_MS, None),
         ("valid, newer than stored seq 6", key, value, p.encode(_announcement(seq=6)), NOW_MS, None),
@@ -382,6 +384,11 @@ def _records() -> dict[str, Any]:
          E.BAD_FIELD),
         ("not an announcement", key, p.encode(p.Ping(1)), None, NOW_MS, E.BAD_FIELD),
         ("larger than 8192 bytes", key, value + bytes(8192), None, NOW_MS, E.FRAME_TOO_LARGE),
+        ("several blocks: valid under a layer of a further block", p.announcement_key(MODEL_ID, 9, SERVER.peer_id),
+         several, None, NOW_MS, None),
+        ("several blocks: key layer between the blocks", p.announcement_key(MODEL_ID, 7, SERVER.peer_id),
+         several, None, NOW_MS, E.BAD_FIELD),
+        ("several blocks that overlap", key, overlapping, None, NOW_MS, E.BAD_FIELD),
     ]
     return {
         "provider_key": p.provider_key(MODEL_ID, 3),

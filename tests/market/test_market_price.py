@@ -25,7 +25,10 @@ from moeswarm.market import (
     supply_from_holders,
     target_multipliers,
 )
+from moeswarm.net.routing_table import SwarmTable, plan_dispatch
 from moeswarm.protocol import Identity, sign_announcement
+from moeswarm.protocol import decode as p_decode
+from moeswarm.protocol import encode as p_encode
 
 SHAPE = ModelShape("org/m", (0, 1, 2), 4, 1000)
 NOW = 1_700_000_000_000
@@ -57,6 +60,21 @@ def test_supply_counts_live_holders_and_splits_their_throughput() -> None:
     assert rect is not None
     back = s.changed([rect], 50, -1)
     assert back.replicas[1].tolist() == [1, 1, 1, 1] and back.throughput[1, 3] == pytest.approx(100)
+
+
+def test_a_holder_of_several_blocks_counts_once_per_expert_and_splits_its_throughput_over_all() -> None:
+    """One node process announcing three blocks (``more_blocks``), as the market and a backbone's
+    routing table read it: every expert of every block held once, its rate over all 5 experts."""
+    ann = _ann(IDS[0], (0, 0), (0, 1), throughput=1000, more_blocks=[((1, 1), (3, 3)), ((2, 2), (1, 2))])
+    s = supply_from_holders(SHAPE, [p_decode(p_encode(ann))], now_ms=NOW)
+    assert s.holders == 1 and s.held_cells == 5
+    assert s.replicas.tolist() == [[1, 1, 0, 0], [0, 0, 0, 1], [0, 1, 1, 0]]
+    assert s.throughput[2, 2] == pytest.approx(200) and s.throughput.sum() == pytest.approx(1000)
+    table = SwarmTable("org/m")
+    table.update(ann)
+    h = table.holders[IDS[0].peer_id]
+    assert [(L, e) for L in range(3) for e in range(4) if h.holds(L, e)] == [(0, 0), (0, 1), (1, 3), (2, 1), (2, 2)]
+    assert plan_dispatch(2, [1, 2, 3], [h]) == ({IDS[0].peer_id: [1, 2]}, [3])
 
 
 grids = arrays(np.float64, (3, 4), elements=st.floats(0, 1e6, allow_nan=False))

@@ -87,7 +87,7 @@ def test_hot_experts_gain_replicas_while_every_expert_stays_held() -> None:
         for i in range(NODES):
             boot = daemons[0].info["multiaddrs"][0] if daemons else None
             daemons.append(start_daemon(f"follow{i}", node_args(capacity, boot)))
-        joined = [(tuple(d.info["layers"]), tuple(d.info["experts"])) for d in daemons]
+        joined = [d.info["blocks"] for d in daemons]
         print(f"{time.monotonic() - t0:.1f} s: {NODES} nodes up: {joined}", flush=True)
 
         async def run() -> dict[str, Any]:
@@ -160,12 +160,13 @@ def test_hot_experts_gain_replicas_while_every_expert_stays_held() -> None:
 
     moved = {d.name: [x for x in decisions(d) if x["action"] == "moved"] for d in daemons}
     assert sum(len(m) for m in moved.values()) >= 1, {d.name: decisions(d) for d in daemons}
-    for d, (layers, experts) in zip(daemons, [(d.info["layers"], d.info["experts"]) for d in daemons]):
+    for d in daemons:
         for m in moved[d.name]:
             assert m["time_ms"] >= out["fed_ms"], f"{d.name} moved before the demand reports: {m}"
             assert m["gain"] is not None and m["gain"] != "inf" and m["gain"] > RebalanceConfig().hysteresis
         assert len(moved[d.name]) <= 1, f"{d.name} moved twice (cooldown): {moved[d.name]}"
         last = decisions(d)[-1] if decisions(d) else None
-        final = (tuple(last["layers"]), tuple(last["experts"])) if last else (tuple(layers), tuple(experts))
-        assert (final != (tuple(layers), tuple(experts))) == bool(moved[d.name]), (d.name, decisions(d))
+        final = ([[*last["layers"], *last["experts"]]] + [[*L, *E] for L, E in last["more_blocks"]]) if last \
+            else d.info["blocks"]
+        assert (sorted(final) != sorted(d.info["blocks"])) == bool(moved[d.name]), (d.name, decisions(d))
     assert out["tokens"] == expected

@@ -41,11 +41,11 @@ def test_auto_assignment_covers_the_model_and_settles_at_market_prices(tmp_path:
             if daemons:
                 args += ["--bootstrap", daemons[0].info["multiaddrs"][0]]
             daemons.append(start_daemon(f"auto{i}", args))
-        held = {(L, e) for d in daemons for L in range(d.info["layers"][0], d.info["layers"][1] + 1)
-                for e in range(d.info["experts"][0], d.info["experts"][1] + 1) if L in moe}
-        assert held == {(L, e) for L in moe for e in range(cfg.num_experts)}
-        assert all(d.info["layers"] != [0, cfg.num_layers - 1] or d.info["experts"] != [0, cfg.num_experts - 1]
-                   for d in daemons), [(d.info["layers"], d.info["experts"]) for d in daemons]  # nobody took it all
+        mine = [{(L, e) for l0, l1, e0, e1 in d.info["blocks"] for L in range(l0, l1 + 1)
+                 for e in range(e0, e1 + 1) if L in moe} for d in daemons]
+        assert set().union(*mine) == {(L, e) for L in moe for e in range(cfg.num_experts)}
+        assert all(len(m) < len(moe) * cfg.num_experts for m in mine), \
+            [d.info["blocks"] for d in daemons]  # nobody took it all
 
         receipts: list = []
 
@@ -96,6 +96,58 @@ def test_auto_assignment_covers_the_model_and_settles_at_market_prices(tmp_path:
     assert paid == expected
     multipliers = {table.price(model_id, L, e, table.epoch) for L in moe for e in range(cfg.num_experts)}
     assert len(multipliers) > 1  # market prices, not a flat 1.0
+
+
+def test_an_auto_node_fills_an_l_shaped_gap_with_two_blocks_in_one_record_that_backbones_route_to() -> None:
+    """Two fixed nodes leave an L-shaped gap (layers 0-1 x experts 6-7 and layers 2-3 x experts
+    4-7): no rectangle of 12 experts covers it. A third node, ``--experts auto`` with room for 12,
+    takes it as two blocks of one process, announced in one signed record (``more_blocks``); a
+    backbone reads that record from the DHT, routes to both blocks, and its greedy tokens equal
+    the single-process engine's."""
+    from moeswarm.market import fetch_announcements, model_shape
+    from moeswarm.model import load_model
+
+    cfg = load_config(CHECKPOINT)
+    expert_bytes = model_shape(str(CHECKPOINT), cfg, "probe").expert_bytes
+    gap = {(L, e) for L in (0, 1) for e in (6, 7)} | {(L, e) for L in (2, 3) for e in range(4, 8)}
+    tok = Tokenizer.from_folder(CHECKPOINT, cfg.bos_token_id)
+    ids = tok.encode("In the beginning")
+    expected = list(generate(load_model(str(CHECKPOINT)), ids, SamplingParams(max_new_tokens=10)))
+    daemons = [start_daemon("l-top", ["node", "--model", str(CHECKPOINT), "--layers", "0-1", "--experts", "0-5"])]
+    try:
+        boot = daemons[0].info["multiaddrs"][0]
+        daemons.append(start_daemon("l-bottom", ["node", "--model", str(CHECKPOINT), "--layers", "2-3", "--experts",
+                                                 "0-3", "--bootstrap", boot]))
+        daemons.append(start_daemon("gap", ["node", "--model", str(CHECKPOINT), "--experts", "auto", "--capacity",
+                                            f"{12 * expert_bytes + expert_bytes // 2}B", "--rebalance-interval", "0",
+                                            "--bootstrap", boot]))
+        blocks = daemons[2].info["blocks"]
+        held = [{(L, e) for L in range(l0, l1 + 1) for e in range(e0, e1 + 1)} for l0, l1, e0, e1 in blocks]
+        assert len(blocks) == 2 and set().union(*held) == gap and sum(map(len, held)) == 12, blocks
+
+        async def run() -> tuple[list[int], object, list]:
+            config = BackboneConfig(SwarmConfig(str(CHECKPOINT), bootstrap=(boot,), client_mode=True))
+            async with SwarmBackbone(config) as bb:
+                assert bb.model is not None and bb.executor is not None
+                served: list = []
+                bb.executor.receipts = served.append
+                got = await asyncio.to_thread(lambda: list(generate(bb.model, ids,  # type: ignore[arg-type]
+                                                                     SamplingParams(max_new_tokens=10))))
+                bb.executor.settle_receipts()
+                shape = ModelShape(bb.model_id, tuple(range(cfg.num_layers)), cfg.num_experts, expert_bytes)
+                records = await fetch_announcements(bb.p2p, shape)
+                return got, records, served
+
+        got, records, served = asyncio.run(run())
+    finally:
+        for d in daemons:
+            stop_daemon(d)
+    gap_peer = peer_id_from_str(daemons[2].info["peer_id"])
+    (record,) = [r for r in records if r.peer_id == gap_peer]  # type: ignore[attr-defined]
+    assert sorted([*L, *E] for L, E in record.blocks()) == sorted(blocks)
+    used = {(cr.receipt.layer, e) for cr in served if cr.receipt.server == gap_peer for e in cr.receipt.experts}
+    assert used and used <= gap and {L for L, _ in used} & {0, 1} and {L for L, _ in used} & {2, 3}, used
+    assert got == expected
 
 
 def test_backbones_publish_signed_demand_that_the_market_reads_from_the_dht() -> None:

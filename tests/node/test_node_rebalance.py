@@ -45,6 +45,7 @@ from moeswarm.node.rebalancer import (
     Rebalancer,
     held_bytes,
     load_block,
+    load_blocks,
 )
 from moeswarm.node.volunteer import run_node
 from moeswarm.protocol import (
@@ -100,7 +101,7 @@ def a_node(dht: MemoryDHT, layers: tuple[int, int], experts: tuple[int, int]) ->
     announcer = Announcer(dht, identity, AnnounceConfig(MODEL, layers, moe, experts, ("tcp+tls://127.0.0.1:1",),
                                                         held_bytes(weights)))
     dht.me = identity.peer_id_str
-    return identity, Holding(CFG, server, announcer, weights, layers, experts)
+    return identity, Holding(CFG, server, announcer, weights, (Block(layers, experts),))
 
 
 def test_a_move_retires_the_layers_left_and_discovery_reads_the_new_block() -> None:
@@ -108,7 +109,7 @@ def test_a_move_retires_the_layers_left_and_discovery_reads_the_new_block() -> N
         dht = MemoryDHT()
         me, holding = a_node(dht, (0, 3), (4, 7))
         await holding.announcer.publish()
-        await holding.announce(Block((2, 3), (0, 7)), load_block(str(CHECKPOINT), CFG, (2, 3), (0, 7)))
+        await holding.announce([Block((2, 3), (0, 7))], load_block(str(CHECKPOINT), CFG, (2, 3), (0, 7)))
         new = decode(dht.values[announcement_key(MODEL, 2, me.peer_id)])
         assert (new.layers, new.experts) == ((2, 3), (0, 7))
         for layer in (0, 1):  # left: a record of that layer alone, older than the new one, expiring soon
@@ -136,11 +137,49 @@ def test_a_move_that_would_uncover_an_expert_keeps_the_old_block() -> None:
         rebalancer = Rebalancer(dht, me.peer_id, shape, Volunteer(16 * shape.expert_bytes, 1e4), holding,
                                 NodeConfig(SwarmConfig(str(CHECKPOINT))), decisions.append)
         old_weights = holding.weights
-        d = await rebalancer._move(Block((0, 3), (4, 7)), Block((2, 3), (0, 7)), 0.75, epoch=1)
+        d = await rebalancer._move([Block((0, 3), (4, 7))], [Block((2, 3), (0, 7))], 0.75, epoch=1)
         assert d.action == "kept" and (d.layers, d.experts) == ((0, 3), (4, 7)), d
         assert holding.weights is old_weights and holding.server.weights is old_weights
         assert dht.values == before  # nothing announced
         assert rebalancer.moved_epoch is None
+
+    asyncio.run(main())
+
+
+def test_a_node_of_two_blocks_moves_them_in_one_record_and_keeps_any_block_only_it_holds() -> None:
+    """One process, two blocks: the record claims both (``more_blocks``) under every layer of
+    each; a move to two other blocks retires the layers it leaves (each cut to its old experts
+    there); a move that would drop the second block while it is the only holder keeps both."""
+    async def main() -> None:
+        dht = MemoryDHT()
+        me, holding = a_node(dht, (0, 0), (0, 1))
+        shape = ModelShape(MODEL, tuple(MOE), CFG.num_experts, held_bytes(load_block(str(CHECKPOINT), CFG, (0, 0),
+                                                                                     (0, 0))))
+        two = [Block((0, 0), (0, 1)), Block((2, 3), (6, 7))]
+        await holding.announce(two, load_blocks(str(CHECKPOINT), CFG, two))
+        for layer in (0, 2, 3):
+            record = decode(dht.values[announcement_key(MODEL, layer, me.peer_id)])
+            assert record.blocks() == (((0, 0), (0, 1)), ((2, 3), (6, 7)))
+        assert announcement_key(MODEL, 1, me.peer_id) not in dht.values
+        other, other_holding = a_node(dht, (0, 0), (0, 1))  # a second holder of the first block only
+        await other_holding.announcer.publish()
+        dht.me = me.peer_id_str
+        rebalancer = Rebalancer(dht, me.peer_id, shape, Volunteer(16 * shape.expert_bytes, 1e4), holding,
+                                NodeConfig(SwarmConfig(str(CHECKPOINT))))
+        keeps = await rebalancer._move(two, [Block((1, 1), (0, 3))], 1.0, epoch=1)  # drops both: the second is sole
+        assert keeps.action == "kept" and "layers 2-3 x experts 6-7" in keeps.reason, keeps
+        assert (keeps.layers, keeps.experts, keeps.more_blocks) == ((0, 0), (0, 1), (((2, 3), (6, 7)),))
+        moves = await rebalancer._move(two, [Block((2, 3), (6, 7)), Block((1, 1), (4, 5))], 1.0, epoch=1)
+        assert moves.action == "moved", moves  # drops only the first block, which the other node holds
+        assert (moves.layers, moves.experts, moves.more_blocks) == ((2, 3), (6, 7), (((1, 1), (4, 5)),))
+        new = decode(dht.values[announcement_key(MODEL, 1, me.peer_id)])
+        assert new.blocks() == (((2, 3), (6, 7)), ((1, 1), (4, 5)))
+        left = decode(dht.values[announcement_key(MODEL, 0, me.peer_id)])  # layer 0 alone, older, short-lived
+        assert left.blocks() == (((0, 0), (0, 1)),) and left.seq < new.seq
+        table = SwarmTable(MODEL)
+        await Discovery(dht, table, MOE).refresh()
+        assert table.holders[me.peer_id].blocks() == new.blocks()
+        assert {e for e in range(8) if table.holders[me.peer_id].holds(1, e)} == {4, 5}
 
     asyncio.run(main())
 

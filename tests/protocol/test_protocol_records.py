@@ -117,3 +117,37 @@ def test_select_record_picks_highest_valid_seq() -> None:
         p.select_record(_key(), [b"junk", forged_high], now_ms=NOW)
     with pytest.raises(ConfigError):
         p.select_record(_key(), [], now_ms=NOW)
+
+
+def test_a_record_of_several_blocks_is_valid_under_every_layer_of_each() -> None:
+    """One node process announces several blocks (``more_blocks``): the record covers every layer
+    of each (and is refused under a layer none holds); its signature covers them all."""
+    record = _record(layers=(10, 11), experts=(0, 3), more_blocks=[((14, 14), (5, 5)), ((20, 21), (8, 9))])
+    value = p.encode(record)
+    for layer in (10, 11, 14, 20, 21):
+        assert p.validate_record(_key(layer), value, now_ms=NOW).more_blocks == ((((14, 14), (5, 5))), ((20, 21), (8, 9)))
+    for layer in (9, 12, 13, 15, 22):
+        assert _code(_key(layer), value) == E.BAD_FIELD
+    widened = replace(record, more_blocks=(((14, 14), (5, 6)), ((20, 21), (8, 9))))  # edited after signing
+    assert _code(_key(14), p.encode(widened)) == E.AUTH_FAILED
+    dropped = replace(record, more_blocks=())  # a reader that ignored the field could not verify it either
+    assert _code(_key(10), p.encode(dropped)) == E.AUTH_FAILED
+    assert p.encode(_record()) == p.encode(_record(more_blocks=()))  # one block: the wire map has no such key
+    assert b"more_blocks" not in p.encode(_record())
+
+
+def test_blocks_that_overlap_or_are_too_many_or_empty_are_refused() -> None:
+    """A holder counted twice for one expert (overlapping blocks) would inflate its replicas; a
+    record is bounded (``MAX_BLOCKS`` blocks in all); an empty range claims nothing."""
+    overlap = p.encode(_record(layers=(10, 11), experts=(0, 3), more_blocks=[((11, 12), (3, 4))]))
+    assert _code(_key(10), overlap) == E.BAD_FIELD
+    twice = p.encode(_record(layers=(10, 10), experts=(0, 0), more_blocks=[((12, 12), (0, 0)), ((12, 12), (0, 0))]))
+    assert _code(_key(10), twice) == E.BAD_FIELD
+    most = [((L, L), (0, 0)) for L in range(1, p.MAX_BLOCKS)]  # the first block + 63 more
+    assert p.validate_record(_key(0), p.encode(_record(layers=(0, 0), experts=(1, 1), more_blocks=most)), now_ms=NOW)
+    more = [((L, L), (0, 0)) for L in range(1, p.MAX_BLOCKS + 1)]
+    assert _code(_key(0), p.encode(_record(layers=(0, 0), experts=(1, 1), more_blocks=more))) == E.BAD_FIELD
+    empty = p.encode(_record(layers=(10, 10), experts=(0, 0), more_blocks=[((12, 12), (5, 4))]))
+    assert _code(_key(10), empty) == E.BAD_FIELD
+    beyond = p.encode(_record(layers=(10, 10), experts=(0, 0), more_blocks=[((12, p.MAX_LAYER + 1), (0, 0))]))
+    assert _code(_key(10), beyond) == E.BAD_FIELD
