@@ -74,12 +74,11 @@ class Scenario:
     sudden: tuple[int, ...] = ()  # epochs at which 10% of the online volunteers leave at once
     shift_every: int = 0  # re-rank demand every this many epochs (0: never)
     eval_share: float = 0.5  # volunteers re-evaluating per epoch
-    hub_blocks: int = 64  # blocks a hub-class volunteer may run (one node process each), one per 8 experts
+    hub_blocks: int = 64  # blocks a hub-class volunteer's node process may announce (`moeswarm node --max-blocks`)
     bound: bool = True
     hysteresis: float = mk.RebalanceConfig().hysteresis
     edge_rate_share: float = mk.AssignConfig().edge_rate_share
     edge_levels: int = mk.RebalanceConfig().edge_levels
-    cells_per_block: int = 2  # a hub-class volunteer runs one node process (block) per this many experts
 
 
 @dataclass
@@ -98,21 +97,11 @@ class Swarm:
     configs: list[mk.AssignConfig]  # per tier
     rebalance: mk.RebalanceConfig
     supply: mk.Supply
-    cells_per_block: int = 2
     nodes: dict[int, Node] = field(default_factory=dict)
     next_id: int = 0
 
-    def config(self, v: mk.Volunteer, tier: int) -> mk.AssignConfig:
-        """A hub-class volunteer runs up to one block per ``cells_per_block`` experts it holds
-        (``max_blocks`` caps it); an edge device one."""
-        cfg = self.configs[tier]
-        if cfg.max_blocks == 1:
-            return cfg
-        k = mk.capacity_cells(self.grid, v, cfg)
-        return replace(cfg, max_blocks=int(np.clip(k // self.cells_per_block, 1, cfg.max_blocks)))
-
     def join(self, v: mk.Volunteer, tier: int, demand: mk.Demand, epoch: int) -> None:
-        cfg = self.config(v, tier)
+        cfg = self.configs[tier]
         a = mk.assign(self.grid, self.supply, demand, v, cfg)
         rects = [r for r in (self.grid.rect(b) for b in a.blocks) if r is not None]
         self.nodes[self.next_id] = Node(v, tier, cfg, rects, epoch)
@@ -268,7 +257,7 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
     configs = [mk.AssignConfig(max_blocks=sc.hub_blocks if t.device_class == "hub" else 1, call_bytes=shape.call_bytes,
                                edge_rate_share=sc.edge_rate_share) for t in sm.TIERS]
     swarm = Swarm(shape, grid, configs, mk.RebalanceConfig(hysteresis=sc.hysteresis, edge_levels=sc.edge_levels),
-                  mk.Supply.empty(grid), cells_per_block=sc.cells_per_block)
+                  mk.Supply.empty(grid))
     base = np.array([t.share for t in sm.TIERS]) / sum(t.share for t in sm.TIERS) * sc.volunteers
     mean_on = np.array([np.mean([online_share(t, h) for h in range(24)]) for t in sm.TIERS])
 
@@ -287,8 +276,8 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
         print(f"\n## {sc.label}: {sm.SHAPES[sc.shape].arithmetic()}")
         cap = sum(n.v.memory_bytes for n in swarm.nodes.values()) / grid.total_bytes
         print(f"{len(swarm.nodes)} volunteers online at the start, memory {cap:.1f}x the model; "
-              f"demand Zipf {trace_s:.2f} per layer; hubs run up to {sc.hub_blocks} blocks, "
-              f"one per {sc.cells_per_block} experts held")
+              f"demand Zipf {trace_s:.2f} per layer; a hub or home box's node announces up to {sc.hub_blocks} "
+              f"blocks, a phone one")
         print(f"{'epoch':>5} {'nodes':>6} {'cov-left':>8} {'coverage':>8} {'served':>7} {'bound':>7} {'hot/cold':>8} "
               f"{'ideal':>6} {'moved':>6} {'tok/s home 1 | 32':>18} {'credits hub/home/phone':>24}")
     rows: list[dict] = []
@@ -384,7 +373,7 @@ def limits(rows: list[dict], shape: sm.Shape, sizes: tuple[int, ...] = (1_000, 1
              "|---|---|---|---|---|---|---|"]
     for n in sizes:
         scale = n / max(last["nodes"], 1)
-        records = n * blocks
+        records = n  # one record per node process, whatever its blocks (``Announcement.more_blocks``)
         hops = math.log2(max(n, 2))
         writes = 3600 / ANNOUNCE_EVERY_S * (blocks + layers)  # put the record(s), provide every MoE layer held
         msgs = writes * (KADEMLIA_ALPHA * hops + KADEMLIA_K)
@@ -462,9 +451,6 @@ def main() -> None:
                     help="AssignConfig.edge_rate_share for every scenario (0: volunteers keep their declared class)")
     ap.add_argument("--edge-levels", type=int, default=mk.RebalanceConfig().edge_levels,
                     help="RebalanceConfig.edge_levels for every scenario (4: edge devices also move for count replicas)")
-    ap.add_argument("--cells-per-block", type=int, default=2,
-                    help="experts per block of a hub-class volunteer (1: a block per expert, as a node process "
-                         "announcing several blocks would allow)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     counts = sm.measured_routing(tokens=16 if args.quick else 48)
@@ -477,10 +463,10 @@ def main() -> None:
         Scenario("M3 1.5x shifting", "m3", 300 if q else 1000, 1.5, 6 if q else 12, shift_every=4),
         Scenario("DeepSeek-V3 1.5x", "dsv3", 300 if q else 1000, 1.5, 5 if q else 6, warmup=3),
         Scenario("2T natural", "2t", 2000 if q else 10_000, None, 8 if q else 24, sudden=(5,) if q else (12,),
-                 eval_share=0.1, hub_blocks=1, warmup=2),
+                 eval_share=0.1, hub_blocks=1, warmup=2),  # one block per volunteer: the 10,000-volunteer run in minutes
     ]
     scenarios = [replace(s, hysteresis=args.hysteresis, edge_rate_share=args.edge_rate_share,
-                         edge_levels=args.edge_levels, cells_per_block=args.cells_per_block) for s in scenarios]
+                         edge_levels=args.edge_levels) for s in scenarios]
     if args.only:
         keep = set(args.only.split(","))
         scenarios = [s for s in scenarios if s.label in keep]

@@ -219,7 +219,9 @@ def render_report(report: dict[str, Any], show_experts: bool = False) -> None:
                   f"({report['url']})")
     if role == "node":
         s = report.get("serving", {})
-        console.print(f"  holds layers {report.get('layers')} experts {report.get('experts')} at "
+        blocks = report.get("blocks") or [[*report.get("layers", []), *report.get("experts", [])]]
+        held = ", ".join(f"layers {b[0]}-{b[1]} x experts {b[2]}-{b[3]}" for b in blocks if len(b) == 4)
+        console.print(f"  holds {held or '?'} at "
                       f"{report.get('endpoint')}; served {s.get('requests', 0)} requests, {s.get('pairs', 0)} "
                       f"(token, expert) pairs, load {s.get('load_permille', 0)}/1000")
     if "dispatch" in report:
