@@ -115,6 +115,18 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
 _task_dump_timer = pytest.StashKey[Any]()
 
 
+@pytest.fixture(autouse=True)
+def _collect_slow_tests_garbage(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """A real-process test ends with a garbage collection, so that a socket or transport it left
+    open is finalised (``ResourceWarning``, an error here) in its own teardown and names it,
+    instead of failing whichever test the collector happens to run next."""
+    yield
+    if request.node.get_closest_marker("slow") is not None:
+        import gc
+
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def network_namespaces() -> None:
     """The link tests build hosts in network namespaces: they need root and iproute2's ``ip``.
