@@ -219,12 +219,14 @@ class ExpertClient:
 
 class Connections:
     """One ``ExpertClient`` per peer, opened on first use (one dial however many ask at once),
-    replaced when it breaks."""
+    replaced when it breaks; once closed, it opens none (a dial that finishes after ``aclose`` is
+    dropped at once: nobody would close it, and its socket would outlive the event loop)."""
 
     def __init__(self, identity: Identity) -> None:
         self.identity = identity
         self._clients: dict[bytes, ExpertClient] = {}
         self._locks: dict[bytes, asyncio.Lock] = {}
+        self._closed = False
 
     async def get(self, holder: "Holder", timeout: float) -> ExpertClient:
         client = self._clients.get(holder.peer_id)
@@ -240,9 +242,14 @@ class Connections:
                 client.abort()
             error: Exception | None = None
             for endpoint in holder.endpoints:
+                if self._closed:
+                    raise Unreachable("these connections are closed")
                 try:
                     client = await ExpertClient.connect(endpoint, self.identity, expected_peer=holder.peer_id,
                                                         timeout=timeout)
+                    if self._closed:  # closed while we dialled
+                        client.abort()
+                        raise Unreachable("these connections were closed during the dial")
                     self._clients[holder.peer_id] = client
                     return client
                 except (NetworkError, ProtocolError, ConfigError) as e:
@@ -259,5 +266,6 @@ class Connections:
             await client.aclose()
 
     async def aclose(self) -> None:
+        self._closed = True
         for peer in list(self._clients):
             await self.drop(peer)

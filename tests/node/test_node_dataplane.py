@@ -284,3 +284,47 @@ def test_closing_a_stream_whose_peer_never_says_goodbye_drops_the_socket_in_boun
         thread.join(5)
         listener.close()
     assert seconds < 60 and fileno == -1  # did not wait for the silent peer (120 s), and the socket is gone
+
+
+def test_a_dial_that_finishes_after_the_connections_closed_is_dropped_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backbone closing while a call is still dialling a holder: the dial completes after
+    ``Connections.aclose`` (held back here by a gate around the real connect, to a real server).
+    Before, the new client was stored and never closed: its socket outlived the event loop and
+    the collector found it unclosed in a later test. Now that dial is aborted and refused."""
+    from moeswarm.errors import Unreachable
+    from moeswarm.net.client import Connections
+    from moeswarm.net.routing_table import Holder
+
+    server_id = Identity.generate()
+    real = ExpertClient.connect.__func__  # type: ignore[attr-defined]
+    made: list[ExpertClient] = []
+
+    async def main() -> None:
+        gate = asyncio.Event()
+
+        async def held_back(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+            await gate.wait()
+            client = await real(cls, *args, **kwargs)
+            made.append(client)
+            return client
+
+        monkeypatch.setattr(ExpertClient, "connect", classmethod(held_back))
+
+        async def handler(client: bytes, request: ExpertRequest) -> None:
+            raise AssertionError("no call is made")
+
+        async with DataPlaneServer(server_id, handler) as server:
+            holder = Holder(server_id.peer_id, (server.endpoint,), "m", (0, 0), (0, 0), 2**62, 1)
+            connections = Connections(Identity.generate())
+            dialling = asyncio.create_task(connections.get(holder, timeout=10))
+            await asyncio.sleep(0.05)
+            await connections.aclose()
+            gate.set()
+            with pytest.raises(Unreachable, match="closed"):
+                await dialling
+            assert len(made) == 1 and made[0].writer.transport.is_closing()
+            assert not connections.is_open(server_id.peer_id)
+            with pytest.raises(Unreachable, match="closed"):
+                await connections.get(holder, timeout=10)  # and it dials no more
+
+    asyncio.run(main())
