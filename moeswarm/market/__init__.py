@@ -26,6 +26,7 @@ from ._assign import (
     hot_mask,
     replica_targets,
     score_rects,
+    within_rate,
 )
 from ._demand import Demand, DemandConfig, DemandCounter
 from ._dht import (
@@ -98,7 +99,7 @@ __all__ = [
     # assignment
     "Volunteer", "DeviceClass", "AssignConfig", "Assignment", "assign", "capacity_cells", "cell_values",
     "choose_rects", "score_rects", "effective_class", "hot_mask", "CellValues", "OFF_TIER", "folded", "fast_held",
-    "replica_targets", "target_replicas",
+    "replica_targets", "within_rate", "target_replicas",
     # rebalancing
     "RebalanceConfig", "PlanStep", "MovePlan", "rebalance", "plan_move", "check_plan", "drop_is_safe",
     # state and I/O shells

@@ -10,7 +10,10 @@ Every expert (grid cell) gets five values for this volunteer, compared lexicogra
    edge devices hold): the hubs carry nearly all the serving rate, so calls served reach the
    demand on experts some hub holds, and the hubs' memory goes to one fast copy of as many
    experts as it can, hottest first (what the served bound's optimum does), before any second
-   copy; 0 for an edge device, and everywhere when every holder serves at about the same rate;
+   copy; but only as far as its rate carries (``within_rate``): beyond the most demanded of
+   those experts whose demand fits its share of the swarm's serving rate, a first copy is 0
+   (their calls would exceed what it serves); 0 for an edge device, and everywhere when every
+   holder serves at about the same rate;
 3. redundancy: replicas the expert lacks below ``min(t_e, min_replicas)``, where ``t_e`` is its
    target (``replica_targets``: ``target_replicas`` of demand over the swarm's expert slots,
    what every holder holds plus this volunteer, at least 1 each, raised to ``min_replicas`` when
@@ -212,6 +215,24 @@ def fast_held(supply: Supply, config: AssignConfig = AssignConfig()) -> np.ndarr
     return out
 
 
+def within_rate(share: np.ndarray, fast: np.ndarray, rate: float, swarm_rate: float) -> np.ndarray:
+    """``(L, E)``: the experts without a fast holder (``~fast``) whose first fast copy a hub of
+    ``rate`` pairs/s can serve: the most demanded of them, in order, while the demand before each
+    (``share``, summing to 1) is under the hub's share of the swarm's rate, ``rate / (swarm_rate +
+    rate)`` (``swarm_rate``: the others' announced rate). As the only fast holder of those experts
+    it takes their calls; with the swarm at full load, calls beyond that share are more than it
+    serves, so a first copy there adds no call served (a hub that took every expert it could
+    hold, hottest first, ran saturated while others idled: ``benchmarks/swarm_sim.py``)."""
+    fit = rate / (swarm_rate + rate) if swarm_rate + rate > 0 else 1.0
+    flat = np.where(fast, 0.0, share).reshape(-1)
+    order = np.argsort(-flat, kind="stable")
+    before = np.cumsum(flat[order]) - flat[order]  # demand of the hotter experts without a fast copy
+    out = np.zeros(flat.size, dtype=bool)
+    out[order[before < fit]] = True
+    out &= ~fast.reshape(-1)
+    return out.reshape(share.shape)
+
+
 def placed_as(supply: Supply, volunteer: Volunteer, config: AssignConfig, capacity: int) -> DeviceClass:
     """The tier the volunteer is placed in (``effective_class``) when it holds ``capacity``
     experts among the holders of ``supply``."""
@@ -242,6 +263,7 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
     if placed_as(supply, volunteer, config, k) == "hub":
         tier = np.where(hot, 1.0, OFF_TIER)
         first = np.where(fast, 0.0, np.where(tail, OFF_TIER * p * p.size, 1.0 + p * p.size))
+        first = np.where(within_rate(p, fast, volunteer.serving_rate(config.call_bytes), float(w.sum())), first, 0.0)
         short, extra = tier * short, tier * extra
         serve = serve / max(float(serve.max()), 1e-300)
     else:  # the tail first (what the hubs reach, they will hold), then count replicas

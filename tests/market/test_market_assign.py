@@ -222,3 +222,28 @@ def test_a_hub_adds_the_first_fast_copy_and_an_edge_device_a_count_replica() -> 
     assert edge.blocks == (Block((0, 0), (0, 0)),)
     off = AssignConfig(edge_rate_share=0.0)  # the tier rule off: no tier copies, count and serving decide
     assert assign(shape, supply, demand, Volunteer(shape.expert_bytes, 1e6, "hub"), off).blocks == (Block((0, 0), (0, 0)),)
+
+
+def test_a_hub_values_first_fast_copies_only_as_far_as_its_rate_carries() -> None:
+    """A first fast copy sends the hub that expert's calls; past its share of the swarm's rate they
+    are more than it serves. So it values them for the most demanded experts without a fast holder
+    while the demand before each is under ``rate / (others' rate + rate)``, and no further."""
+    shape = ModelShape("org/m", (0,), 10, 1_000_000)
+    demand = Demand.from_counts(np.array([[30.0, 20, 15, 10, 8, 6, 4, 3, 2, 2]]))  # shares 0.30, 0.20, ...
+    reps = np.ones(shape.grid, dtype=np.int64)
+    tput = np.array([[1000.0] + [1.0] * 9])  # expert 0 by a fast holder, 1-9 by slow ones: 1,009 pairs/s
+    supply = Supply(reps, tput, np.zeros(shape.grid), 10, 10)
+    cfg = AssignConfig(edge_rate_share=0.1)
+
+    def valued(rate: float) -> list[int]:
+        hub = Volunteer(5 * shape.expert_bytes, rate, "hub")
+        return np.flatnonzero(cell_values(shape, supply, demand, hub, cfg).tier[0] > 0).tolist()
+
+    # a quarter of the swarm's rate (1009 / 3 of 1009 + 1009 / 3): experts 1 (0.20; nothing before)
+    # and 2 (0.15; 0.20 before), not 3 (0.35 before)
+    assert valued(1009 / 3) == [1, 2]
+    # half of it: 1-4 (0.45 before expert 4), not 5 (0.53 before)
+    assert valued(1009.0) == [1, 2, 3, 4]
+    # its blocks follow: the two first copies it can serve, not five
+    hub = assign(shape, supply, demand, Volunteer(5 * shape.expert_bytes, 1009 / 3, "hub"), cfg)
+    assert {e for b in hub.blocks for e in range(b.experts[0], b.experts[1] + 1)} >= {1, 2}
