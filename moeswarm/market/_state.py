@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from moeswarm.errors import ConfigError, ProtocolError
+from moeswarm.protocol import BlockRanges
 
 from ._demand import Demand
 from ._grid import ModelShape
@@ -51,7 +52,7 @@ class HolderRecord:
     expires_at_ms: int = NEVER_MS
     seq: int = 0
 
-    def blocks(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+    def blocks(self) -> BlockRanges:
         return ((self.layers, self.experts),)
 
 

@@ -9,6 +9,8 @@ from typing import Protocol
 
 import numpy as np
 
+from moeswarm.protocol import BlockRanges
+
 from ._grid import Block, ModelShape, Rect
 
 
@@ -31,7 +33,7 @@ class HolderLike(Protocol):
     def expires_at_ms(self) -> int: ...
     @property
     def seq(self) -> int: ...
-    def blocks(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]: ...
+    def blocks(self) -> BlockRanges: ...
 
 
 @dataclass(frozen=True, eq=False)

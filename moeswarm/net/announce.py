@@ -19,6 +19,7 @@ from ..errors import SwarmError
 from ..protocol import (
     DHT,
     Announcement,
+    BlockRanges,
     Identity,
     announcement_key,
     encode,
@@ -40,9 +41,9 @@ class AnnounceConfig:
     capacity_bytes: int  # memory given to expert weights, bytes
     interval_s: float = 240.0  # refresh period (protocol_spec: every 4 minutes)
     ttl_s: float = 600.0  # records expire this long after each refresh
-    more_blocks: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = ()  # (layers, experts) beside the first
+    more_blocks: BlockRanges = ()  # (layers, experts) beside the first
 
-    def blocks(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+    def blocks(self) -> BlockRanges:
         return ((self.layers, self.experts), *self.more_blocks)
 
 

@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..protocol import Announcement
+from ..protocol import Announcement, BlockRanges
 
 DEFAULT_RTT_S = 0.005  # assumed round trip for a holder not measured yet
 NEARLY_AS_GOOD = 1.5  # reuse an already chosen holder if its score is within this factor of the best
@@ -29,9 +29,9 @@ class Holder:
     failures: int = 0  # consecutive failed calls
     banned_until: float = 0.0  # monotonic seconds; skipped until then
     software: str = ""  # as announced, e.g. "moeswarm/0.1.0"
-    more_blocks: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = ()  # as announced: blocks beside the first
+    more_blocks: BlockRanges = ()  # as announced: blocks beside the first
 
-    def blocks(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+    def blocks(self) -> BlockRanges:
         """Every (layers, experts) block it announced, the first one first."""
         return ((self.layers, self.experts), *self.more_blocks)
 

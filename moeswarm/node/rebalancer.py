@@ -25,7 +25,7 @@ from .._tasks import cancel_and_wait
 from ..errors import ConfigError, SwarmError
 from ..model import ModelConfig, Weights, load_weights
 from ..net.announce import Announcer
-from ..protocol import peer_id_to_str
+from ..protocol import BlockRanges, peer_id_to_str
 from .expert_server import ExpertServer
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class Decision:
     experts: tuple[int, int]
     gain: float | None = None  # the market's relative gain of the move considered (inf: from nothing)
     time_ms: int = field(default_factory=lambda: int(time.time() * 1000))
-    more_blocks: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = ()  # (layers, experts) announced beside it
+    more_blocks: BlockRanges = ()  # (layers, experts) announced beside it
 
 
 def report_decision(decision: Decision) -> None:

@@ -38,6 +38,7 @@ from ._limits import (
 )
 from ._messages import (
     Announcement,
+    BlockRanges,
     Auth,
     CountersignedReceipt,
     Error,
@@ -80,7 +81,7 @@ from ._wire import DecodeLimits, canonical, scan, unpack
 __all__ = [
     # constants
     "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "DEFAULT_MAX_FRAME", "ErrorCode", "FATAL_CODES",
-    "MAX_PROBE_BYTES", "MAX_BLOCKS", "EXPERT_TENSORS", "MAX_HANDSHAKE_FRAME", "MAX_LAYER", "MAX_EXPERT",
+    "MAX_PROBE_BYTES", "MAX_BLOCKS", "BlockRanges", "EXPERT_TENSORS", "MAX_HANDSHAKE_FRAME", "MAX_LAYER", "MAX_EXPERT",
     "SignatureKind", "WIRE_DTYPES", "DHT_NAMESPACE",
     # messages
     "Message", "Hello", "HelloAck", "Auth", "ExpertRows", "ExpertRequest", "ExpertResponse",

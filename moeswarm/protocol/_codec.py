@@ -41,6 +41,7 @@ from ._limits import (
 )
 from ._messages import (
     Announcement,
+    BlockRanges,
     Auth,
     CountersignedReceipt,
     Error,
@@ -337,7 +338,7 @@ def _enc_announcement(a: Announcement) -> dict[str, Any]:
     return {**announcement_body(a), "sig": a.sig}
 
 
-def _more_blocks(f: Fields) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+def _more_blocks(f: Fields) -> BlockRanges:
     if not f.has("more_blocks"):
         return ()
     out = []
@@ -353,7 +354,7 @@ def _more_blocks(f: Fields) -> tuple[tuple[tuple[int, int], tuple[int, int]], ..
     return tuple(out)
 
 
-def _disjoint(blocks: tuple[tuple[tuple[int, int], tuple[int, int]], ...]) -> None:
+def _disjoint(blocks: BlockRanges) -> None:
     """A record claims each expert once: overlapping blocks would count one holder as several."""
     for i, ((a0, a1), (b0, b1)) in enumerate(blocks):
         for (c0, c1), (d0, d1) in blocks[:i]:

@@ -8,9 +8,12 @@ Construction does not validate; ``decode`` does, and ``encode`` writes what it i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 import numpy as np
+
+BlockRanges: TypeAlias = tuple[tuple[tuple[int, int], tuple[int, int]], ...]
+"""Blocks as announced: ``((first layer, last layer), (first expert, last expert))`` each, inclusive."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,11 +185,11 @@ class Announcement:
     peer_id: bytes
     public_key: bytes
     sig: bytes = b""
-    more_blocks: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = ()  # further (layers, experts)
+    more_blocks: BlockRanges = ()  # further (layers, experts)
     # blocks one node process serves beside the first (``layers`` x ``experts``); at most
     # ``MAX_BLOCKS - 1``, each a rectangle like the first; absent on the wire when empty
 
-    def blocks(self) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+    def blocks(self) -> BlockRanges:
         """Every (layers, experts) block this record claims, the first one first."""
         return ((self.layers, self.experts), *self.more_blocks)
 
