@@ -244,6 +244,6 @@ def test_a_hub_values_first_fast_copies_only_as_far_as_its_rate_carries() -> Non
     assert valued(1009 / 3) == [1, 2]
     # half of it: 1-4 (0.45 before expert 4), not 5 (0.53 before)
     assert valued(1009.0) == [1, 2, 3, 4]
-    # its blocks follow: the two first copies it can serve, not five
+    # its blocks hold those two first copies
     hub = assign(shape, supply, demand, Volunteer(5 * shape.expert_bytes, 1009 / 3, "hub"), cfg)
     assert {e for b in hub.blocks for e in range(b.experts[0], b.experts[1] + 1)} >= {1, 2}
