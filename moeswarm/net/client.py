@@ -247,13 +247,14 @@ class Connections:
                 try:
                     client = await ExpertClient.connect(endpoint, self.identity, expected_peer=holder.peer_id,
                                                         timeout=timeout)
-                    if self._closed:  # closed while we dialled
-                        client.abort()
-                        raise Unreachable("these connections were closed during the dial")
-                    self._clients[holder.peer_id] = client
-                    return client
                 except (NetworkError, ProtocolError, ConfigError) as e:
                     error = e
+                    continue
+                if self._closed:  # closed while we dialled
+                    client.abort()
+                    raise Unreachable("these connections were closed during the dial")
+                self._clients[holder.peer_id] = client
+                return client
             raise error or NetworkError("holder announced no endpoint")
 
     def is_open(self, peer: bytes) -> bool:
