@@ -38,8 +38,8 @@ from ._limits import (
 )
 from ._messages import (
     Announcement,
-    BlockRanges,
     Auth,
+    BlockRanges,
     CountersignedReceipt,
     Error,
     ExpertRequest,
@@ -81,11 +81,11 @@ from ._wire import DecodeLimits, canonical, scan, unpack
 __all__ = [
     # constants
     "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "DEFAULT_MAX_FRAME", "ErrorCode", "FATAL_CODES",
-    "MAX_PROBE_BYTES", "MAX_BLOCKS", "BlockRanges", "EXPERT_TENSORS", "MAX_HANDSHAKE_FRAME", "MAX_LAYER", "MAX_EXPERT",
+    "MAX_PROBE_BYTES", "MAX_BLOCKS", "EXPERT_TENSORS", "MAX_HANDSHAKE_FRAME", "MAX_LAYER", "MAX_EXPERT",
     "SignatureKind", "WIRE_DTYPES", "DHT_NAMESPACE",
     # messages
     "Message", "Hello", "HelloAck", "Auth", "ExpertRows", "ExpertRequest", "ExpertResponse",
-    "Receipt", "CountersignedReceipt", "Error", "Ping", "Pong", "Announcement",
+    "Receipt", "CountersignedReceipt", "Error", "Ping", "Pong", "Announcement", "BlockRanges",
     "WeightsRequest", "WeightsResponse",
     # codec and framing
     "encode", "decode", "to_wire", "DecodeLimits", "unpack", "scan", "peek_request_id", "canonical", "receipt_body",

@@ -41,8 +41,8 @@ from ._limits import (
 )
 from ._messages import (
     Announcement,
-    BlockRanges,
     Auth,
+    BlockRanges,
     CountersignedReceipt,
     Error,
     ExpertRequest,
