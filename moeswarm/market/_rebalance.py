@@ -43,21 +43,32 @@ class RebalanceConfig:
 
     hysteresis: float = 0.5  # move only if the best blocks score this fraction above the current ones
     cooldown_epochs: int = 2  # after a move, stay put for at least this many epochs
-    move_cost: float = 0.0015  # a move of a volunteer placed like an edge device for missing replicas
-    # (levels 3-4, with edge_levels > 2) must add more than this times the model's experts (11 for
-    # MiniMax M3's 7,296): each costs a download over a slow link and announcements through a relay
-    # whatever it loads, and in a large model one replica is a small part of the swarm, so edge
-    # devices gather their swaps into fewer, larger moves (a hub's moves: the hysteresis per expert)
+    move_cost: float = 0.003  # a move for anything but coverage and serving (levels 2-4: first fast
+    # copies, replicas) must add more than this times the model's experts at the level it gains
+    # (22 for MiniMax M3's 7,296): whatever it loads, a move costs announcements and a re-plan, for
+    # an edge device a download over a slow link and a relay's announcements, and in a large model
+    # one copy is a small part of the swarm, so nodes gather their swaps into fewer, larger moves
+    # (swarm_sim's M3 before the rule: the hubs moved at half their re-evaluations, a dozen first
+    # copies each time, 1.2% of all nodes every epoch); a release (below) is gathered by its share
     edge_levels: int = 1  # score levels a volunteer placed like an edge device moves for (1: only to
     # cover an expert nobody holds): its move is a download over a slow link, the edge tier turns
     # over within hours, so its joiners place the rest, and when demand shifts every edge device
     # would chase the same new count replicas at once (with 4, swarm_sim's shifting M3 moved 13% of
     # all nodes in one epoch)
+    release_share: float = 0.4  # a volunteer placed like an edge device (of more than one block)
+    # whose idle blocks (every expert in them another holder keeps and none lacks a replica: 0 at
+    # levels 1, 3 and 4) are at least this share of its memory swaps those blocks, and only those,
+    # for missing replicas, whatever edge_levels says, in one move of at least that share: a hub
+    # that takes a first fast copy of a tail expert a home box covered leaves the home box's copy
+    # idle (swarm_sim's M3: a quarter of the home boxes' memory), a count replica the hot experts
+    # lack; 0: never
     transition_slack: float = 0.0  # extra memory (fraction of the volunteer's) usable while old and new overlap
 
     def __post_init__(self) -> None:
-        if min(self.hysteresis, self.cooldown_epochs, self.transition_slack, self.edge_levels, self.move_cost) < 0:
-            raise ConfigError("hysteresis, cooldown_epochs, transition_slack, edge_levels and move_cost must be >= 0")
+        if min(self.hysteresis, self.cooldown_epochs, self.transition_slack, self.edge_levels, self.move_cost,
+               self.release_share) < 0 or self.release_share > 1:
+            raise ConfigError("hysteresis, cooldown_epochs, transition_slack, edge_levels and move_cost must be >= 0, "
+                              "release_share in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -161,6 +172,23 @@ def _bounds(mask: np.ndarray, rect: Rect) -> Rect:
                 rect.e0 + int(cols.min()), rect.e0 + int(cols.max()))
 
 
+def _released(values: CellValues, rects: Sequence[Rect], capacity: int, assign_config: AssignConfig,
+              share: float) -> list[Rect] | None:
+    """The blocks an edge device keeps (those with an expert it is the only holder of, or one
+    that lacks a replica) and, in the memory its idle blocks held, blocks chosen afresh; ``None``
+    unless the idle blocks are at least ``share`` of ``capacity`` (``RebalanceConfig.release_share``)."""
+    if share <= 0 or assign_config.max_blocks < 2 or not rects:
+        return None
+    idle = (values.cover <= 0) & (values.redundancy <= 0) & (values.demand <= 0)
+    kept = [r for r in rects if not idle[r.slices].all()]
+    if sum(r.cells for r in rects) - sum(r.cells for r in kept) < max(1.0, share * capacity):
+        return None
+    more, _ = choose_rects(values, capacity - sum(r.cells for r in kept),
+                           replace(assign_config, max_blocks=assign_config.max_blocks - len(kept)),  # >= 1
+                           taken=cell_mask(values.cover.shape, kept))
+    return kept + more
+
+
 def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, current: Sequence[Block],
               *, assign_config: AssignConfig = AssignConfig(), config: RebalanceConfig = RebalanceConfig(),
               epochs_since_move: int | None = None) -> MovePlan | None:
@@ -178,7 +206,9 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     experts does not reload them to add one, while it does swap 20 of them for 20 worth more).
     A volunteer placed like an edge device moves only for the first ``edge_levels`` levels
     (coverage), and for replicas only if the move adds more than ``move_cost`` times the
-    model's experts in all. It must not have moved in the last ``cooldown_epochs`` epochs, and a safe
+    model's experts in all, or if it releases idle blocks (``release_share``: it keeps its other
+    blocks and chooses the idle ones' memory afresh); so must any other node's move for first fast
+    copies or replicas. It must not have moved in the last ``cooldown_epochs`` epochs, and a safe
     ``plan_move`` must exist. With the state unchanged, a node that just moved stays: its new
     blocks are the best for the same values.
     """
@@ -206,19 +236,23 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
         candidates.append(keep + more)
     now = score_rects(values, rects, assign_config)
     edge = placed_as(others, volunteer, assign_config, k) == "edge"
+    released = _released(values, rects, k, assign_config, config.release_share) if edge else None
+    if released is not None:
+        candidates.append(released)
     best, gain = rects, 0.0
     for option in candidates:
         score = score_rects(values, option, assign_config)
         if sorted(option) == sorted(rects) or not better(score, now):
             continue
         level = next(i for i, (a, b) in enumerate(zip(score, now)) if a > b)
-        if level >= config.edge_levels and edge:
+        if level >= config.edge_levels and edge and option is not released:
             continue
         loads = int((cell_mask(shape.grid, option) & ~held).sum())  # experts to load
         base = now[level] if level == 0 else max(float(loads), 1.0)
-        if edge and 0 < level < len(score) - 1 and score[level] - now[level] <= config.move_cost * shape.cells:
+        gained = score[level] - now[level]
+        if option is not released and 0 < level < len(score) - 1 and gained <= config.move_cost * shape.cells:
             continue
-        g = (score[level] - now[level]) / base if base > 0 else float("inf")
+        g = gained / base if base > 0 else float("inf")
         if g > gain:
             best, gain = option, g
     if gain <= config.hysteresis:

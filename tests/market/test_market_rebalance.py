@@ -194,3 +194,59 @@ def test_an_edge_device_moves_to_cover_and_a_move_must_be_worth_its_cost() -> No
     hole = supply.changed([Rect(2, 2, 0, 5)], 1.0, -1)  # layer 2's holder left
     plan = rebalance(SHAPE, hole, demand, me, [SHAPE.block(mine)])
     assert plan is not None and plan.gain == float("inf")
+
+
+def test_an_edge_device_releases_idle_blocks_for_missing_replicas() -> None:
+    """A slow machine of 4 experts in blocks of its own holds the only copy of expert 14 and
+    copies of 8 and 9 that a hub also holds (nothing lacks a replica there: idle). The hot experts
+    0-3 (wanted 20x) have one holder, and the swarm's 19 slots give 0, 1 and 2 (ties to the lower
+    index) a second replica: it keeps 14 and swaps 8-9 for 0-2, though it moves only to cover
+    (``edge_levels=1``); idle memory below ``release_share`` of its own stays put."""
+    shape = ModelShape("org/m", (0,), 16, 10)
+    counts = np.ones(shape.grid)
+    counts[0, 0:4] = 20.0
+    demand = Demand.from_counts(counts)
+    me = Volunteer(4 * shape.expert_bytes, 1.0, "edge")
+    cfg = AssignConfig(max_blocks=4)
+    supply = Supply.empty(shape).changed([Rect(0, 0, 0, 3), Rect(0, 0, 8, 11)], 1e6, +1)  # a hub
+    for e in (4, 5, 6, 7, 12, 13, 15):  # slow holders of the rest but 14
+        supply = supply.changed([Rect(0, 0, e, e)], 1.0, +1)
+    mine = [Rect(0, 0, 8, 9), Rect(0, 0, 14, 14)]
+    supply = supply.changed(mine, me.throughput, +1)
+    blocks = [shape.block(r) for r in mine]
+    plan = rebalance(shape, supply, demand, me, blocks, assign_config=cfg)
+    assert plan is not None and plan.target == (Block((0, 0), (14, 14)), Block((0, 0), (0, 2)))
+    assert plan.gain == 1.0  # three missing replicas for the three experts it loads
+    others = supply.changed(mine, me.throughput, -1)
+    assert check_plan(shape, others.replicas, plan, 4) == []
+    assert plan.steps == (PlanStep("drop", blocks[0]), PlanStep("add", Block((0, 0), (0, 2))))  # 8-9: the hub's
+    # 2 idle experts of 4: released at a share up to a half, not above it, nor with the rule off
+    assert rebalance(shape, supply, demand, me, blocks, assign_config=cfg,
+                     config=RebalanceConfig(release_share=0.5)) == plan
+    for off in (RebalanceConfig(release_share=0.6), RebalanceConfig(release_share=0.0)):
+        assert rebalance(shape, supply, demand, me, blocks, assign_config=cfg, config=off) is None
+
+
+def test_a_hub_gathers_its_swaps_for_first_copies_past_the_move_cost() -> None:
+    """The many-block hub above gains one first fast copy by its move (expert 3, wanted 20x of 73
+    calls among 16 experts: 1 + 16 * 20 / 73 = 5.38 at level 2; its rate's share carries no
+    second): it moves while that is more than ``move_cost`` times the model's 16 experts, not
+    once it is less (the hubs' moves were not weighed against it before: only an edge device's)."""
+    shape = ModelShape("org/m", (0,), 16, 10)
+    counts = np.ones(shape.grid)
+    counts[0, 3:6] = 20.0
+    me = Volunteer(6 * shape.expert_bytes, 1e6, "hub")
+    cfg = AssignConfig(max_blocks=4, edge_rate_share=0.1)
+    mine = [Rect(0, 0, 0, 1), Rect(0, 0, 7, 8), Rect(0, 0, 14, 15)]
+    supply = Supply.empty(shape)
+    for e in (1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14):
+        supply = supply.changed([Rect(0, 0, e, e)], 1.0, +1)
+    for e in (2, 6, 9, 10, 11, 12, 13):
+        supply = supply.changed([Rect(0, 0, e, e)], 1e6, +1)
+    supply = supply.changed(mine, me.throughput, +1)
+    blocks = [shape.block(r) for r in mine]
+    demand = Demand.from_counts(counts)
+    plan = rebalance(shape, supply, demand, me, blocks, assign_config=cfg, config=RebalanceConfig(move_cost=5 / 16))
+    assert plan is not None and Block((0, 0), (3, 5)) in plan.target
+    assert rebalance(shape, supply, demand, me, blocks, assign_config=cfg,
+                     config=RebalanceConfig(move_cost=6 / 16)) is None
