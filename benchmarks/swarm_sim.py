@@ -79,6 +79,8 @@ class Scenario:
     hysteresis: float = mk.RebalanceConfig().hysteresis
     edge_rate_share: float = mk.AssignConfig().edge_rate_share
     edge_levels: int = mk.RebalanceConfig().edge_levels
+    release_share: float = mk.RebalanceConfig().release_share
+    move_cost: float = mk.RebalanceConfig().move_cost
 
 
 @dataclass
@@ -256,7 +258,8 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
     scale = 1.0 if sc.ratio is None else sc.ratio * grid.total_bytes / sum(v.memory_bytes for v in natural)
     configs = [mk.AssignConfig(max_blocks=sc.hub_blocks if t.device_class == "hub" else 1, call_bytes=shape.call_bytes,
                                edge_rate_share=sc.edge_rate_share) for t in sm.TIERS]
-    swarm = Swarm(shape, grid, configs, mk.RebalanceConfig(hysteresis=sc.hysteresis, edge_levels=sc.edge_levels),
+    swarm = Swarm(shape, grid, configs, mk.RebalanceConfig(hysteresis=sc.hysteresis, edge_levels=sc.edge_levels,
+                                                       release_share=sc.release_share, move_cost=sc.move_cost),
                   mk.Supply.empty(grid))
     base = np.array([t.share for t in sm.TIERS]) / sum(t.share for t in sm.TIERS) * sc.volunteers
     mean_on = np.array([np.mean([online_share(t, h) for h in range(24)]) for t in sm.TIERS])
@@ -451,6 +454,10 @@ def main() -> None:
                     help="AssignConfig.edge_rate_share for every scenario (0: volunteers keep their declared class)")
     ap.add_argument("--edge-levels", type=int, default=mk.RebalanceConfig().edge_levels,
                     help="RebalanceConfig.edge_levels for every scenario (4: edge devices also move for count replicas)")
+    ap.add_argument("--release-share", type=float, default=mk.RebalanceConfig().release_share,
+                    help="RebalanceConfig.release_share for every scenario (0: edge devices never release idle blocks)")
+    ap.add_argument("--move-cost", type=float, default=mk.RebalanceConfig().move_cost,
+                    help="RebalanceConfig.move_cost for every scenario")
     args = ap.parse_args()
     t0 = time.perf_counter()
     counts = sm.measured_routing(tokens=16 if args.quick else 48)
@@ -466,7 +473,8 @@ def main() -> None:
                  eval_share=0.1, hub_blocks=1, warmup=2),  # one block per volunteer: the 10,000-volunteer run in minutes
     ]
     scenarios = [replace(s, hysteresis=args.hysteresis, edge_rate_share=args.edge_rate_share,
-                         edge_levels=args.edge_levels) for s in scenarios]
+                         edge_levels=args.edge_levels, release_share=args.release_share, move_cost=args.move_cost)
+                 for s in scenarios]
     if args.only:
         keep = set(args.only.split(","))
         scenarios = [s for s in scenarios if s.label in keep]

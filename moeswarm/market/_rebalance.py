@@ -43,9 +43,9 @@ class RebalanceConfig:
 
     hysteresis: float = 0.5  # move only if the best blocks score this fraction above the current ones
     cooldown_epochs: int = 2  # after a move, stay put for at least this many epochs
-    move_cost: float = 0.003  # a move for anything but coverage and serving (levels 2-4: first fast
+    move_cost: float = 0.004  # a move for anything but coverage and serving (levels 2-4: first fast
     # copies, replicas) must add more than this times the model's experts at the level it gains
-    # (22 for MiniMax M3's 7,296): whatever it loads, a move costs announcements and a re-plan, for
+    # (29 for MiniMax M3's 7,296): whatever it loads, a move costs announcements and a re-plan, for
     # an edge device a download over a slow link and a relay's announcements, and in a large model
     # one copy is a small part of the swarm, so nodes gather their swaps into fewer, larger moves
     # (swarm_sim's M3 before the rule: the hubs moved at half their re-evaluations, a dozen first
@@ -55,7 +55,7 @@ class RebalanceConfig:
     # over within hours, so its joiners place the rest, and when demand shifts every edge device
     # would chase the same new count replicas at once (with 4, swarm_sim's shifting M3 moved 13% of
     # all nodes in one epoch)
-    release_share: float = 0.4  # a volunteer placed like an edge device (of more than one block)
+    release_share: float = 0.3  # a volunteer placed like an edge device (of more than one block)
     # whose idle blocks (every expert in them another holder keeps and none lacks a replica: 0 at
     # levels 1, 3 and 4) are at least this share of its memory swaps those blocks, and only those,
     # for missing replicas, whatever edge_levels says, in one move of at least that share: a hub
