@@ -60,8 +60,8 @@ class RebalanceConfig:
     # levels 1, 3 and 4) are at least this share of its memory swaps those blocks, and only those,
     # for missing replicas, whatever edge_levels says, in one move of at least that share: a hub
     # that takes a first fast copy of a tail expert a home box covered leaves the home box's copy
-    # idle (swarm_sim's M3: a quarter of the home boxes' memory), a count replica the hot experts
-    # lack; 0: never
+    # idle (swarm_sim's M3: a quarter of the home boxes' memory), memory the count replicas the
+    # hot experts lack want; 0: never
     transition_slack: float = 0.0  # extra memory (fraction of the volunteer's) usable while old and new overlap
 
     def __post_init__(self) -> None:
@@ -204,11 +204,11 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     that loads ``m`` experts the node does not hold yet: each expert loaded must add more than
     ``hysteresis`` of a missing replica or of a mean expert's first fast copy, so a node of 100
     experts does not reload them to add one, while it does swap 20 of them for 20 worth more).
-    A volunteer placed like an edge device moves only for the first ``edge_levels`` levels
-    (coverage), and for replicas only if the move adds more than ``move_cost`` times the
-    model's experts in all, or if it releases idle blocks (``release_share``: it keeps its other
-    blocks and chooses the idle ones' memory afresh); so must any other node's move for first fast
-    copies or replicas. It must not have moved in the last ``cooldown_epochs`` epochs, and a safe
+    A move for first fast copies or replicas (levels 2-4) must add more than ``move_cost`` times
+    the model's experts in all. A volunteer placed like an edge device moves only for the first
+    ``edge_levels`` levels (coverage), or to release idle blocks (``release_share``: it keeps its
+    other blocks and chooses the idle ones' memory afresh, past ``edge_levels`` and ``move_cost``).
+    It must not have moved in the last ``cooldown_epochs`` epochs, and a safe
     ``plan_move`` must exist. With the state unchanged, a node that just moved stays: its new
     blocks are the best for the same values.
     """
