@@ -34,6 +34,8 @@ holder tier (calls x expert FLOPs x the market's price multiplier).
 
     .venv/bin/python benchmarks/swarm_sim.py [--quick] [--png-dir docs/swarm_sim]
 
+The plots need matplotlib (the ``bench`` extra; ``--png-dir ''`` skips them).
+
 It prints one table per scenario, a summary, and last one JSON line of the headline figures.
 """
 
@@ -446,7 +448,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer epochs and volunteers (a smoke run)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--png-dir", default="docs/swarm_sim", help="where the PNG plots go")
+    ap.add_argument("--png-dir", default="docs/swarm_sim", help="where the PNG plots go ('': no plots)")
     ap.add_argument("--only", default="", help="comma-separated scenario labels to run (default: all)")
     ap.add_argument("--hysteresis", type=float, default=mk.RebalanceConfig().hysteresis,
                     help="RebalanceConfig.hysteresis for every scenario")
@@ -459,6 +461,12 @@ def main() -> None:
     ap.add_argument("--move-cost", type=float, default=mk.RebalanceConfig().move_cost,
                     help="RebalanceConfig.move_cost for every scenario")
     args = ap.parse_args()
+    if args.png_dir:
+        try:  # checked before the minutes of simulation, not after them
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("the plots need matplotlib: .venv/bin/pip install 'matplotlib>=3.8,<4' (part of the "
+                     "'.[bench]' extra), or pass --png-dir '' to skip them")
     t0 = time.perf_counter()
     counts = sm.measured_routing(tokens=16 if args.quick else 48)
     cv = sm.skew(counts)
@@ -505,7 +513,7 @@ def main() -> None:
             print(f"\nlimits, from the last epoch of '{label}' ({rows[-1]['blocks_per_node']:.1f} blocks and "
                   f"{rows[-1]['layers_per_node']:.1f} MoE layers per node), scaled:\n")
             print(limits(rows, sm.SHAPES[sc.shape]))
-    for path in plots(results, Path(args.png_dir)):
+    for path in plots(results, Path(args.png_dir)) if args.png_dir else []:
         print(f"plot: {path}")
     m3 = steady(results["M3 1.5x"][1], results["M3 1.5x"][0].warmup) if "M3 1.5x" in results else {}
     big = [r for label, (sc, rows) in results.items() if sc.shape == "2t" for r in rows]
