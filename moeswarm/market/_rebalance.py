@@ -183,10 +183,16 @@ def _released(values: CellValues, rects: Sequence[Rect], capacity: int, assign_c
     kept = [r for r in rects if not idle[r.slices].all()]
     if sum(r.cells for r in rects) - sum(r.cells for r in kept) < max(1.0, share * capacity):
         return None
-    more, _ = choose_rects(values, capacity - sum(r.cells for r in kept),
-                           replace(assign_config, max_blocks=assign_config.max_blocks - len(kept)),  # >= 1
-                           taken=cell_mask(values.cover.shape, kept))
-    return kept + more
+    return _keep_and_choose(values, kept, capacity, assign_config)  # kept < max_blocks: a block is idle
+
+
+def _keep_and_choose(values: CellValues, keep: list[Rect], capacity: int, assign_config: AssignConfig) -> list[Rect]:
+    """``keep`` (fewer than ``max_blocks`` blocks) and, in the memory and blocks they leave, the
+    blocks ``choose_rects`` picks by ``values`` without overlapping them."""
+    more, _ = choose_rects(values, capacity - sum(r.cells for r in keep),
+                           replace(assign_config, max_blocks=assign_config.max_blocks - len(keep)),
+                           taken=cell_mask(values.cover.shape, keep))
+    return keep + more
 
 
 def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, current: Sequence[Block],
@@ -230,10 +236,7 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     if assign_config.max_blocks > len(keep) > 0:
         # a node of many blocks also weighs keeping those and choosing the rest afresh: the fresh
         # choice alone may not fit every only copy it holds into its blocks, and then never moves
-        more, _ = choose_rects(sticky, k - sum(r.cells for r in keep),
-                               replace(assign_config, max_blocks=assign_config.max_blocks - len(keep)),
-                               taken=cell_mask(shape.grid, keep))
-        candidates.append(keep + more)
+        candidates.append(_keep_and_choose(sticky, keep, k, assign_config))
     now = score_rects(values, rects, assign_config)
     edge = placed_as(others, volunteer, assign_config, k) == "edge"
     released = _released(values, rects, k, assign_config, config.release_share) if edge else None

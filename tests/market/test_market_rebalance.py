@@ -148,16 +148,13 @@ def test_a_gain_is_weighed_against_the_experts_the_move_loads() -> None:
                      config=RebalanceConfig(hysteresis=0.7)) is None
 
 
-def test_a_node_of_many_blocks_keeps_its_only_copies_and_moves_the_rest() -> None:
-    """A fast node of 4 blocks holds the only copies of experts 0, 8 and 15 beside duplicates of
-    cold ones, while hot experts 3-5 have no fast holder: it keeps the three only copies (as blocks
-    of their own) and moves the duplicates' memory to 3-5, never uncovering an expert."""
+def _many_block_hub() -> tuple[ModelShape, Supply, Demand, Volunteer, AssignConfig, list[Rect]]:
+    """A fast node of 4 blocks holding the only copies of experts 0, 8 and 15 beside duplicates of
+    cold ones, while hot experts 3-5 (wanted 20x) have no fast holder."""
     shape = ModelShape("org/m", (0,), 16, 10)
     counts = np.ones(shape.grid)
     counts[0, 3:6] = 20.0
-    demand = Demand.from_counts(counts)
     me = Volunteer(6 * shape.expert_bytes, 1e6, "hub")
-    cfg = AssignConfig(max_blocks=4, edge_rate_share=0.1)
     mine = [Rect(0, 0, 0, 1), Rect(0, 0, 7, 8), Rect(0, 0, 14, 15)]
     supply = Supply.empty(shape)
     for e in (1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14):  # slow holders of everything but 0, 8 and 15
@@ -165,6 +162,13 @@ def test_a_node_of_many_blocks_keeps_its_only_copies_and_moves_the_rest() -> Non
     for e in (2, 6, 9, 10, 11, 12, 13):  # cold experts a fast node serves
         supply = supply.changed([Rect(0, 0, e, e)], 1e6, +1)
     supply = supply.changed(mine, me.throughput, +1)
+    return shape, supply, Demand.from_counts(counts), me, AssignConfig(max_blocks=4, edge_rate_share=0.1), mine
+
+
+def test_a_node_of_many_blocks_keeps_its_only_copies_and_moves_the_rest() -> None:
+    """The many-block hub (``_many_block_hub``) keeps the three only copies (as blocks of their
+    own) and moves the duplicates' memory to 3-5, never uncovering an expert."""
+    shape, supply, demand, me, cfg, mine = _many_block_hub()
     plan = rebalance(shape, supply, demand, me, [shape.block(r) for r in mine], assign_config=cfg)
     assert plan is not None
     held = {e for b in plan.target for e in range(b.experts[0], b.experts[1] + 1)}
@@ -232,20 +236,8 @@ def test_a_hub_gathers_its_swaps_for_first_copies_past_the_move_cost() -> None:
     calls among 16 experts: 1 + 16 * 20 / 73 = 5.38 at level 2; its rate's share carries no
     second): it moves while that is more than ``move_cost`` times the model's 16 experts, not
     once it is less (the hubs' moves were not weighed against it before: only an edge device's)."""
-    shape = ModelShape("org/m", (0,), 16, 10)
-    counts = np.ones(shape.grid)
-    counts[0, 3:6] = 20.0
-    me = Volunteer(6 * shape.expert_bytes, 1e6, "hub")
-    cfg = AssignConfig(max_blocks=4, edge_rate_share=0.1)
-    mine = [Rect(0, 0, 0, 1), Rect(0, 0, 7, 8), Rect(0, 0, 14, 15)]
-    supply = Supply.empty(shape)
-    for e in (1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14):
-        supply = supply.changed([Rect(0, 0, e, e)], 1.0, +1)
-    for e in (2, 6, 9, 10, 11, 12, 13):
-        supply = supply.changed([Rect(0, 0, e, e)], 1e6, +1)
-    supply = supply.changed(mine, me.throughput, +1)
+    shape, supply, demand, me, cfg, mine = _many_block_hub()
     blocks = [shape.block(r) for r in mine]
-    demand = Demand.from_counts(counts)
     plan = rebalance(shape, supply, demand, me, blocks, assign_config=cfg, config=RebalanceConfig(move_cost=5 / 16))
     assert plan is not None and Block((0, 0), (3, 5)) in plan.target
     assert rebalance(shape, supply, demand, me, blocks, assign_config=cfg,
