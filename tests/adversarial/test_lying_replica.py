@@ -20,7 +20,6 @@ differ from the engine's (run against that commit's tree: the first token compar
 from __future__ import annotations
 
 import asyncio
-import gc
 import shutil
 import time
 from dataclasses import replace
@@ -43,21 +42,7 @@ from moeswarm.node.status import _gauges, render_report
 from moeswarm.node.verify import VerifyConfig
 from moeswarm.protocol import peer_id_from_str
 
-pytestmark = [
-    pytest.mark.slow, pytest.mark.timeout(420),
-    # In two whole-suite runs a client socket was found unclosed by the garbage collector during
-    # this test (not reproduced alone or beside any subset of tests/adversarial): an open leak,
-    # named in the session notes; each test ends with a collection under this filter (below).
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
-
-
-@pytest.fixture(autouse=True)
-def _collect_this_tests_garbage():  # type: ignore[no-untyped-def]
-    """The leak above, finalised under this test's own filter: found by the collector during the
-    next test (tests/gguf, pure computation), it failed that test in a clean-clone run."""
-    yield
-    gc.collect()
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 PROMPTS = ["And it came to pass", "The king said unto them", "In the beginning", "And the LORD spake"]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from moeswarm.model import load_weights
 from moeswarm.net.client import ExpertClient
-from moeswarm.net.dataplane import DataPlaneServer, parse_endpoint
+from moeswarm.net.dataplane import DataPlaneServer, close_writer, parse_endpoint
 from moeswarm.net.tls import channel_binding, client_context
 from moeswarm.node.expert_server import ExpertServer, ExpertServerConfig
 from moeswarm.protocol import (
@@ -93,7 +93,7 @@ def test_malformed_frames_get_errors_and_the_server_keeps_serving(oracle_checkpo
                 await write_message(writer, ExpertRequest(**{**VALID, "request_id": os.urandom(16)}))  # type: ignore[arg-type]
                 assert isinstance(await asyncio.wait_for(read_message(reader), 10), ExpertResponse)
         finally:
-            writer.close()
+            await close_writer(writer)  # the TLS goodbye finishes before the next example
 
     @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(mutations())
@@ -108,7 +108,7 @@ def test_malformed_frames_get_errors_and_the_server_keeps_serving(oracle_checkpo
             writer.write(struct.pack(">I", 2**31))
             await writer.drain()
             reply = await asyncio.wait_for(read_message(reader), 10)
-            writer.close()
+            await close_writer(writer)
             assert isinstance(reply, Error)
             return reply.code
 

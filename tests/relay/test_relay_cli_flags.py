@@ -129,7 +129,6 @@ def test_stream_caps_refuse_the_stream_past_the_cap(certs: Any, spawn: Any, conf
                 await ws.close()
                 await http.close()
             await device.close()
-            await asyncio.sleep(0.25)  # aiohttp: let the TLS transports of closed sessions finish closing
 
     assert asyncio.run(main()) == status
 
