@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCK = re.compile(r"^```bash walkthrough swarm( daemon)?\n(.*?)^```$", re.M | re.S)
+BLOCK = re.compile(r"^```bash walkthrough [\w,]*\bswarm\b[\w,]*( daemon)?\n(.*?)^```$", re.M | re.S)
 SOCKET = f"moeswarm-shot-{os.getpid()}"  # a tmux server of our own, stopped at the end
 WIDTH = 118
 

@@ -1,6 +1,6 @@
 """The README's walkthroughs run as written (issue 33, point 1: its examples used a ``./demo`` that did
 not exist, and nothing said how to get a node's multiaddr out of ``READY``).  The fenced blocks marked
-````bash walkthrough NAME [daemon]`` are taken from README.md verbatim and run in order in a fresh
+````bash walkthrough NAME[,NAME...] [daemon]`` (a block shared by several walkthroughs names them all) are taken from README.md verbatim and run in order in a fresh
 folder, each as its own ``bash`` (a terminal), with ``moeswarm`` on the PATH as after
 ``. .venv/bin/activate``.  A ``daemon`` block keeps running (a node, a backbone): the next block starts
 once it has printed its ``READY`` line.  The oracle for every generated text is the single-process
@@ -9,6 +9,7 @@ test_engine_oracle.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,12 +25,12 @@ from moeswarm.demo import CHECKPOINT
 README = Path(__file__).resolve().parent.parent / "README.md"
 READY_TIMEOUT = 180  # a daemon's start on a loaded 2-core machine
 RUN_TIMEOUT = 300
-BLOCK = re.compile(r"^```bash walkthrough (\w+)( daemon)?\n(.*?)^```$", re.M | re.S)
+BLOCK = re.compile(r"^```bash walkthrough ([\w,]+)( daemon)?\n(.*?)^```$", re.M | re.S)
 
 
 def walkthrough(name: str) -> list[tuple[str, bool]]:
     """The README's blocks of walkthrough ``name``, in order, as (script, keeps running)."""
-    return [(m[3], bool(m[2])) for m in BLOCK.finditer(README.read_text()) if m[1] == name]
+    return [(m[3], bool(m[2])) for m in BLOCK.finditer(README.read_text()) if name in m[1].split(",")]
 
 
 def env() -> dict[str, str]:
@@ -67,8 +68,9 @@ class Terminal:
         self.proc.stdout.close()
 
 
-def run_walkthrough(name: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run every block of ``name``; return what the last one (a block that ends) printed."""
+def run_walkthrough(name: str, cwd: Path, ready: list[dict] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run every block of ``name``; return what the last one (a block that ends) printed.  ``ready``
+    receives each daemon's READY json."""
     blocks = walkthrough(name)
     assert blocks and not blocks[-1][1], f"walkthrough {name} must end with a block that ends"
     terminals: list[Terminal] = []
@@ -86,6 +88,8 @@ def run_walkthrough(name: str, cwd: Path) -> subprocess.CompletedProcess[str]:
             while not term.ready.wait(0.2):
                 assert proc.poll() is None, f"{script!r} exited {proc.returncode}: {''.join(term.lines)}"
                 assert time.monotonic() < deadline, f"{script!r} printed no READY line: {''.join(term.lines)}"
+            if ready is not None:
+                ready.append(json.loads(next(ln for ln in term.lines if ln.startswith("READY "))[6:]))
         return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", blocks[-1][0]], cwd=cwd, env=env(),
                               capture_output=True, text=True, timeout=RUN_TIMEOUT)
     finally:
@@ -102,7 +106,7 @@ def alone(*args: str) -> str:
 
 
 def test_the_walkthroughs_are_marked() -> None:
-    assert [len(walkthrough(n)) for n in ("newcomer", "swarm", "api")] == [1, 2, 3]
+    assert [len(walkthrough(n)) for n in ("newcomer", "swarm", "volunteer", "api")] == [1, 2, 3, 3]
     assert "moeswarm demo --export ./demo" in walkthrough("swarm")[0][0]
 
 
@@ -122,6 +126,16 @@ def test_a_swarm_in_two_terminals(tmp_path: Path) -> None:
     assert text == alone("--max-new-tokens", "24") and text.strip()
     peer = addr.rsplit("/", 1)[1]
     assert f"  {peer[-12:]}  layer 0:" in out.stderr, out.stderr[-2000:]  # --show-experts: the node served the experts
+
+
+def test_a_second_volunteer_and_node_status(tmp_path: Path) -> None:
+    daemons: list[dict] = []
+    out = run_walkthrough("volunteer", tmp_path, daemons)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = daemons
+    assert first["experts"] == [0, 7] and second["experts"] == [4, 7]
+    for node in (first, second):  # every node on this machine is listed; ours among them
+        assert f"node {node['peer_id']}" in out.stdout.replace("\n", " "), out.stdout[-3000:]
 
 
 def test_a_backbone_serving_the_openai_api(tmp_path: Path) -> None:
