@@ -96,6 +96,8 @@ def test_the_units_command_parses_with_its_documented_environment(name: str, tmp
     assert params["model_dir"] == str(CHECKPOINT)
     assert params["bootstrap"] == (env["BOOTSTRAP_ARGS"].split()[1] if "BOOTSTRAP_ARGS" in env else env["BOOTSTRAP"],)
     assert str(params["identity_file"]).startswith(str(tmp_path))
+    if not str(params.get("http", "127.0.0.1:")).startswith("127.0.0.1:"):  # an open API needs its key
+        assert env.get("MOESWARM_API_KEY"), env
 
 
 def test_the_node_unit_without_bootstrap_is_a_first_node(tmp_path: Path) -> None:
