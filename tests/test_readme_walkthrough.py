@@ -75,19 +75,21 @@ def run_walkthrough(name: str, cwd: Path, ready: list[dict] | None = None) -> su
     assert blocks and not blocks[-1][1], f"walkthrough {name} must end with a block that ends"
     terminals: list[Terminal] = []
     try:
-        for script, keeps_running in blocks[:-1]:
+        for n, (script, keeps_running) in enumerate(blocks[:-1]):
             assert keeps_running, f"walkthrough {name}: only the last block may end"
-            proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, env=env(),
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                    start_new_session=True)
+            err = cwd / f".terminal-{n + 1}.stderr"  # for the messages below
+            with open(err, "w") as err_file:
+                proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, env=env(),
+                                        stdout=subprocess.PIPE, stderr=err_file, text=True, start_new_session=True)
             term = Terminal(proc)
             terminals.append(term)
             term.reader = threading.Thread(target=term.read, daemon=True)
             term.reader.start()
             deadline = time.monotonic() + READY_TIMEOUT
             while not term.ready.wait(0.2):
-                assert proc.poll() is None, f"{script!r} exited {proc.returncode}: {''.join(term.lines)}"
-                assert time.monotonic() < deadline, f"{script!r} printed no READY line: {''.join(term.lines)}"
+                said = "".join(term.lines) + err.read_text()[-2000:]
+                assert proc.poll() is None, f"{script!r} exited {proc.returncode}: {said}"
+                assert time.monotonic() < deadline, f"{script!r} printed no READY line: {said}"
             if ready is not None:
                 ready.append(json.loads(next(ln for ln in term.lines if ln.startswith("READY "))[6:]))
         return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", blocks[-1][0]], cwd=cwd, env=env(),
