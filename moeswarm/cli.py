@@ -223,10 +223,17 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
               help="Also run the swarm map (`moeswarm monitor`) beside the demo (default address 127.0.0.1:8700).")
 @click.option("--keep", default=0.0, type=click.FloatRange(0, 24 * 3600), metavar="SECONDS",
               help="Keep the swarm (and the map) up this long after generating, to look at it.")
+@click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Copy the shipped demo checkpoint to DIR (new or empty) and exit, to use it as --model DIR.")
 @friendly_errors
 def demo(model_dir: str | None, prompt: str | None, nodes: int, max_new_tokens: int, monitor: str | None,
-         keep: float) -> None:
+         keep: float, export_dir: str | None) -> None:
     """Start a local swarm on loopback, generate through it, show who served what, stop it."""
+    if export_dir is not None:
+        from .demo.export import export_checkpoint
+
+        click.echo(f"demo checkpoint copied to {export_checkpoint(export_dir)}")
+        return
     from .demo import DEFAULT_PROMPT
     from .demo.swarm import run_demo
 

@@ -54,14 +54,15 @@ async def run_monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], host:
                       ledger_url: str | None, on_ready: Any = None, stop: asyncio.Event | None = None) -> None:
     from ..daemon import SwarmConfig, p2p_node, ready, stop_event
     from ..protocol import Identity
-    from .watch import SwarmWatch, WatchConfig, model_from
+    from .watch import SwarmWatch, WatchConfig, model_from, model_name
     from .web import serve
 
     watched = [model_from(m) for m in models]
     stop = stop or stop_event()
     identity = Identity.generate()
     async with p2p_node(identity, SwarmConfig(models[0], bootstrap=bootstrap, client_mode=True)) as p2p:
-        watch = SwarmWatch(p2p, watched, WatchConfig(interval_s=interval, ledger_url=ledger_url))
+        names = {model_id: model_name(path) for (model_id, _), path in zip(watched, models, strict=True)}
+        watch = SwarmWatch(p2p, watched, WatchConfig(interval_s=interval, ledger_url=ledger_url), names)
         await watch.start()
         try:
             runner, url = await serve(watch.snapshot, host, port)

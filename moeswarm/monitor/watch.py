@@ -55,6 +55,7 @@ class WatchedModel:
     cfg: ModelConfig
     table: SwarmTable
     discovery: Discovery
+    name: str | None = None  # what a person calls it (model_name), beside the hash id
     demand: np.ndarray | None = None  # (L, E) share of routed pairs, from signed demand reports
     prices: np.ndarray | None = None  # (L, E) price multipliers
     rate: float = 0.0  # routed (token, expert) pairs per second, as the demand reports estimate
@@ -83,6 +84,20 @@ class Measured:
     error: str = ""
 
 
+def model_name(path: str) -> str | None:
+    """A human name for the checkpoint at ``path``: config.json's ``name``, else the last part of its
+    ``_name_or_path``, else the folder's (or GGUF file's) own name."""
+    p = Path(path)
+    folder = p.parent if p.name == "config.json" else p
+    if folder.is_dir() and (folder / "config.json").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            raw = json.loads((folder / "config.json").read_text())
+            for key in ("name", "_name_or_path"):
+                if isinstance(raw.get(key), str) and raw[key].strip("/"):
+                    return str(raw[key]).rstrip("/").rsplit("/", 1)[-1]
+    return (folder.stem if folder.is_file() else folder.name) or None
+
+
 def model_from(path: str) -> tuple[str, ModelConfig]:
     """(model id, config) of a checkpoint folder, a GGUF file or a config.json, reading only metadata."""
     p = Path(path)
@@ -92,7 +107,8 @@ def model_from(path: str) -> tuple[str, ModelConfig]:
 
 
 class SwarmWatch:
-    def __init__(self, p2p: Any, models: list[tuple[str, ModelConfig]], config: WatchConfig = WatchConfig()) -> None:
+    def __init__(self, p2p: Any, models: list[tuple[str, ModelConfig]], config: WatchConfig = WatchConfig(),
+                 names: dict[str, str | None] | None = None) -> None:
         self.p2p = p2p
         self.config = config
         self.identity = Identity.generate()  # the monitor's own key, for data-plane pings
@@ -100,7 +116,8 @@ class SwarmWatch:
         for model_id, cfg in models:
             table = SwarmTable(model_id)
             moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
-            self.models[model_id] = WatchedModel(model_id, cfg, table, Discovery(p2p, table, moe))
+            self.models[model_id] = WatchedModel(model_id, cfg, table, Discovery(p2p, table, moe),
+                                                 (names or {}).get(model_id))
         self.measured: dict[bytes, Measured] = {}
         self.contributors: list[dict[str, Any]] | None = None
         self.ledger_error = ""
@@ -170,7 +187,7 @@ class SwarmWatch:
                 seconds = await client.ping()
             m.state, m.rtt_ms, m.error = "online", round(seconds * 1000, 3), ""
         except (NetworkError, ProtocolError, ConfigError, TimeoutError, OSError) as e:
-            m.state, m.rtt_ms, m.error = "unreachable", None, str(e)[:200]
+            m.state, m.rtt_ms, m.error = "unreachable", None, str(e)[:500]  # room for the cause at the end
             stale = self._clients.pop(holder.peer_id, None)
             if stale is not None:
                 stale.abort()
@@ -224,7 +241,7 @@ class SwarmWatch:
             uncovered = int((reachable == 0).sum())
             per_token = max(1, m.cfg.top_k * len(moe))
             models.append({
-                "model_id": m.model_id, "arch": m.cfg.arch, "num_layers": m.cfg.num_layers, "moe_layers": moe,
+                "model_id": m.model_id, "name": m.name, "arch": m.cfg.arch, "num_layers": m.cfg.num_layers, "moe_layers": moe,
                 "num_experts": E, "top_k": m.cfg.top_k,
                 "verdict": "healthy" if uncovered == 0 else "broken", "uncovered_experts": uncovered,
                 "holders": len(live), "holders_live": sum(self.measured.get(h.peer_id, Measured()).state != "unreachable"
@@ -253,4 +270,4 @@ class SwarmWatch:
         }
 
 
-__all__ = ["SwarmWatch", "WatchConfig", "WatchedModel", "model_from"]
+__all__ = ["SwarmWatch", "WatchConfig", "WatchedModel", "model_from", "model_name"]

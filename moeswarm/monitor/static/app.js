@@ -32,6 +32,37 @@ function el(tag, attrs = {}, ...children) {
   return e;
 }
 
+/** @param {number} zoom cell size in px, @param {number} minPx room a label needs -> label every n-th cell (1, 2, 4, ...) */
+function tickStep(zoom, minPx) {
+  let step = 1;
+  while (step * zoom < minPx) step *= 2;
+  return step;
+}
+
+/** Layer numbers down the left of the map and expert numbers along its top, at the cells' positions. */
+function drawAxes(box, model, zoom) {
+  const xAxis = box.querySelector(".axis-x"), yAxis = box.querySelector(".axis-y");
+  const E = model.num_experts, L = model.moe_layers.length;
+  xAxis.style.width = `${E * zoom}px`; yAxis.style.height = `${L * zoom}px`;
+  const xStep = tickStep(zoom, 22), yStep = tickStep(zoom, 14);
+  const xs = [], ys = [];
+  for (let e = 0; e < E; e += xStep) {
+    const t = el("span", { class: "tick", "data-expert": String(e), text: String(e) });
+    t.style.left = `${e * zoom}px`; t.style.width = `${Math.max(zoom, 1)}px`;
+    xs.push(t);
+  }
+  for (let i = 0; i < L; i += yStep) {
+    const t = el("span", { class: "tick", "data-layer": String(model.moe_layers[i]), text: String(model.moe_layers[i]) });
+    t.style.top = `${i * zoom}px`; t.style.height = `${Math.max(zoom, 1)}px`; t.style.lineHeight = `${Math.max(zoom, 1)}px`;
+    ys.push(t);
+  }
+  xAxis.replaceChildren(...xs);
+  yAxis.replaceChildren(...ys);
+}
+
+/** What a person calls the model: its name (from config.json, or the folder's), and its family. */
+function modelLabel(model) { return model && model.name ? `${model.name} (${model.arch})` : (model ? model.arch : ""); }
+
 function drawMap(canvas, model, view, zoom) {
   const L = model.moe_layers.length, E = model.num_experts;
   canvas.width = E * zoom; canvas.height = L * zoom;
@@ -55,7 +86,10 @@ function renderModels(snap) {
     let box = root.querySelector(`[data-model="${CSS.escape(model.model_id)}"]`);
     if (!box) {
       box = el("div", { class: "model", "data-model": model.model_id });
-      box.append(el("div", { class: "model-head" }), el("div", { class: "map-tools" }), el("div", { class: "map-wrap" }, el("canvas")));
+      box.append(el("div", { class: "model-head" }), el("div", { class: "map-tools" }), el("div", { class: "map-wrap" },
+        el("div", { class: "map-grid" },
+          el("div", { class: "axis-corner muted", text: "layer ↓ expert →" }), el("div", { class: "axis-x", "aria-label": "experts" }),
+          el("div", { class: "axis-y", "aria-label": "MoE layers" }), el("canvas"))));
       const tools = box.querySelector(".map-tools");
       const select = el("select", { "aria-label": "map view" },
         el("option", { value: "replicas", text: "live replicas" }), el("option", { value: "demand", text: "demand" }));
@@ -75,7 +109,8 @@ function renderModels(snap) {
     }
     const head = box.querySelector(".model-head");
     head.replaceChildren(
-      el("strong", { text: model.model_id }),
+      el("strong", { class: "model-name", text: modelLabel(model) }),
+      el("code", { class: "model-id muted", title: "model id in the swarm", text: model.model_id }),
       el("span", { class: `verdict ${model.verdict}`, "data-verdict": model.verdict, text: model.verdict }),
       el("span", { text: `${model.holders_live}/${model.holders} holders live` }),
       el("span", { text: `${model.replicas_live}/${model.replicas_total} replicas live` }),
@@ -84,6 +119,7 @@ function renderModels(snap) {
       el("span", { class: "muted", text: `${model.moe_layers.length} MoE layers × ${model.num_experts} experts, top-${model.top_k}` }));
     const v = views.get(model.model_id);
     drawMap(box.querySelector("canvas"), model, v.view, v.zoom);
+    drawAxes(box, model, v.zoom);
   }
   for (const box of root.querySelectorAll(".model")) if (!seen.has(box.dataset.model)) box.remove();
 }
@@ -104,16 +140,24 @@ function hover(ev, modelId) {
   tip.style.left = `${ev.clientX + 12}px`; tip.style.top = `${ev.clientY + 12}px`; tip.hidden = false;
 }
 
-function rangeBar(node, model) {
-  const bar = el("div", { class: "bar", title: `layers ${node.layers[0]}-${node.layers[1]}, experts ${node.experts[0]}-${node.experts[1]}` });
+/** @param {number[]} b one announced block: [first layer, last layer, first expert, last expert] */
+function blockText(b) { return `${b[0]}-${b[1]} × ${b[2]}-${b[3]}`; }
+
+/** Every block a node announced: a bar of the expert ranges it covers, then each block in words. */
+function holdings(node, model) {
+  const blocks = node.blocks && node.blocks.length ? node.blocks : [[...node.layers, ...node.experts]];
+  const bar = el("div", { class: "bar", title: blocks.map((b) => `layers ${b[0]}-${b[1]}, experts ${b[2]}-${b[3]}`).join("; ") });
   if (model) {
     const E = model.num_experts;
-    const span = el("span");
-    span.style.left = `${(100 * node.experts[0]) / E}%`;
-    span.style.width = `${(100 * (node.experts[1] - node.experts[0] + 1)) / E}%`;
-    bar.append(span);
+    for (const b of blocks) {
+      const span = el("span");
+      span.style.left = `${(100 * b[2]) / E}%`;
+      span.style.width = `${(100 * (b[3] - b[2] + 1)) / E}%`;
+      bar.append(span);
+    }
   }
-  return bar;
+  const list = el("div", { class: "blocks" }, ...blocks.map((b) => el("span", { class: "block", "data-block": b.join(","), text: blockText(b) })));
+  return [bar, list];
 }
 
 function renderNodes(snap) {
@@ -123,9 +167,9 @@ function renderNodes(snap) {
     const status = n.status_url ? el("a", { href: `${n.status_url}/status`, text: "status" }) : el("span", { class: "muted", text: "—" });
     const row = el("tr", { "data-peer": n.peer_id, "data-state": n.state },
       el("td", { class: "peer", title: n.peer_id, "data-peer-id": n.peer_id, text: shortId(n.peer_id) }),
-      el("td", { text: shortId(n.model_id) }),
-      el("td", {}, rangeBar(n, models.get(n.model_id)), ` ${n.layers[0]}-${n.layers[1]} × ${n.experts[0]}-${n.experts[1]}`),
-      el("td", { class: `state-${n.state}`, text: n.state, title: n.error || "" }),
+      el("td", { title: n.model_id, text: modelLabel(models.get(n.model_id)) || shortId(n.model_id) }),
+      el("td", { class: "holds" }, ...holdings(n, models.get(n.model_id))),
+      el("td", { class: `state-${n.state}` }, n.state, ...(n.error ? [el("div", { class: "reason", text: n.error })] : [])),
       el("td", { text: n.via }),
       el("td", { text: n.software || "—" }),
       el("td", { text: `${(n.load_permille / 10).toFixed(1)}%` }),
