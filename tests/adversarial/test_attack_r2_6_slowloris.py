@@ -8,7 +8,7 @@ during it.
 
 On 52de96c (main before this branch) the limits cannot be set and every service held all 300
 partial heads: the attacker printed ``{"opened": 300, "closed_by_victim": 0, "statuses":
-{"null": 300}, ...}`` for the ledger, the API and the monitor alike (after its 15 s watch: the
+{"None": 300}, ...}`` for the ledger, the API and the monitor alike (after its 15 s watch: the
 issue's figure was 130 s of holding). Now the first 32 get ``408`` ("request head not received in
 time") after the header timeout and the others get ``429`` at once (a later one takes the place of a
 timed-out one: the victim never holds more than 32 of them); the honest client is served
