@@ -2,23 +2,24 @@
 one ``moeswarm-ledger serve`` (a real process, real HTTP) that audits the demo model's calls.
 
 - **2, ``POST /v1/standing``**: 60 MiB of ``{"peers": [[], [], ...]}`` with no key. On 52de96c the
-  attacker printed ``"wide": {"status": 400, ...}`` after the ledger parsed it all, its peak
-  memory up by about 1.5 GB (the issue measured +1,596 MB); the 40,000-deep body got a 500
-  (``RecursionError``). Now the route reads at most 96 KiB (its largest honest body, 1,024 peer
-  IDs, is ~57 KiB): 413 from the Content-Length, before reading; the deep body 400; peak memory
-  up by less than 100 MB; an honest query is answered.
+  ledger parsed it all before answering: the test printed ``'wide': {'status': 400, ...}`` and
+  "the ledger's peak memory grew 1567 MB" (the issue measured +1,596 MB); the 80 KB body nested
+  40,000 deep got ``500 Internal Server Error``. Now the route reads at most 96 KiB (its largest
+  honest body, 1,024 peer IDs, is ~57 KiB): 413 from the Content-Length, before reading; the deep
+  body 400; peak memory up by less than 100 MB (0 MB here); an honest query is answered.
 - **3, ``POST /v1/audits``**: two fresh keys with no credit send a signed sample of 120,000
-  pairs, then one of 128. On 52de96c the ledger re-executed both before it found that their
-  receipt could never enter the ledger: ``"big": {"status": 400, "answer": "{\\"error\\": \\"cannot
-  audit: the audited receipt cannot enter the ledger: insufficient_funds ...`` with its peak
-  memory up by ~500 MB (the issue: +566 MB, 1.9 s of CPU). Now the big sample is refused with
-  413 before it is read (no sample larger than the judge's cap of 8,192 pairs is worth reading),
-  the small one with 422 before any work (signatures, hashes, model limits, work cap, a client
-  that can pay: checked first), and a funded client's honest sample is re-executed and passes.
+  pairs (52 MB), then one of 128. On 52de96c the ledger re-executed both before it found that
+  their receipt could never enter the ledger: ``'big': {'status': 400, 'answer': '{"error": "the
+  audited receipt cannot enter the ledger: insufficient_funds ...`` (the same 400 for the small
+  one), its peak memory up 451 MB (the issue: +566 MB, 1.9 s of CPU). Now the big sample is
+  refused with 413 before it is read (no sample above the judge's cap of 8,192 pairs is worth
+  reading), the small one with 422 before any work (signatures, hashes, model limits, work cap
+  and a client that can pay are checked first), and a funded client's honest sample is
+  re-executed and passes.
 - **5, zero-FLOP receipts**: 2,000 receipts with ``expert_flops = 0`` from 4,000 fresh keys. On
-  52de96c the attacker printed ``{"status": 200, "keys": 4000, "results": {"accepted/": 2000}}``:
-  all appended, each free. Now each is refused (``zero_flops``), the chain does not grow, and
-  a funded client's real call is still appended and paid for.
+  52de96c the attacker printed ``{'status': 200, 'keys': 4000, 'results': {'accepted/': 2000}}``
+  and the chain grew from 0 to 2000 entries, each free. Now each is refused (``zero_flops``), the
+  chain does not grow, and a funded client's real call is still appended and paid for.
 """
 
 from __future__ import annotations
