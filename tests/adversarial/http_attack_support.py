@@ -92,3 +92,9 @@ class KeptAlive:
 
     def close(self) -> None:
         self.sock.close()
+
+    def __enter__(self) -> KeptAlive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

