@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import time
@@ -32,9 +31,9 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import ConfigError, NetworkError, ProtocolError, SwarmError
+from ..model import SamplingParams
 from ..net.http_guard import HttpLimits, allowed_hosts, guarded_runner, host_allowed, is_loopback
 from ..net.http_guard import host_name as _host_name
-from ..model import SamplingParams
 from .service import Chunk, GenerationService, ServiceBusy
 
 
