@@ -55,6 +55,15 @@ class AuditConfig:
     tolerance: float = 1e-2  # largest max|output - reference| / max(1, max|reference|) that passes
     seed: int | None = None  # sampling RNG seed; None = unpredictable (a server must not guess)
     max_queue: int = 64  # sampled calls waiting for a judge; beyond it new samples are skipped
+    max_pairs: int = 8192  # a judge refuses to re-execute a call of more (expert, token) pairs
+    max_flops: int = 2**40  # ... or of more expert-FLOPs (6 * H * F per pair): ~1e12, seconds of one core
+
+    def work_problem(self, pairs: int, flops: int) -> str | None:
+        """Why a call of ``pairs`` pairs costing ``flops`` is too much to re-execute, or None."""
+        if pairs > self.max_pairs or flops > self.max_flops:
+            return (f"re-executing {pairs} pairs ({flops:.3g} expert-FLOPs) is above this judge's cap of "
+                    f"{self.max_pairs} pairs and {self.max_flops:.3g} FLOPs per audit")
+        return None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:

@@ -54,6 +54,7 @@ class Reason:
     FLOPS_EXCEED_FORMULA: Final = "flops_exceed_formula"
     EXCEEDS_MODEL_LIMITS: Final = "exceeds_model_limits"  # more tokens or pairs than one call of the model has
     INSUFFICIENT_FUNDS: Final = "insufficient_funds"  # the client's balance does not cover the call's price
+    ZERO_FLOPS: Final = "zero_flops"  # a receipt for no work (expert_flops = 0): a call of P >= 1 pairs did some
     OUT_OF_RANGE: Final = "out_of_range"  # a counter above 2**63 - 1
     DUPLICATE: Final = "duplicate"  # the same receipt body is already in the chain
     REPLAY: Final = "replay"  # same (client, request_id), different content
@@ -179,12 +180,15 @@ def content_problem(r: Receipt, shapes: Mapping[str, ModelShape], *,
     The FLOPs bound is 6 * H * F per (expert, token) pair, with pairs capped at
     tokens * len(experts) (the codec already enforces that for decoded receipts). With ``limits``
     (ingestion) the call must also fit one call of the model: tokens at most ``token_limit``,
-    pairs at most tokens x top_k. Verification of stored entries passes ``limits=False``:
-    entries appended before revision 0002 were checked by the FLOPs bound alone."""
+    pairs at most tokens x top_k, and claim some work (``expert_flops`` > 0). Verification of stored
+    entries passes ``limits=False``: entries appended before revision 0002 were checked by the FLOPs
+    bound alone."""
     if r.client == r.server:
         return "rejected", Reason.SELF_DEALING, "the client and the server are the same peer"
     if max(r.seq, r.expert_flops, r.time_ms, r.tokens, r.pairs) > MAX_STORED_INT:
         return "rejected", Reason.OUT_OF_RANGE, "a counter is above 2**63 - 1"
+    if limits and r.expert_flops == 0:
+        return "rejected", Reason.ZERO_FLOPS, "claims 0 expert-FLOPs: a call of one pair or more does work"
     shape = shapes.get(r.model_id)
     if shape is None:
         return "retry", Reason.UNKNOWN_MODEL, f"model {r.model_id!r} has no registered expert shape"

@@ -17,9 +17,10 @@ from typing import Any, Final
 import msgpack
 from sqlalchemy import insert, select
 
-from moeswarm.errors import ConfigError, SwarmError
+from moeswarm.errors import BadResponse, ConfigError, SwarmError
 from moeswarm.model import Weights
 from moeswarm.protocol import (
+    ErrorCode,
     Identity,
     canonical,
     peer_id_to_str,
@@ -27,7 +28,8 @@ from moeswarm.protocol import (
     verify,
 )
 
-from ._audit import AuditConfig, AuditSample, AuditVerdict, reexecute
+from ._audit import AuditConfig, AuditSample, AuditVerdict, check_sample, reexecute
+from ._chain import content_problem, receipt_id
 from ._models import Evidence, Settlement
 from ._store import Ledger
 
@@ -135,11 +137,43 @@ class LocalJudge:
         self.weights = dict(weights)  # model_id -> weights holding the experts to audit
         self.config = config
 
+    def largest_sample(self) -> int:
+        """Bytes of the largest sample worth reading: hidden rows and outputs of ``max_pairs``
+        pairs in float32 at the widest model held, plus the receipt and framing."""
+        widest = max((w.config.hidden_size for w in self.weights.values()), default=0)
+        return 2 * self.config.max_pairs * widest * 4 + 64 * 1024
+
+    def admit(self, sample: AuditSample) -> None:
+        """Everything that costs less than the re-execution, before it: both signatures and the
+        hashes (``check_sample``), the receipt within the model's per-call limits and the FLOPs
+        bound as the ledger would ingest it, the work within this judge's cap, and a receipt the
+        ledger holds or would accept (its client can pay for it: keys with no credit cannot buy
+        audits). ``BadResponse`` (the sample's fault) otherwise."""
+        check_sample(sample)
+        r = sample.receipt.receipt
+        problem = content_problem(r, self.ledger.models())
+        if problem is not None:
+            raise BadResponse(f"audit sample: the ledger refuses its receipt ({problem[1]}): {problem[2]}",
+                              code=ErrorCode.BAD_FIELD)
+        shape = self.ledger.models()[r.model_id]
+        too_much = self.config.work_problem(r.pairs, shape.max_flops(r.pairs))
+        if too_much is not None:
+            raise BadResponse(f"audit sample: {too_much}", code=ErrorCode.BAD_FIELD)
+        try:
+            self.ledger.find(receipt_id(r))
+        except ConfigError:  # not held yet: it must be a receipt the ledger would accept
+            price, held = self.ledger.price(r), self.ledger.balance(r.client)
+            if held < price:
+                raise BadResponse(f"audit sample: its client holds {held} credits and the call costs {price}: the "
+                                  f"ledger would refuse the receipt (insufficient_funds)",
+                                  code=ErrorCode.AUTH_FAILED) from None
+
     def judge(self, sample: AuditSample) -> AuditVerdict:
-        """Blocking: re-execute, and record evidence when the server lied."""
+        """Blocking: check what is cheap (``admit``), re-execute, and record evidence when the server lied."""
         weights = self.weights.get(sample.request.model_id)
         if weights is None:
             raise ConfigError(f"no weights to audit model {sample.request.model_id!r}")
+        self.admit(sample)
         verdict = reexecute(sample, weights, self.config.tolerance)
         if not verdict.ok:
             record_evidence(self.ledger, sample, verdict)

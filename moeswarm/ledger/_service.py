@@ -5,15 +5,21 @@
     GET  /v1/accounts/{peer}   a peer's standing (JSON): {"peer", "balance", "paid", "receipts", "funded"};
                                ``?since_ms=`` counts paid calls from then (a node's ``--require-funded``)
     POST /v1/standing          JSON {"peers": [base58, ...] (at most 1024), "since_ms": t}: the standing of
-                               each, {"standing": [...]} (the market weighs demand reports by ``paid``)
+                               each, {"standing": [...]} (the market weighs demand reports by ``paid``);
+                               public like GET /v1/accounts, so bounded instead of authenticated: a body
+                               of at most 96 KiB (413 before reading more), flat JSON only
     GET  /v1/standing          ?since_ms=t&limit=n (n <= 1024): the standing of the n clients that paid
                                the most since t, most first (whose demand reports the market reads)
-    POST /v1/audits            body: an AuditSample (msgpack); re-executed here, evidence on mismatch
+    POST /v1/audits            body: an AuditSample (msgpack); re-executed here, evidence on mismatch; before
+                               any work: body size (413), signatures, hashes, model limits, the judge's
+                               work cap and a funded client (422)
     GET  /v1/proofs/{receipt}  inclusion proof (JSON)
     GET  /v1/settlements/{n}   signed settlement statement of epoch n (JSON)
     GET  /healthz              {"ok": true, "peer_id": ..., "entries": n}
 
-Only the operator registers a model's shape (``moeswarm-ledger models add``): there is no HTTP
+Every route is bounded before it parses or computes (see ``protocol_spec/security.md``, "Bounds on
+the HTTP services"), and every connection by ``net.http_guard`` (header, body and idle timeouts,
+connections per address). Only the operator registers a model's shape (``moeswarm-ledger models add``): there is no HTTP
 route for it. Database work runs in worker threads: signature checks of concurrent batches overlap (Ed25519
 verification releases the GIL) while appends are serialised by the ledger.
 """
@@ -21,6 +27,7 @@ verification releases the GIL) while appends are serialised by the ledger.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +41,7 @@ from moeswarm.errors import (
     ProtocolError,
     SwarmError,
 )
+from moeswarm.net.http_guard import HttpLimits, guarded_runner, read_body, start_site
 from moeswarm.protocol import DecodeLimits, peer_id_from_str, peer_id_to_str, unpack
 
 from ._audit import AuditSample
@@ -55,6 +63,8 @@ class ServiceConfig:
     max_batch: int = 4096  # receipts per POST /v1/receipts
     max_body_bytes: int = 64 * 1024 * 1024  # largest request body
     max_standing_peers: int = 1024  # peers per POST /v1/standing
+    max_standing_body: int = 96 * 1024  # bytes of a POST /v1/standing body (1024 base58 IDs are ~57 KiB)
+    limits: HttpLimits = HttpLimits()  # header/body/idle timeouts and connections per address
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -92,9 +102,9 @@ class LedgerService:
         return app
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        self._runner = guarded_runner(self.app(), self.config.limits, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        await start_site(self._runner, self.config.host, self.config.port, self.config.limits)
         self.port = int(self._runner.addresses[0][1])
 
     async def aclose(self) -> None:
@@ -147,12 +157,15 @@ class LedgerService:
         return web.json_response(standing[peer].to_json())
 
     async def _standing(self, request: web.Request) -> web.Response:
+        body = await read_body(request, self.config.max_standing_body)  # 413 before a byte more is read
         try:
-            d = await request.json()
+            d = _flat_json(body)
             names = d["peers"]
             if not isinstance(names, list) or len(names) > self.config.max_standing_peers:
                 raise ValueError
-            peers = [peer_id_from_str(str(n)) for n in names]
+            if not all(isinstance(n, str) for n in names) or type(d.get("since_ms", 0)) is not int:
+                raise TypeError
+            peers = [peer_id_from_str(n) for n in names]
             since = int(d.get("since_ms", 0))
         except (ValueError, KeyError, TypeError, AttributeError, SwarmError):
             return _error(400, f'body must be JSON {{"peers": [base58, ...] (at most '
@@ -186,8 +199,10 @@ class LedgerService:
     async def _audit(self, request: web.Request) -> web.Response:
         if self.judge is None:
             return _error(501, "this ledger holds no weights to audit with (serve --model-dir)")
+        limit = min(self.config.max_body_bytes, self.judge.largest_sample())
+        body = await read_body(request, limit)  # 413 before reading a sample larger than any auditable call
         try:
-            sample = AuditSample.decode(await request.read())
+            sample = AuditSample.decode(body)
             verdict = await self.judge(sample)
         except (BadResponse, ProtocolError) as e:
             return _error(422, str(e))
@@ -238,6 +253,26 @@ class LedgerService:
             return _error(503, str(e))
         return web.json_response({"ok": True, "peer_id": peer_id_to_str(self.ledger.ledger_peer_id),
                                   "entries": head.position})
+
+
+def _flat_json(body: bytes) -> Any:
+    """JSON of at most two levels (an object of scalars and arrays of scalars): ``ValueError``
+    before parsing anything nested deeper (a body of ``[[[[...`` builds no objects)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in body:  # bounded by the route's body limit
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (byte == 0x5C, byte != 0x22)
+        elif byte == 0x22:
+            in_string = True
+        elif byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > 2:
+                raise ValueError("nested deeper than an object of arrays")
+        elif byte in b"]}":
+            depth -= 1
+    return json.loads(body)
 
 
 def ready_info(service: LedgerService) -> dict[str, Any]:

@@ -6,8 +6,8 @@ serialised: a process-wide lock plus the chain head's row lock (``SELECT ... FOR
 PostgreSQL; ``BEGIN IMMEDIATE`` on SQLite). ``ingest`` returns only after its transaction has
 committed, so every result it reports as accepted or duplicate is durable.
 
-Appending a receipt also moves credit: its client pays ``credits(receipt, ledger.pricing)`` into
-escrow, in the same transaction, or the receipt is refused (``insufficient_funds``); see
+Appending a receipt also moves credit: its client pays ``ledger.price(receipt)`` (its FLOPs at
+``ledger.pricing``, at least ``min_receipt_credits``) into escrow, in the same transaction, or the receipt is refused (``insufficient_funds``); see
 ``_accounts`` for the double-entry rules.
 """
 
@@ -28,6 +28,7 @@ from moeswarm.errors import ConfigError
 from moeswarm.protocol import (
     CountersignedReceipt,
     Identity,
+    Receipt,
     canonical,
     peer_id_to_str,
     public_key_from_peer_id,
@@ -85,6 +86,7 @@ class StoreConfig:
     busy_timeout_s: float = 30.0  # SQLite: how long a writer waits for another process's transaction
     max_batch: int = 10_000  # receipts per ingest call
     verify_threads: int = 2  # threads checking signatures of one batch (Ed25519 releases the GIL)
+    min_receipt_credits: int = 1  # the least a receipt costs its client, whatever its FLOPs and price
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ class Ledger:
             raise ConfigError("epoch_s must be at least one second")
         if config.verify_threads < 1:
             raise ConfigError("verify_threads must be at least 1")
+        if config.min_receipt_credits < 1:
+            raise ConfigError("min_receipt_credits must be at least 1: a receipt that costs nothing is free to flood")
         self.config = config
         self.identity = identity
         self.clock = clock  # unix milliseconds
@@ -274,12 +278,13 @@ class Ledger:
             raise ConfigError(f"a batch holds at most {self.config.max_batch} receipts, not {len(items)}")
         return self.append_prepared(self.prepare(items))
 
+    def price(self, receipt: Receipt) -> int:
+        """What ``receipt`` costs its client: its FLOPs at ``pricing``, at least ``min_receipt_credits``."""
+        return max(credits(receipt, self.pricing), self.config.min_receipt_credits)
+
     def append_prepared(self, prepared: Sequence[Prepared | Refused]) -> list[IngestResult]:
         candidates = [p for p in prepared if isinstance(p, Prepared)]
-        pricing = self.pricing
-
-        def cost(r: Any) -> int:
-            return credits(r, pricing)
+        cost = self.price
 
         if not candidates:
             return plan_batch(prepared, Known(), first_position=1, seq_window=self.config.seq_window,

@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from moeswarm._cli_util import friendly_errors
+from moeswarm._cli_util import friendly_errors, http_limit_options, http_limits
 from moeswarm.errors import ConfigError
 from moeswarm.protocol import peer_id_from_str, peer_id_to_str
 
@@ -330,9 +330,10 @@ def _checkpoint_shape(folder: str, model_id: str | None) -> tuple[str, ModelShap
               help="Largest max|output - reference| / max(1, max|reference|) an audited call may show.")
 @click.option("--verify-threads", type=click.IntRange(1, 64), default=2, show_default=True,
               help="Threads checking the signatures of one batch.")
+@http_limit_options
 @friendly_errors
 def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models: tuple[str, ...],
-          model_dirs: tuple[str, ...], audit_tolerance: float, verify_threads: int) -> None:
+          model_dirs: tuple[str, ...], audit_tolerance: float, verify_threads: int, **http: Any) -> None:
     """Run the ingestion service; prints READY {json} on stdout when it accepts receipts."""
     from moeswarm.model import load_weights
 
@@ -359,7 +360,7 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        config = ServiceConfig(host=host, port=port)
+        config = ServiceConfig(host=host, port=port, limits=http_limits(http))
         service = LedgerService(ledger, config, judge=judge)
         try:
             await service.start()

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from .._cli_util import friendly_errors
+from .._cli_util import friendly_errors, http_limit_options, http_limits
 
 
 @click.command()
@@ -25,10 +25,13 @@ from .._cli_util import friendly_errors
               help="Re-read the DHT and ping every holder this often.")
 @click.option("--relay-ca", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Trust this CA for relays of devices behind NAT (default: the system trust store).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A Host name the map answers to besides its --http address (a reverse proxy's; repeatable).")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr.")
+@http_limit_options
 @friendly_errors
 def monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], ledger_url: str | None, http: str, interval: float,
-            relay_ca: str | None, verbose: int) -> None:
+            relay_ca: str | None, allowed_hosts: tuple[str, ...], verbose: int, **limits: Any) -> None:
     """A live web page of a swarm: coverage of every expert, nodes, links, demand and contributions.
 
     Joins the DHT as a client (it works for private swarms too), crawls the announcements and
@@ -47,11 +50,13 @@ def monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], ledger_url: str
 
         set_relay_ca(relay_ca)
     host, port = host_port(http)
-    asyncio.run(run_monitor(bootstrap, models, host, port, interval, ledger_url))
+    asyncio.run(run_monitor(bootstrap, models, host, port, interval, ledger_url, http_limits=http_limits(limits),
+                            allowed_hosts=allowed_hosts))
 
 
 async def run_monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], host: str, port: int, interval: float,
-                      ledger_url: str | None, on_ready: Any = None, stop: asyncio.Event | None = None) -> None:
+                      ledger_url: str | None, on_ready: Any = None, stop: asyncio.Event | None = None,
+                      http_limits: Any = None, allowed_hosts: tuple[str, ...] = ()) -> None:
     from ..daemon import SwarmConfig, p2p_node, ready, stop_event
     from ..protocol import Identity
     from .watch import SwarmWatch, WatchConfig, model_from, model_name
@@ -65,7 +70,9 @@ async def run_monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], host:
         watch = SwarmWatch(p2p, watched, WatchConfig(interval_s=interval, ledger_url=ledger_url), names)
         await watch.start()
         try:
-            runner, url = await serve(watch.snapshot, host, port)
+            from ..net.http_guard import HttpLimits
+
+            runner, url = await serve(watch.snapshot, host, port, http_limits or HttpLimits(), allowed_hosts)
             try:
                 (on_ready or ready)({"http": url, "peer_id": identity.peer_id_str,
                                      "models": [model_id for model_id, _ in watched]})

@@ -11,6 +11,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from ..net.http_guard import HttpLimits, guarded_runner, host_check
 from ..node.status import start_runner
 
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
@@ -40,7 +41,10 @@ class _SwarmCollector:
         yield from (uncovered, minimum, replicas, states, relayed)
 
 
-def app(snapshot: Callable[[], dict[str, Any]]) -> web.Application:
+def app(snapshot: Callable[[], dict[str, Any]], bind_host: str = "127.0.0.1",
+        allowed_hosts: tuple[str, ...] = ()) -> web.Application:
+    """The map's routes; a request whose Host is not ``bind_host`` (or one of ``allowed_hosts``, a
+    proxy's name) gets 421, so a DNS-rebinding page cannot read the snapshot."""
     registry = CollectorRegistry()
     registry.register(_SwarmCollector(snapshot))  # type: ignore[arg-type]
     static = resources.files(__package__) / "static"
@@ -58,7 +62,7 @@ def app(snapshot: Callable[[], dict[str, Any]]) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")
 
-    application = web.Application()
+    application = web.Application(middlewares=[host_check(bind_host, allowed_hosts)])
     application.router.add_get("/", page)
     application.router.add_get("/static/{name}", page)
     application.router.add_get("/api/v1/swarm", api)
@@ -66,7 +70,8 @@ def app(snapshot: Callable[[], dict[str, Any]]) -> web.Application:
     return application
 
 
-async def serve(snapshot: Callable[[], dict[str, Any]], host: str, port: int) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app(snapshot), access_log=None)
-    bound = await start_runner(runner, host, port, "serve the swarm map")
+async def serve(snapshot: Callable[[], dict[str, Any]], host: str, port: int, limits: HttpLimits = HttpLimits(),
+                allowed_hosts: tuple[str, ...] = ()) -> tuple[web.AppRunner, str]:
+    runner = guarded_runner(app(snapshot, host, allowed_hosts), limits, access_log=None)
+    bound = await start_runner(runner, host, port, "serve the swarm map", limits)
     return runner, f"http://{host}:{bound}"

@@ -241,7 +241,7 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
         runner = None
         if config.http is not None:
             api = ApiConfig(max_tokens_cap=config.max_tokens_cap, chat_max_tokens=min(4096, config.max_tokens_cap),
-                            api_key=config.api_key)
+                            api_key=config.api_key, limits=config.http_limits)
             runner, port = await serve_http(service, config.http[0], config.http[1], api, status=backbone.status)
             info["http"] = info["status"] = f"http://{config.http[0]}:{port}"
         try:

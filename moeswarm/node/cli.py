@@ -7,7 +7,7 @@ import logging
 
 import click
 
-from .._cli_util import friendly_errors
+from .._cli_util import friendly_errors, http_limit_options, http_limits
 from ..errors import ConfigError
 
 
@@ -206,6 +206,7 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
                    "also read from MOESWARM_API_KEY).")
 @click.option("--max-tokens-cap", default=4096, show_default=True, type=click.IntRange(min=1),
               help="The HTTP API refuses requests for more new tokens than this.")
+@http_limit_options
 @friendly_errors
 def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_url: str | None,
              ledger_queue: str | None, audit_fraction: float, tiers: str, fetch_cache: str, probe_interval: float,
@@ -225,11 +226,13 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
 
     engine = EngineConfig(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_cache_bytes=parse_size(kv_cache),
                           max_waiting=max_waiting, speculative=speculative)
+    limits = http_limits(swarm)  # popped: the rest are the swarm's options
     config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout,  # type: ignore[arg-type]
                             ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction,
                             tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval,
                             verify=VerifyConfig(verify_fraction, probation_calls, verify_by),
-                            engine=engine, draft_model=draft_model, api_key=api_key, max_tokens_cap=max_tokens_cap)
+                            engine=engine, draft_model=draft_model, api_key=api_key, max_tokens_cap=max_tokens_cap,
+                            http_limits=limits)
     asyncio.run(run_backbone(config))
 
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..daemon import SwarmConfig
 from ..errors import ConfigError
+from ..net.http_guard import HttpLimits
 from .dispatch import DispatchConfig
 from .scheduler import EngineConfig
 from .verify import VerifyConfig
@@ -73,6 +74,7 @@ class BackboneConfig:
     draft_model: str | None = None  # with engine.speculative > 0: drafts from this local checkpoint, not prompt lookup
     api_key: str | None = None  # the HTTP API requires "Authorization: Bearer <api_key>" (needed off loopback)
     max_tokens_cap: int = 4096  # the HTTP API refuses requests for more new tokens than this
+    http_limits: HttpLimits = field(default_factory=HttpLimits)  # the HTTP API's header/idle timeouts, conns per address
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.audit_fraction <= 1.0:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import time
@@ -33,6 +32,8 @@ from aiohttp import web
 
 from ..errors import ConfigError, NetworkError, ProtocolError, SwarmError
 from ..model import SamplingParams
+from ..net.http_guard import HttpLimits, allowed_hosts, guarded_runner, host_allowed, is_loopback
+from ..net.http_guard import host_name as _host_name
 from .service import Chunk, GenerationService, ServiceBusy
 
 
@@ -45,28 +46,7 @@ class ApiConfig:
     max_tokens_cap: int = 4096  # a request asking for more new tokens than this is refused (400)
     api_key: str | None = None  # every route but /healthz, /status, /metrics needs "Authorization: Bearer <api_key>"
     allowed_hosts: tuple[str, ...] = ()  # Host/Origin names accepted besides the bound address (a proxy's name)
-
-
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a bind address or a name) only reaches this machine."""
-    name = host.strip("[]").lower()
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-def _host_name(value: str) -> str:
-    """The host part of a Host header or of an Origin's authority, lower case, no port or brackets."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        return value[1:value.find("]")] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+    limits: HttpLimits = HttpLimits()  # header/body/idle timeouts and connections per address
 
 
 SERVICE = web.AppKey("service", GenerationService)
@@ -406,17 +386,10 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     another site: the Host must name the bound address (DNS rebinding sends the attacker's name),
     an Origin must too (cross-site requests carry theirs), and the key, when set, must match."""
     config, bound = request.app[CONFIG], request.app[BIND_HOST]
-    allowed = {_host_name(h) for h in config.allowed_hosts}
-    if is_loopback(bound):
-        allowed.update(LOOPBACK_NAMES)
-    elif bound not in ("0.0.0.0", "::", ""):
-        allowed.add(_host_name(bound))
-    else:
-        allowed = set()  # a wildcard bind has no one name: the API key protects it (required there)
-    if allowed:
-        host = request.headers.get("Host")
-        if host is None or _host_name(host) not in allowed:
-            raise ApiError(421, f"Host {str(host)[:100]!r} is not this server's address", code="bad_host")
+    allowed = allowed_hosts(bound, config.allowed_hosts)  # empty for a wildcard bind: the API key protects it
+    host = request.headers.get("Host")
+    if not host_allowed(host, allowed):
+        raise ApiError(421, f"Host {str(host)[:100]!r} is not this server's address", code="bad_host")
     origin = request.headers.get("Origin")
     if origin is not None:
         authority = origin.split("://", 1)[1] if "://" in origin else ""
@@ -467,5 +440,5 @@ async def serve_http(
     """
     from .status import start_runner
 
-    runner = web.AppRunner(make_app(service, config, status, host), handler_cancellation=True)
-    return runner, await start_runner(runner, host, port, "listen")
+    runner = guarded_runner(make_app(service, config, status, host), config.limits, handler_cancellation=True)
+    return runner, await start_runner(runner, host, port, "listen", config.limits)

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from ..errors import ConfigError
+from ..net.http_guard import HttpLimits, guarded_runner, start_site
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 Snapshot = Callable[[], dict[str, Any]]
@@ -119,21 +120,24 @@ def add_status_routes(app: web.Application, snapshot: Snapshot) -> None:
     app.router.add_get("/metrics", metrics)
 
 
-async def serve_status(snapshot: Snapshot, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, str]:
+async def serve_status(snapshot: Snapshot, host: str = "127.0.0.1", port: int = 0,
+                       limits: HttpLimits = HttpLimits()) -> tuple[web.AppRunner, str]:
     """Serve ``/status`` and ``/metrics`` -> (runner, base URL); ``await runner.cleanup()`` stops it."""
     app = web.Application()
     add_status_routes(app, snapshot)
-    runner = web.AppRunner(app)
-    port = await start_runner(runner, host, port, "serve status")
+    runner = guarded_runner(app, limits)
+    port = await start_runner(runner, host, port, "serve status", limits)
     return runner, f"http://{host}:{port}"
 
 
-async def start_runner(runner: web.AppRunner, host: str, port: int, what: str) -> int:
-    """Set ``runner`` up and listen on ``host:port`` (0 picks a free port) -> the bound port;
-    ``ConfigError`` ("cannot <what> on host:port") if the address cannot be had."""
+async def start_runner(runner: web.AppRunner, host: str, port: int, what: str,
+                       limits: HttpLimits = HttpLimits()) -> int:
+    """Set ``runner`` (made by ``guarded_runner``) up and listen on ``host:port`` (0 picks a free
+    port) through the shared HTTP bounds (``net.http_guard``) -> the bound port; ``ConfigError``
+    ("cannot <what> on host:port") if the address cannot be had."""
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await start_site(runner, host, port, limits)
     except OSError as e:
         await runner.cleanup()
         raise ConfigError(f"cannot {what} on {host}:{port}: {e}") from None

@@ -70,7 +70,7 @@ def test_settlement_totals_equal_the_sum_of_accepted_receipts(ledger: Ledger, cl
     assert statement.receipts == len(accepted) == len({r.receipt_id for r in results if r.status == "accepted"})
     per_server: dict[bytes, int] = {}
     for r in accepted:
-        per_server[r.server] = per_server.get(r.server, 0) + credits(r, pricing)
+        per_server[r.server] = per_server.get(r.server, 0) + max(credits(r, pricing), 1)  # min_receipt_credits
     assert {b.server: b.credits for b in statement.balances} == per_server
     assert sum(b.expert_flops for b in statement.balances) == sum(r.expert_flops for r in accepted)
     assert all(r.status in ("accepted", "duplicate", "rejected") for r in results)
@@ -154,7 +154,7 @@ def test_credit_is_conserved_over_random_receipt_streams(ledger: Ledger, clock: 
                 continue
             before = ledger.balance(keys[c].peer_id)
             cr = receipt(keys[c], keys[s], seq=next(seq), tokens=tokens, experts=tuple(experts), seed=epoch)
-            price = credits(cr.receipt, ledger.pricing)
+            price = max(credits(cr.receipt, ledger.pricing), 1)  # at least min_receipt_credits
             [r] = ledger.ingest([cr])
             if price > before:
                 assert (r.status, r.reason) == ("rejected", Reason.INSUFFICIENT_FUNDS)
