@@ -5,6 +5,7 @@
   ``moeswarm.net`` and ``moeswarm.daemon``.
 - No module imports a module that imports it, directly or through others, counting every import
   (module level, inside functions, and under ``TYPE_CHECKING``).
+- The shared runtime (``moeswarm.net``) never imports the engine (``moeswarm.model``).
 - Importing the edge device's bridge loads neither libp2p nor trio (tests/relay also runs one).
 """
 
@@ -59,6 +60,16 @@ def test_no_module_below_the_node_names_it() -> None:
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
              for package in BELOW_THE_NODE for p in sorted((PACKAGE / package).rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []
+
+
+def test_the_shared_runtime_does_not_load_the_engine() -> None:
+    """``moeswarm.net`` serves, discovers and dials for every deployable, the relay and the ledger
+    included: it never imports ``moeswarm.model`` (the expert service takes any object with the
+    model's hidden size, expert width and top-k; a receipt's FLOPs come from the protocol)."""
+    known = modules()
+    found = sorted(f"{name} -> {target}" for name, path in known.items() if name.startswith("moeswarm.net")
+                   for target in imports_of(name, path, known) if target.startswith("moeswarm.model"))
     assert found == []
 
 

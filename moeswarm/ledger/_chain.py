@@ -29,6 +29,7 @@ from moeswarm.protocol import (
     SignatureKind,
     canonical,
     decode,
+    expert_call_flops,
     public_key_from_peer_id,
     receipt_body,
     verify,
@@ -36,7 +37,6 @@ from moeswarm.protocol import (
 
 GENESIS_HASH: Final = bytes(32)
 MAX_STORED_INT: Final = 2**63 - 1  # SQL BIGINT; larger counters are refused ("out_of_range")
-FLOPS_PER_PAIR_PER_HF: Final = 6  # a SwiGLU expert: three H x F matmuls, 2 FLOPs per multiply-add
 
 Status = Literal["accepted", "duplicate", "rejected", "retry"]
 """accepted: appended now; duplicate: already held (no-op); rejected: refused for good (the
@@ -82,7 +82,7 @@ class ModelShape:
 
     def max_flops(self, pairs: int) -> int:
         """The most ``pairs`` (expert, token) pairs can cost: 6 * H * F each."""
-        return FLOPS_PER_PAIR_PER_HF * self.hidden * self.ffn * pairs
+        return expert_call_flops(self.hidden, self.ffn, pairs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from . import _config_minimax_kimi, _rules_minimax_kimi  # noqa: F401 - register
 from .attention import KVCache
 from .checkpoint import load_config, load_weights
 from .config import ARCHITECTURES, ModelConfig
-from .experts import BACKENDS, expert_ffn, expert_flops, get_backend
+from .experts import BACKENDS, expert_ffn, get_backend
 from .generate import SamplingParams, generate, sample
 from .tokenizer import StreamDecoder, Tokenizer
 from .transformer import ExpertExecutor, ExpertHandle, LocalExperts, Model
@@ -58,7 +58,6 @@ __all__ = [
     "Tokenizer",
     "Weights",
     "expert_ffn",
-    "expert_flops",
     "generate",
     "get_backend",
     "load_config",

@@ -302,6 +302,3 @@ def get_backend(name: str) -> Backend:
         raise ConfigError(f"unknown expert backend {name!r}; choose one of {', '.join(BACKENDS)}") from None
 
 
-def expert_flops(cfg: ModelConfig, tokens: int) -> int:
-    """Multiply-adds x 2 of ``tokens`` rows through one routed expert: three H x I matmuls."""
-    return 2 * tokens * 3 * cfg.hidden_size * cfg.moe_intermediate_size

@@ -16,17 +16,29 @@ import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .._tasks import cancel_and_wait
 from ..errors import ProtocolError
-from ..model import ModelConfig, expert_flops
-from ..protocol import DEFAULT_MAX_FRAME, ErrorCode, ExpertRequest, ExpertResponse, Identity, make_receipt
+from ..protocol import (
+    DEFAULT_MAX_FRAME, ErrorCode, ExpertRequest, ExpertResponse, Identity, expert_call_flops, make_receipt,
+)
 
 RESPONSE_OVERHEAD = 1024
 """Bytes of an expert_response besides its outputs and its receipt's expert list."""
+
+
+class ExpertShape(Protocol):
+    """What the service needs to know of a model (a ``moeswarm.model.ModelConfig`` is one)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def moe_intermediate_size(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,7 @@ class Job:
 class ExpertService:
     """Queue, batch, validate and sign; subclasses compute (``_experts``, ``_compute``)."""
 
-    def __init__(self, cfg: ModelConfig, identity: Identity, config: ExpertServerConfig) -> None:
+    def __init__(self, cfg: ExpertShape, identity: Identity, config: ExpertServerConfig) -> None:
         self.cfg = cfg
         self.identity = identity
         self.config = config
@@ -187,7 +199,8 @@ class ExpertService:
                 responses.append(ProtocolError(f"the outputs overflow {req.hidden.dtype} (hidden states too large)",
                                                code=ErrorCode.NON_FINITE))
                 continue
-            flops = sum(expert_flops(self.cfg, len(e.rows)) for e in req.experts)
+            flops = sum(expert_call_flops(self.cfg.hidden_size, self.cfg.moe_intermediate_size, len(e.rows))
+                        for e in req.experts)
             receipt = make_receipt(self.identity, req, out, client=job.client, expert_flops=flops, time_ms=now_ms)
             responses.append(ExpertResponse(req.request_id, out, receipt, compute_us, self.load_permille))
         return responses

@@ -58,6 +58,7 @@ from ._receipts import (
     check_response,
     countersign,
     input_hash,
+    expert_call_flops,
     make_receipt,
     output_hash,
     verify_countersigned,
@@ -100,7 +101,7 @@ __all__ = [
     # handshake
     "ClientHandshake", "ServerHandshake", "auth_transcript",
     # receipts
-    "make_receipt", "verify_receipt", "countersign", "verify_countersigned", "check_response",
+    "expert_call_flops", "make_receipt", "verify_receipt", "countersign", "verify_countersigned", "check_response",
     "input_hash", "output_hash",
     # DHT records
     "provider_key", "announcement_key", "parse_announcement_key", "sign_announcement",

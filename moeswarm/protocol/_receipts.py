@@ -41,6 +41,12 @@ def output_hash(outputs: np.ndarray) -> bytes:
     return tensor_hash(outputs)
 
 
+def expert_call_flops(hidden_size: int, intermediate_size: int, tokens: int) -> int:
+    """A receipt's ``expert_flops`` for ``tokens`` rows through one routed expert: three
+    hidden x intermediate matmuls, 2 FLOPs per multiply-add."""
+    return 2 * tokens * 3 * hidden_size * intermediate_size
+
+
 def make_receipt(
     identity: Identity,
     request: ExpertRequest,
