@@ -12,8 +12,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["OPENBLAS_NUM_THREADS"] = "1"
 
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
+import pickle  # noqa: E402
 import shutil  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -57,21 +60,48 @@ class OracleCheckpoints:
             o = self.oracle
             if arch not in o.ARCHS + o.EXTRA_ARCHS or layout not in o.LAYOUTS:
                 raise ValueError(f"unknown oracle checkpoint {arch!r}/{layout!r}")
-            d = self.root / (f"{arch}-{layout}" + ("-legacy_rope" if legacy_rope else ""))
-            if legacy_rope:
-                src, _ = self.get(arch, layout)
-                shutil.copytree(src, d)
-                o.write_legacy_rope_config(d)
-            else:
-                o.build_checkpoint(arch, layout, d)
-            self._cache[key] = (d, o.reference_run(d, o.PROMPT))
+            name = f"{arch}-{layout}" + ("-legacy_rope" if legacy_rope else "")
+            d, done = self.root / name, self.root / f"{name}.reference.pickle"
+            with _locked(self.root / f"{name}.lock"):  # the other worker may be building it
+                if done.exists():
+                    reference = pickle.loads(done.read_bytes())
+                else:
+                    shutil.rmtree(d, ignore_errors=True)  # a build that died half way
+                    if legacy_rope:
+                        src, _ = self.get(arch, layout)
+                        shutil.copytree(src, d)
+                        o.write_legacy_rope_config(d)
+                    else:
+                        o.build_checkpoint(arch, layout, d)
+                    reference = o.reference_run(d, o.PROMPT)
+                    done.with_suffix(".part").write_bytes(pickle.dumps(reference))
+                    done.with_suffix(".part").rename(done)
+            self._cache[key] = (d, reference)
         return self._cache[key]
 
     __call__ = get
 
 
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def oracle_checkpoints(tmp_path_factory) -> OracleCheckpoints:
+    """One folder for the whole run: under pytest-xdist the workers share it (the base temp's
+    parent is the run's), so each checkpoint and its reference are built by one worker, once."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "oracle-shared"
+        root.mkdir(exist_ok=True)
+        return OracleCheckpoints(root)
     return OracleCheckpoints(tmp_path_factory.mktemp("oracle"))
 
 
