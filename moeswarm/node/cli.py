@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import click
 
 from .._cli_util import friendly_errors
+from ..daemon import check_listen, run_daemon
 from ..errors import ConfigError
 
 
@@ -147,7 +147,11 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
                         market_ledger=market_ledger, max_connections=max_connections,
                         max_conns_per_ip=max_conns_per_ip, max_conns_per_peer=max_conns_per_peer,
                         frame_timeout_s=frame_timeout, idle_timeout_s=idle_timeout)
-    asyncio.run(run_node(config))
+    check_listen(config.swarm.host, data_port, "--port")
+    if config.status is not None:
+        check_listen(*config.status, "--status")
+    check_listen(config.swarm.host, config.swarm.p2p_port, "--p2p-port")
+    run_daemon(run_node(config))
 
 
 @click.command()
@@ -230,7 +234,10 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
                             tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval,
                             verify=VerifyConfig(verify_fraction, probation_calls, verify_by),
                             engine=engine, draft_model=draft_model, api_key=api_key, max_tokens_cap=max_tokens_cap)
-    asyncio.run(run_backbone(config))
+    assert config.http is not None
+    check_listen(*config.http, "--http")
+    check_listen(config.swarm.host, config.swarm.p2p_port, "--p2p-port")
+    run_daemon(run_backbone(config))
 
 
 @click.command("status")
