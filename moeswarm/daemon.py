@@ -138,13 +138,13 @@ async def p2p_node(identity: Identity, cfg: SwarmConfig) -> AsyncIterator[Any]:
         await node.stop()
 
 
-def stop_event() -> asyncio.Event:
+def stop_event(grace_s: float = DRAIN_GRACE_S) -> asyncio.Event:
     """An event SIGINT and SIGTERM set, for a daemon run by ``run_daemon``.
 
     The daemon drains when it sees the event; until it has printed READY (loading, dialling a
     bootstrap peer, waiting for a relay) there is nothing to drain and the calling task is
-    cancelled at once; once serving, it is cancelled if draining outlasts ``DRAIN_GRACE_S``, or
-    on a second signal.  So a signal stops the process within seconds in every state."""
+    cancelled at once; once serving, it is cancelled if draining outlasts ``grace_s``, or on a
+    second signal.  So a signal stops the process within seconds in every state."""
     event = asyncio.Event()
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
@@ -160,7 +160,7 @@ def stop_event() -> asyncio.Event:
             return
         say(f"{name}: draining... (again to stop at once)")
         event.set()
-        loop.call_later(DRAIN_GRACE_S, main.cancel)
+        loop.call_later(grace_s, main.cancel)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):

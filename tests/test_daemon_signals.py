@@ -5,8 +5,8 @@ down) and serving (relay, ledger).
 The dead peer is a real socket on loopback that accepts each connection and closes it at once,
 so every attempt fails and the daemon retries; its first accepted connection shows the daemon
 is in that state (the signal goes then), on this code and on the code before the fix alike.
-All the daemons run at once, as real processes, in one module fixture; each test reads one
-daemon's outcome under one signal.
+The daemons run as real processes in one module fixture, all seven at once for each signal;
+each test reads one daemon's outcome under one signal.
 
 On 52de96c (before the fix) 8 of 14 failed: node, backbone, monitor and the connecting relay
 ignored both signals until their bootstrap dial gave up by itself (``exit status 2, error: no
@@ -133,7 +133,7 @@ def _scenarios(tmp: Path, shards: Path) -> list[Run]:
                                           relay_peer.multiaddr()], relay_peer),
             Run("bridge", sig, [*cli, "bridge", "--relay", f"wss://127.0.0.1:{bridge_peer.port}", "--shards",
                                 str(shards), "--max-backoff", "1"], bridge_peer),
-            Run("relay serving", sig, [*cli, "relay", "--listen", "127.0.0.1:0"], None),
+            Run("relay serving", sig, [*cli, "relay", "--listen", "127.0.0.1:0", "--no-dht"], None),
             Run("ledger serving", sig, [sys.executable, "-m", "moeswarm.ledger.cli", "serve", "--db", str(db),
                                         "--listen", "127.0.0.1:0"], None),
         ]
@@ -192,7 +192,8 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[st
     shards = tmp / "shards"
     export_onnx(str(CHECKPOINT), str(shards), layers=(0, 0), experts=(0, 0))
     runs = _scenarios(tmp, shards)
-    _run_all(runs, tmp)
+    for sig in SIGNALS:  # one wave per signal: 14 processes at once would starve each other on 2 cores
+        _run_all([run for run in runs if run.sig == sig], tmp)
     yield {(run.name, run.sig.name): run for run in runs}
 
 
@@ -220,14 +221,43 @@ def test_daemon_stops_on_signal(outcomes: dict[tuple[str, str], Run], daemon: st
 
 def test_bridge_logs_retries_in_words_and_not_one_line_each(outcomes: dict[tuple[str, str], Run]) -> None:
     """Its relay down, the bridge logged a line per retry, each holding aiohttp's
-    ``ssl:<ssl.SSLContext object at 0x...>``; now one line in words, the repeats counted.
+    ``ssl:<ssl.SSLContext object at 0x...>``; now one line in words (then one a minute, counted).
     On 52de96c: 4 lines ``relay session failed: ClientConnectorError: Cannot connect to host
     127.0.0.1:PORT ssl:<ssl.SSLContext object at 0x7f...> [Connection reset by peer]``."""
     for sig in SIGNALS:
         run = outcomes[("bridge", sig.name)]
         assert run.peer is not None and run.peer.dials >= BRIDGE_DIALS
-        failures = [line for line in run.stderr.splitlines() if f"relay wss://127.0.0.1:{run.peer.port}" in line]
+        failures = [line for line in run.stderr.splitlines() if "moeswarm.mobile_bridge.link" in line]
         assert len(failures) == 1, run.stderr[-3000:]
         assert failures[0].endswith(f"cannot connect to 127.0.0.1:{run.peer.port}: connection reset by peer; "
                                     "retrying with backoff"), failures
         assert "SSLContext object" not in run.stderr and "0x" not in run.stderr, run.stderr[-3000:]
+
+
+def test_relay_failures_are_counted_a_line_a_minute(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A relay down for minutes: a line for the first failure, then one a minute with the count,
+    then one when the session is up (the clock is the module's ``time.monotonic``)."""
+    import aiohttp
+    from aiohttp.client_reqrep import ConnectionKey
+
+    from moeswarm.mobile_bridge import link
+
+    now = [1000.0]
+    monkeypatch.setattr(link.time, "monotonic", lambda: now[0])
+    key = ConnectionKey("relay.example", 443, True, True, None, None, None)
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "Connect call failed"))
+    failures = link._Failures("wss://relay.example")
+    with caplog.at_level("WARNING", logger=link.__name__):
+        for _ in range(130):  # a retry every second for 130 s
+            failures.failed(refused)
+            now[0] += 1.0
+        failures.recovered()
+    assert [r.getMessage() for r in caplog.records] == [
+        "relay wss://relay.example: cannot connect to relay.example:443: connection refused; retrying with backoff",
+        "relay wss://relay.example: still failing after 61 attempts, the last: cannot connect to relay.example:443: "
+        "connection refused",
+        "relay wss://relay.example: still failing after 121 attempts, the last: cannot connect to relay.example:443: "
+        "connection refused",
+        "relay wss://relay.example: session up after 130 failed attempts",
+    ]

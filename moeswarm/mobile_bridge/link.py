@@ -298,29 +298,29 @@ def describe_failure(e: BaseException) -> str:
 
 
 class _Failures:
-    """Logs failed sessions without flooding: a line for the first failure (and whenever the reason
-    changes), then one line a minute with the count, and one when a session is up again."""
+    """Logs failed sessions without flooding: one line for the first failure, then at most one a
+    minute with the count and the latest reason, and one when a session is up again."""
 
     REPEAT_S = 60.0
 
     def __init__(self, relay_url: str) -> None:
         self.relay_url = relay_url
         self.count = 0  # failures in a row
-        self.reason = ""
         self.logged_at = 0.0
 
     def failed(self, e: BaseException) -> None:
-        reason, now = describe_failure(e), time.monotonic()
+        now = time.monotonic()
         self.count += 1
-        if reason != self.reason:
-            log.warning("relay %s: %s; retrying with backoff", self.relay_url, reason)
+        if self.count == 1:
+            log.warning("relay %s: %s; retrying with backoff", self.relay_url, describe_failure(e))
         elif now - self.logged_at >= self.REPEAT_S:
-            log.warning("relay %s: still %s (%d attempts so far)", self.relay_url, reason, self.count)
+            log.warning("relay %s: still failing after %d attempts, the last: %s", self.relay_url, self.count,
+                        describe_failure(e))
         else:
             return
-        self.reason, self.logged_at = reason, now
+        self.logged_at = now
 
     def recovered(self) -> None:
         if self.count:
             log.warning("relay %s: session up after %d failed attempts", self.relay_url, self.count)
-        self.count, self.reason = 0, ""
+        self.count = 0

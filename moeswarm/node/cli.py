@@ -132,7 +132,9 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 
     Prints `READY {json}` (peer_id, multiaddrs, endpoint, status URL) on stdout once serving, and
     with --experts auto a `REBALANCE {json}` line (action, reason, layers, experts, more_blocks) per
-    re-evaluation. `moeswarm node status` shows what a running node measures and plans.
+    re-evaluation; what it is doing, in words, on stderr. Ctrl-C or SIGTERM withdraws and stops
+    within seconds (a second one stops at once). `moeswarm node status` shows what a running node
+    measures and plans.
     """
     from ..model.memory import parse_size
     from .config import NodeConfig
@@ -219,7 +221,8 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
 
     Serves /v1/models, /v1/completions and /v1/chat/completions, and /status and /metrics.
-    Prints `READY {json}` (peer_id, multiaddrs, http) on stdout once serving.
+    Prints `READY {json}` (peer_id, multiaddrs, http) on stdout once serving, and what it is doing,
+    in words, on stderr. Ctrl-C or SIGTERM drains and stops within seconds.
     """
     from ..model.memory import parse_size
     from .backbone import run_backbone

@@ -272,7 +272,7 @@ def render_report(report: dict[str, Any], show_experts: bool = False) -> None:
                   f"{counts.get('fetch', 0)} fetch; "
                   + (f"predicted {predicted} tokens/s" if (predicted := plan.get("predicted_tokens_per_s")) is not None
                      else "no prediction until holders are measured"))
-    if not tiers.get("acting"):  # a node, or a backbone with --tiers remote: it fetches no weights to check
+    if not tiers.get("acting") and not f.get("experts"):  # a node, or a backbone with --tiers remote
         console.print("  fetches no expert weights (the plan is shown, not followed)")
     else:
         console.print(f"  {f.get('experts', 0)} experts fetched ({_mb(f.get('bytes'))}); "

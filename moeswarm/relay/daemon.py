@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..daemon import listen_problem, load_identity, ready, say, stop_event
+from ..daemon import DRAIN_GRACE_S, listen_problem, load_identity, ready, say, stop_event
 from ..errors import ConfigError
 from ..net.p2p import P2PConfig, P2PNode
 from ._directory import DhtDirectory, Directory, MemoryDirectory
@@ -55,7 +55,7 @@ async def _directory(config: RelayDaemonConfig, identity: Any) -> AsyncIterator[
 async def run_relay(config: RelayDaemonConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
                     stop: asyncio.Event | None = None) -> None:
     identity = load_identity(config.identity_file)
-    stop = stop or stop_event()
+    stop = stop or stop_event(max(DRAIN_GRACE_S, config.relay.limits.drain_timeout_s + 1))  # --drain-timeout
     async with _directory(config, identity) as (directory, multiaddrs):
         server = RelayServer(identity, config.relay, directory)
         try:
