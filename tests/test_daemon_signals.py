@@ -18,6 +18,7 @@ welcomed it).  The serving relay and ledger stopped on both.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -25,9 +26,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -82,7 +84,10 @@ class Run:
     sig: signal.Signals
     args: list[str]
     peer: DeadPeer | None  # None: the daemon is serving (the signal goes after READY)
+    after: Run | None = None  # started once this one is READY, joining the swarm through it ("BOOTSTRAP")
+    also_wait: Callable[[], bool] = lambda: True  # a serving daemon is signalled once READY and this holds
     process: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     stdout: list[str] = field(default_factory=list)
     signalled_at: float | None = None
@@ -108,7 +113,11 @@ def _wait_exit(run: Run) -> None:
 
 
 def _in_state(run: Run) -> bool:
-    return run.peer.dialled.is_set() if run.peer is not None else run.ready.is_set()
+    return run.peer.dialled.is_set() if run.peer is not None else run.ready.is_set() and run.also_wait()
+
+
+def _exited(run: Run) -> bool:
+    return run.process is not None and run.process.poll() is not None
 
 
 def _scenarios(tmp: Path, shards: Path) -> list[Run]:
@@ -134,27 +143,50 @@ def _scenarios(tmp: Path, shards: Path) -> list[Run]:
             Run("bridge", sig, [*cli, "bridge", "--relay", f"wss://127.0.0.1:{bridge_peer.port}", "--shards",
                                 str(shards), "--max-backoff", "1"], bridge_peer),
             Run("relay serving", sig, [*cli, "relay", "--listen", "127.0.0.1:0", "--no-dht"], None),
+        ]
+        # a node serving every expert; a backbone and a monitor join through it and are signalled once it
+        # is gone (serving, their peer down); the node is signalled once they serve
+        node = Run("node serving", sig, [*cli, "node", "--model", model], None)
+        backbone = Run("backbone serving", sig, [*cli, "backbone", "--model", model, "--http", "127.0.0.1:0",
+                                                 "--bootstrap", "BOOTSTRAP"], None, after=node,
+                       also_wait=lambda node=node: _exited(node))  # type: ignore[misc]
+        monitor = Run("monitor serving", sig, [*cli, "monitor", "--model", model, "--http", "127.0.0.1:0",
+                                               "--bootstrap", "BOOTSTRAP"], None, after=node,
+                      also_wait=lambda node=node: _exited(node))  # type: ignore[misc]
+        node.also_wait = lambda b=backbone, m=monitor: (b.ready.is_set() or _exited(b)) and (  # type: ignore[misc]
+            m.ready.is_set() or _exited(m))
+        runs += [
+            node, backbone, monitor,
             Run("ledger serving", sig, [sys.executable, "-m", "moeswarm.ledger.cli", "serve", "--db", str(db),
                                         "--listen", "127.0.0.1:0"], None),
         ]
     return runs
 
 
-def _run_all(runs: list[Run], tmp: Path) -> None:
+def _start(run: Run, tmp: Path) -> None:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    logs = []
-    for run in runs:
-        log = open(tmp / f"{run.name.replace(' ', '-')}-{run.sig.name}.err", "w+b")  # noqa: SIM115
-        logs.append(log)
-        run.process = subprocess.Popen(run.args, stdout=subprocess.PIPE, stderr=log, env=env)
-        threading.Thread(target=_read_stdout, args=(run,), daemon=True).start()
-        threading.Thread(target=_wait_exit, args=(run,), daemon=True).start()
+    if run.after is not None:
+        boot = json.loads(next(line for line in run.after.stdout if line.startswith("READY "))[6:])["multiaddrs"][0]
+        run.args = [boot if a == "BOOTSTRAP" else a for a in run.args]
+    run.log = open(tmp / f"{run.name.replace(' ', '-')}-{run.sig.name}.err", "w+b")  # noqa: SIM115
+    run.process = subprocess.Popen(run.args, stdout=subprocess.PIPE, stderr=run.log, env=env)
+    threading.Thread(target=_read_stdout, args=(run,), daemon=True).start()
+    threading.Thread(target=_wait_exit, args=(run,), daemon=True).start()
+
+
+def _run_all(runs: list[Run], tmp: Path) -> None:
     try:
-        deadline = time.monotonic() + START_BOUND_S
+        unstarted = list(runs)
         waiting = list(runs)
+        deadline = time.monotonic() + START_BOUND_S
         while waiting and time.monotonic() < deadline:  # signal each one as soon as it is in its state
+            for run in list(unstarted):
+                if run.after is None or run.after.ready.is_set():
+                    _start(run, tmp)
+                    unstarted.remove(run)
             for run in list(waiting):
-                assert run.process is not None
+                if run.process is None:
+                    continue
                 if run.process.poll() is not None:
                     waiting.remove(run)  # died before the signal: reported by its test
                 elif _in_state(run):
@@ -167,17 +199,18 @@ def _run_all(runs: list[Run], tmp: Path) -> None:
         while any(run.exited_at is None for run in signalled) and time.monotonic() < last + STOP_WITHIN_S:
             time.sleep(0.05)
     finally:
-        for run, log in zip(runs, logs):
-            assert run.process is not None
+        for run in runs:
+            if run.process is None or run.log is None:
+                continue
             if run.process.poll() is None:
                 run.process.kill()
                 run.process.wait(10)
             elif run.exited_at is not None and run.signalled_at is not None:
                 run.stopped_after = run.exited_at - run.signalled_at
                 run.returncode = run.process.returncode
-            log.seek(0)
-            run.stderr = log.read().decode(errors="replace")
-            log.close()
+            run.log.seek(0)
+            run.stderr = run.log.read().decode(errors="replace")
+            run.log.close()
             if run.process.stdout is not None:
                 run.process.stdout.close()
             if run.peer is not None:
@@ -197,7 +230,8 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[st
     yield {(run.name, run.sig.name): run for run in runs}
 
 
-DAEMONS = ("node", "backbone", "monitor", "relay connecting", "bridge", "relay serving", "ledger serving")
+DAEMONS = ("node", "backbone", "monitor", "relay connecting", "bridge", "relay serving", "ledger serving",
+           "node serving", "backbone serving", "monitor serving")
 
 
 @pytest.mark.parametrize("sig", [s.name for s in SIGNALS])
