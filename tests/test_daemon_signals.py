@@ -1,19 +1,21 @@
 """Every daemon stops on SIGINT and on SIGTERM within 10 s, in every state: dialling a peer that
 is down (node, backbone, monitor and relay with a dead bootstrap peer, the bridge with its relay
-down) and serving (relay, ledger).
+down, retrying) and serving (relay, ledger, node; backbone and monitor once their node is gone).
 
 The dead peer is a real socket on loopback that accepts each connection and closes it at once,
 so every attempt fails and the daemon retries; its first accepted connection shows the daemon
 is in that state (the signal goes then), on this code and on the code before the fix alike.
-The daemons run as real processes in one module fixture, all seven at once for each signal;
-each test reads one daemon's outcome under one signal.
+The daemons run as real processes in one module fixture, one wave per signal (the serving
+backbone and monitor start once their node is READY); each test reads one daemon's outcome
+under one signal.  The 22nd test checks the retry log's rate limit on a fake clock.
 
-On 52de96c (before the fix) 8 of 14 failed: node, backbone, monitor and the connecting relay
+On 52de96c (before the fix) all 22 failed.  Node, backbone, monitor and the connecting relay
 ignored both signals until their bootstrap dial gave up by itself (``exit status 2, error: no
 bootstrap peer answered: ...: SwarmException: ... recently failed all addresses (negative
-cache)``, 8-10 s after the signal), and the bridge, whose relay was down, did not stop at all
-(still running 10 s after SIGINT or SIGTERM: it awaited its stop event only once the relay had
-welcomed it).  The serving relay and ledger stopped on both.
+cache)``, 11-13 s after the signal, or still running at 10 s), and the bridge, whose relay was
+down, did not stop at all (it awaited its stop event only once the relay had welcomed it).  The
+serving daemons (relay, ledger, node, and backbone and monitor with their node gone) stopped in
+about 2 s but said nothing before or after READY, nor on the signal.
 """
 
 from __future__ import annotations
