@@ -98,8 +98,8 @@ def _default_model() -> str:
                    "--local-fallback compute the missing ones here).")
 @friendly_errors
 def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, max_new_tokens: int, backend: str,
-             temperature: float, top_p: float, top_k: int, seed: int | None, print_token_ids: bool, swarm: tuple[str, ...],
-             local_fallback: bool, relay_ca: str | None, show_experts: bool, ledger_url: str | None,
+             temperature: float, top_p: float, top_k: int, seed: int | None, print_token_ids: bool,
+             swarm: tuple[str, ...], local_fallback: bool, relay_ca: str | None, show_experts: bool, ledger_url: str | None,
              audit_fraction: float, speculative: int, memory_budget: str | None, stats: bool,
              coverage_timeout: float) -> None:
     """Generate text from a checkpoint, streaming it to stdout: in this process, or with --swarm."""

@@ -241,7 +241,8 @@ DAEMONS = ("node", "backbone", "monitor", "relay connecting", "bridge", "relay s
 def test_daemon_stops_on_signal(outcomes: dict[tuple[str, str], Run], daemon: str, sig: str) -> None:
     run = outcomes[(daemon, sig)]
     assert run.signalled_at is not None, (
-        f"{daemon} never reached the state to signal it in (exit status {run.returncode}); stderr:\n{run.stderr[-1500:]}")
+        f"{daemon} never reached the state to signal it in (exit status {run.returncode}); stderr:\n"
+        f"{run.stderr[-1500:]}")
     assert run.stopped_after is not None and run.stopped_after <= STOP_WITHIN_S, (
         f"{daemon} still ran {STOP_WITHIN_S:.0f} s after {sig}; stderr:\n{run.stderr[-1500:]}")
     assert run.returncode == 0, f"{daemon} exited {run.returncode} after {sig}; stderr:\n{run.stderr[-1500:]}"

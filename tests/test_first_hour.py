@@ -114,8 +114,8 @@ def test_messages_name_the_problem() -> None:
         assert r[name].stderr.strip().endswith(
             "error: this is a file, not a model folder: give the folder that holds config.json and *.safetensors, "
             "or a .gguf file (file README.md)"), r[name].stderr
-    assert r["dead peer"].stderr.strip().endswith(
-        f"error: no bootstrap peer answered: connection refused at {dead} (is the peer running?)"), r["dead peer"].stderr
+    refused = f"error: no bootstrap peer answered: connection refused at {dead} (is the peer running?)"
+    assert r["dead peer"].stderr.strip().endswith(refused), r["dead peer"].stderr
     assert r["speculative"].stdout == ""  # nothing on stdout: the error is a line of its own
     assert r["speculative"].stderr == "error: --speculative needs --temperature 0 (greedy)\n"
     assert r["plan"].returncode == 0
