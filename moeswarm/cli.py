@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
-from ._cli_util import friendly_errors
+from ._cli_util import echo_prompt, friendly_errors, served_summary, stream
 
 
 class LazyGroup(click.Group):
@@ -70,7 +69,10 @@ def _default_model() -> str:
 @click.option("--backend", default="auto", show_default=True,
               type=click.Choice(["auto", "eager", "grouped", "batched"]), help="How routed experts are computed.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 means greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="Sample from the smallest set of tokens whose probability reaches P.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0),
+              help="Sample from the K most likely tokens only (0 = all).")
 @click.option("--seed", default=None, type=int, help="Seed for sampling (same seed, same text).")
 @click.option("--print-token-ids", is_flag=True, help="Print the generated token ids as a JSON list on the last line.")
 @click.option("--swarm", multiple=True, metavar="MULTIADDR",
@@ -96,8 +98,8 @@ def _default_model() -> str:
                    "--local-fallback compute the missing ones here).")
 @friendly_errors
 def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, max_new_tokens: int, backend: str,
-             temperature: float, top_p: float, seed: int | None, print_token_ids: bool, swarm: tuple[str, ...],
-             local_fallback: bool, relay_ca: str | None, show_experts: bool, ledger_url: str | None,
+             temperature: float, top_p: float, top_k: int, seed: int | None, print_token_ids: bool,
+             swarm: tuple[str, ...], local_fallback: bool, relay_ca: str | None, show_experts: bool, ledger_url: str | None,
              audit_fraction: float, speculative: int, memory_budget: str | None, stats: bool,
              coverage_timeout: float) -> None:
     """Generate text from a checkpoint, streaming it to stdout: in this process, or with --swarm."""
@@ -124,7 +126,8 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
             async with SwarmBackbone(config) as backbone:
                 assert backbone.model is not None and backbone.executor is not None
                 await asyncio.to_thread(_generate_with, backbone.model, model_dir, prompt, prompt_ids,
-                                        max_new_tokens, temperature, top_p, seed, print_token_ids, speculative)
+                                        max_new_tokens, temperature, top_p, seed, print_token_ids, speculative,
+                                        top_k)
                 if show_experts:
                     _print_placement(backbone.executor.served_by)
 
@@ -147,7 +150,7 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
             model.experts.cache = F32Cache(budget.budget // 8)
     t0 = time.perf_counter()
     n = _generate_with(model, model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed,
-                       print_token_ids, speculative)
+                       print_token_ids, speculative, top_k)
     if stats:
         from .model.memory import footprint
 
@@ -163,21 +166,17 @@ def _print_placement(served_by: dict[bytes, set[tuple[int, int]]]) -> None:
 
     click.echo("experts served, by peer:", err=True)
     for peer, pairs in sorted(served_by.items()):
-        layers: dict[int, list[int]] = {}
-        for layer, expert in sorted(pairs):
-            layers.setdefault(layer, []).append(expert)
-        summary = "; ".join(f"layer {L}: {experts}" for L, experts in layers.items())
-        click.echo(f"  {peer_id_to_str(peer)[-12:]}  {summary}", err=True)
+        click.echo(f"  {peer_id_to_str(peer)[-12:]}  {served_summary(pairs)}", err=True)
 
 
 def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | None,  # type: ignore[no-untyped-def]
                    max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
-                   print_token_ids: bool, speculative: int = 0) -> int:
+                   print_token_ids: bool, speculative: int = 0, top_k: int = 0) -> int:
     from .demo import DEFAULT_PROMPT
     from .errors import ConfigError
     from .model import SamplingParams, Tokenizer
     from .model import generate as run
-    from .model.speculative import generate_speculative
+    from .model.speculative import SpeculativeStats, generate_speculative
 
     cfg = model.config
     tokenizer = None
@@ -189,26 +188,26 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
     else:
         tokenizer = Tokenizer.from_folder(model.weights.folder, cfg.bos_token_id)
         ids = tokenizer.encode(prompt if prompt is not None else DEFAULT_PROMPT)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                            stop_token_ids=cfg.eos_token_ids)
+    if speculative and temperature != 0:  # before the prompt is printed: the error gets its own line
+        raise ConfigError("--speculative needs --temperature 0 (greedy)")
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop_token_ids=cfg.eos_token_ids)
     if tokenizer is None:
         try:
             tokenizer = Tokenizer.from_folder(model.weights.folder, cfg.bos_token_id)
         except ConfigError:
             tokenizer = None  # ids in, ids out: text is optional
-    stream = tokenizer.stream(ids) if tokenizer else None
+    text = tokenizer.stream(ids) if tokenizer else None
     if tokenizer is not None and prompt_ids is None:
-        click.echo(tokenizer.decode(ids), nl=False)  # the prompt, as the tokenizer reads it
-    out: list[int] = []
-    if speculative and temperature != 0:
-        raise ConfigError("--speculative needs --temperature 0 (greedy)")
-    tokens = generate_speculative(model, ids, params, k=speculative) if speculative else run(model, ids, params)
-    for token in tokens:
-        out.append(token)
-        if stream is not None:
-            click.echo(stream.feed(token), nl=False)
-            sys.stdout.flush()
-    click.echo()
+        echo_prompt(tokenizer.decode(ids))  # the prompt, as the tokenizer reads it
+    drafts = SpeculativeStats()
+    tokens = (generate_speculative(model, ids, params, k=speculative, stats=drafts) if speculative
+              else run(model, ids, params))
+    out = stream(tokens, text.feed if text is not None else None)
+    if speculative:
+        click.echo(f"speculative: {drafts.accepted} of {drafts.drafted} draft tokens accepted "
+                   f"({drafts.accepted / max(drafts.drafted, 1):.0%}), {len(out)} tokens in "
+                   f"{drafts.steps + 1} forward passes", err=True)
     if print_token_ids:
         click.echo(json.dumps(out))
     return len(out)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import signal
+import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from ._keys import load_key_file
 from .errors import ConfigError
@@ -30,9 +32,47 @@ def parse_range(text: str | None, upper: int, what: str) -> tuple[int, int]:
         first, last = int(a), int(b) if b else int(a)
     except ValueError:
         raise ConfigError(f"--{what} takes an inclusive range like 0-31, not {text!r}") from None
+    if first > last:
+        raise ConfigError(f"--{what} {text} is reversed: write the lower end first, {last}-{first}")
     if not 0 <= first <= last < upper:
         raise ConfigError(f"--{what} {text} is outside 0-{upper - 1}")
     return first, last
+
+
+def span(bounds: Any) -> str:
+    """An inclusive range as a person writes it (and as ``parse_range`` reads it): ``0-2``, or ``5``."""
+    first, last = bounds
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def say(text: str) -> None:
+    """A line for the person who started the daemon (stderr: stdout carries the READY line)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def check_listen(host: str, port: int, option: str) -> None:
+    """``ConfigError`` at once, before loading or dialling anything, if ``host:port`` cannot be
+    listened on (another process holds it, or it needs privileges); port 0 always can."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as e:
+            raise ConfigError(f"{option} {host}:{port}: {listen_problem(e)}") from None
+
+
+def listen_problem(e: OSError) -> str:
+    """Why a bind failed, in words (not asyncio's ``[Errno 98] error while attempting to bind ...``)."""
+    if e.errno == errno.EADDRINUSE:
+        return "the port is in use by another process (choose another port, or 0 for any free one)"
+    if e.errno == errno.EACCES:
+        return "permission denied (ports below 1024 need root or CAP_NET_BIND_SERVICE)"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return "no network interface of this machine has that address"
+    return e.strerror or str(e)
 
 
 def load_identity(path: str | None) -> Identity:
@@ -47,7 +87,16 @@ def public_multiaddrs(multiaddrs: list[str], cfg: "SwarmConfig") -> list[str]:
     return [m.replace(f"/ip4/{cfg.host}/", f"/ip4/{cfg.announce_host}/", 1) for m in multiaddrs]
 
 
+_serving = False  # set by ready(): from then on, a signal drains the daemon instead of cancelling it
+
+DRAIN_GRACE_S: Final = 6.0
+"""After SIGINT/SIGTERM a serving daemon has this long to drain (withdraw its announcement, let
+answers in flight finish) before it is cancelled; a second signal cancels it at once."""
+
+
 def ready(info: dict[str, Any]) -> None:
+    global _serving
+    _serving = True
     sys.stdout.write("READY " + json.dumps(info, sort_keys=True) + "\n")
     sys.stdout.flush()
 
@@ -66,6 +115,13 @@ class SwarmConfig:
     identity_file: str | None = None
 
 
+def joining(cfg: SwarmConfig) -> str:
+    """The line a daemon prints before it dials (or, as the first peer, starts) the swarm."""
+    if not cfg.bootstrap:
+        return "starting a new swarm: this process is its bootstrap peer (others join with --bootstrap)..."
+    return f"joining the swarm through {', '.join(cfg.bootstrap)}..."
+
+
 @contextlib.asynccontextmanager
 async def p2p_node(identity: Identity, cfg: SwarmConfig) -> AsyncIterator[Any]:
     from .net.p2p import (  # imports libp2p (1-2 s): only when a daemon starts
@@ -82,10 +138,41 @@ async def p2p_node(identity: Identity, cfg: SwarmConfig) -> AsyncIterator[Any]:
         await node.stop()
 
 
-def stop_event() -> asyncio.Event:
+def stop_event(grace_s: float = DRAIN_GRACE_S) -> asyncio.Event:
+    """An event SIGINT and SIGTERM set, for a daemon run by ``run_daemon``.
+
+    The daemon drains when it sees the event; until it has printed READY (loading, dialling a
+    bootstrap peer, waiting for a relay) there is nothing to drain and the calling task is
+    cancelled at once; once serving, it is cancelled if draining outlasts ``grace_s``, or on a
+    second signal.  So a signal stops the process within seconds in every state."""
     event = asyncio.Event()
     loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+
+    def on_signal(name: str) -> None:
+        if main is None or main.done():
+            event.set()
+            return
+        if event.is_set() or not _serving:
+            say(f"{name}: stopping")
+            event.set()
+            main.cancel()
+            return
+        say(f"{name}: draining... (again to stop at once)")
+        event.set()
+        loop.call_later(grace_s, main.cancel)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, event.set)
+            loop.add_signal_handler(sig, on_signal, sig.name)
     return event
+
+
+def run_daemon(main: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run(main)`` for a daemon whose coroutine calls ``stop_event()``: a stop by signal
+    (a cancelled main task) ends in a "stopped" line and exit status 0, not a traceback."""
+    try:
+        asyncio.run(main)
+    except asyncio.CancelledError:
+        pass
+    say("stopped")

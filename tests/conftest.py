@@ -2,7 +2,7 @@
 
 The environment variables are set at import, before numpy / huggingface_hub are imported by any test module:
 no hub access ever, no tokenizer thread pools, single-threaded OpenBLAS (several engine processes may share the
-2 cores; OpenBLAS with 2 threads collapses next to a busy neighbour).
+2 cores; OpenBLAS with 2 threads collapses next to a busy neighbour), no terminal size inherited.
 """
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ["OPENBLAS_NUM_THREADS"] = "1"
+# pytest-xdist's workers start with COLUMNS=80 and LINES=24 in their environment (one process has
+# none): the CLI's tables would wrap at 80 columns under two workers and not under one
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 import contextlib  # noqa: E402
 import importlib  # noqa: E402

@@ -36,6 +36,12 @@ def test_the_demo_generates_the_single_process_text_and_shows_who_served_what() 
     assert re.search(r"^swarm map: http://127\.0\.0\.1:\d+/$", demo.stderr, re.M), demo.stderr  # the map ran beside it
     served = re.findall(r"^  node (\d): layer", demo.stderr, re.M)
     assert sorted(served) == ["0", "1"], demo.stderr  # both nodes served experts
+    # issue 33: it says what it starts (the backbone too), ranges read as ranges, where the prompt ends, its speed
+    assert "2 expert node processes splitting the 8 experts of each layer, then a backbone" in demo.stderr
+    assert re.search(r"^  node 0: peer \.\.\.\S+ experts 0-3 at tcp\+tls://", demo.stderr, re.M), demo.stderr
+    assert re.search(r"^  node 1: peer \.\.\.\S+ experts 4-7 at tcp\+tls://", demo.stderr, re.M), demo.stderr
+    assert "the prompt, then what the model writes:" in demo.stderr
+    assert re.search(r"^8 tokens in \d+\.\d\d s: \d+\.\d tokens/s", demo.stderr, re.M), demo.stderr
 
 
 def test_generate_through_a_swarm_missing_experts_with_local_fallback_and_show_experts() -> None:
@@ -50,7 +56,11 @@ def test_generate_through_a_swarm_missing_experts_with_local_fallback_and_show_e
     assert ids_of(fallback) == expected
     rows = re.findall(r"^  (\S+)  (layer .*)$", fallback.stderr, re.M)
     assert [r[0] for r in rows] == [peer[-12:]], fallback.stderr  # the only peer that served anything
-    experts = {int(e) for part in re.findall(r"\[([^\]]*)\]", rows[0][1]) for e in part.split(",")}
+    experts = set()
+    for listed in re.findall(r"experts ([\d, -]+)", rows[0][1]):  # inclusive ranges: "0-2, 3"
+        for part in listed.split(", "):
+            first, _, last = part.partition("-")
+            experts |= set(range(int(first), int(last or first) + 1))
     assert experts and experts <= set(range(4))  # it holds 0-3; the rest was computed here
 
 

@@ -102,13 +102,17 @@ def stop_daemon(daemon: Daemon, timeout_s: float = 15.0) -> None:
 
 @contextmanager
 def expert_nodes(model_dir: str, ranges: Sequence[str], *, bootstrap: str | None = None,
-                 extra_args: Callable[[int], list[str]] = lambda i: []) -> Iterator[list[Daemon]]:
+                 extra_args: Callable[[int], list[str]] = lambda i: [],
+                 progress: Callable[[str], None] = lambda line: None) -> Iterator[list[Daemon]]:
     """One ``moeswarm node`` per range of experts ("0-3"), each started once the one before is
     READY; they join through ``bootstrap``, else through the first node.  Stopped, last first, on
-    exit.  ``extra_args(i)`` adds options to node ``i``'s command line."""
+    exit.  ``extra_args(i)`` adds options to node ``i``'s command line; ``progress`` hears a line
+    as each one starts."""
     started: list[Daemon] = []
     try:
         for i, experts in enumerate(ranges):
+            progress(f"  starting node {i} (experts {experts} of every layer)"
+                     + (" as the bootstrap peer..." if i == 0 and bootstrap is None else "..."))
             args = ["node", "--model", model_dir, "--experts", experts, *extra_args(i)]
             boot = bootstrap or (started[0].info["multiaddrs"][0] if started else None)
             if boot:
@@ -121,12 +125,14 @@ def expert_nodes(model_dir: str, ranges: Sequence[str], *, bootstrap: str | None
 
 
 @contextmanager
-def local_swarm(model_dir: str, nodes: int, *, experts_per_layer: int) -> Iterator[list[Daemon]]:
+def local_swarm(model_dir: str, nodes: int, *, experts_per_layer: int,
+                progress: Callable[[str], None] = lambda line: None) -> Iterator[list[Daemon]]:
     """``nodes`` expert processes splitting the experts evenly; the first is the bootstrap peer."""
     if not 1 <= nodes <= experts_per_layer:
         raise ConfigError(f"nodes must be between 1 and {experts_per_layer}")
     bounds = [round(i * experts_per_layer / nodes) for i in range(nodes + 1)]
-    with expert_nodes(model_dir, [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(nodes)]) as started:
+    ranges = [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(nodes)]
+    with expert_nodes(model_dir, ranges, progress=progress) as started:
         yield started
 
 
@@ -138,7 +144,8 @@ def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int, monit
 
     import click
 
-    from ..daemon import SwarmConfig
+    from .._cli_util import echo_prompt, served_summary, stream
+    from ..daemon import SwarmConfig, span
     from ..model import SamplingParams, generate, load_config
     from ..node.backbone import SwarmBackbone
     from ..node.config import BackboneConfig
@@ -146,10 +153,14 @@ def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int, monit
 
     cfg = load_config(model_dir)
     t0 = time.monotonic()
-    with local_swarm(model_dir, nodes, experts_per_layer=cfg.num_experts) as daemons:
+    click.echo(f"starting a swarm on loopback: {nodes} expert node processes splitting the "
+               f"{cfg.num_experts} experts of each layer, then a backbone in this process (attention, routers, "
+               "LM head; it reads no expert weights)...", err=True)
+    with local_swarm(model_dir, nodes, experts_per_layer=cfg.num_experts,
+                     progress=lambda line: click.echo(line, err=True)) as daemons:
         click.echo(f"started {len(daemons)} expert nodes in {time.monotonic() - t0:.1f}s:", err=True)
         for d in daemons:
-            click.echo(f"  {d.name}: peer ...{d.info['peer_id'][-12:]} experts {d.info['experts']} "
+            click.echo(f"  {d.name}: peer ...{d.info['peer_id'][-12:]} experts {span(d.info['experts'])} "
                        f"at {d.info['endpoint']}", err=True)
         bootstrap = (daemons[0].info["multiaddrs"][0],)
         watcher = None
@@ -160,32 +171,23 @@ def run_demo(model_dir: str, prompt: str, nodes: int, max_new_tokens: int, monit
 
         async def generate_through_swarm() -> dict[bytes, set[tuple[int, int]]]:
             config = BackboneConfig(SwarmConfig(model_dir, bootstrap=bootstrap, client_mode=True))
+            click.echo("starting the backbone...", err=True)
             async with SwarmBackbone(config) as backbone:
                 assert backbone.model is not None and backbone.executor is not None
                 tokenizer = backbone.tokenizer()
                 ids = tokenizer.encode(prompt)
-                stream = tokenizer.stream(ids)
-                click.echo(tokenizer.decode(ids), nl=False)
+                text = tokenizer.stream(ids)
+                echo_prompt(tokenizer.decode(ids))
                 params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=cfg.eos_token_ids)
-
-                def run() -> None:
-                    for token in generate(backbone.model, ids, params):  # type: ignore[arg-type]
-                        click.echo(stream.feed(token), nl=False)
-                        sys.stdout.flush()
-
-                await asyncio.to_thread(run)
-                click.echo()
+                await asyncio.to_thread(stream, generate(backbone.model, ids, params), text.feed)
                 return backbone.executor.served_by
 
         served_by = asyncio.run(generate_through_swarm())
         names = {d.info["peer_id"]: d.name for d in daemons}
         click.echo("which node served which experts:", err=True)
         for peer, pairs in sorted(served_by.items(), key=lambda kv: names.get(peer_id_to_str(kv[0]), "")):
-            layers: dict[int, list[int]] = {}
-            for layer, expert in sorted(pairs):
-                layers.setdefault(layer, []).append(expert)
-            summary = "; ".join(f"layer {L}: experts {e}" for L, e in layers.items())
-            click.echo(f"  {names.get(peer_id_to_str(peer), peer_id_to_str(peer))}: {summary}", err=True)
+            click.echo(f"  {names.get(peer_id_to_str(peer), peer_id_to_str(peer))}: {served_summary(pairs)}",
+                       err=True)
         if keep_s > 0:
             click.echo(f"keeping the swarm up for {keep_s:.0f} s (Ctrl-C stops it)", err=True)
             with contextlib.suppress(KeyboardInterrupt):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
-import signal
 import sys
 from datetime import datetime, timezone
 from typing import Any
@@ -75,15 +74,16 @@ def _iso(ms: int) -> str:
 
 
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from moeswarm._cli_util import console
 
     table = Table(title=title)
     for c in columns:
         table.add_column(c, overflow="fold")
     for r in rows:
         table.add_row(*(str(v) for v in r))
-    Console(width=max(120, Console().width)).print(table)
+    console().print(table)
 
 
 @main.command()
@@ -335,6 +335,7 @@ def _checkpoint_shape(folder: str, model_id: str | None) -> tuple[str, ModelShap
 def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models: tuple[str, ...],
           model_dirs: tuple[str, ...], audit_tolerance: float, verify_threads: int, **http: Any) -> None:
     """Run the ingestion service; prints READY {json} on stdout when it accepts receipts."""
+    from moeswarm.daemon import check_listen, listen_problem, ready, run_daemon, say, stop_event
     from moeswarm.model import load_weights
 
     from ._audit import AuditConfig
@@ -342,6 +343,7 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
     from ._service import LedgerService, ServiceConfig, ready_info
 
     host, port = _parse_listen(listen)
+    check_listen(host, port, "--listen")
     shapes = [_model_spec(m) for m in models]
     weights = {}
     for spec in model_dirs:
@@ -356,25 +358,23 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
     judge = LocalJudge(ledger, weights, AuditConfig(tolerance=audit_tolerance)) if weights else None
 
     async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_event()
         config = ServiceConfig(host=host, port=port, limits=http_limits(http))
         service = LedgerService(ledger, config, judge=judge)
         try:
             await service.start()
         except OSError as e:
-            raise ConfigError(f"cannot listen on {listen}: {e.strerror or e}") from None
+            raise ConfigError(f"--listen {listen}: {listen_problem(e)}") from None
         try:
-            sys.stdout.write("READY " + json.dumps(ready_info(service), sort_keys=True) + "\n")
-            sys.stdout.flush()
+            info = ready_info(service)
+            ready(info)
+            say(f"serving the ledger at {info.get('url', listen)} (Ctrl-C to stop)")
             await stop.wait()
         finally:
             await service.aclose()
 
     try:
-        asyncio.run(run())
+        run_daemon(run())
     finally:
         ledger.close()
 
@@ -384,8 +384,9 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
 @_KEY
 @click.argument("peer")
 @click.argument("amount", type=click.IntRange(1))
+@click.option("--json", "as_json", is_flag=True, help="Print the signed grant record and the new balance as JSON.")
 @friendly_errors
-def grant(db: str, key_path: str | None, peer: str, amount: int) -> None:
+def grant(db: str, key_path: str | None, peer: str, amount: int, as_json: bool) -> None:
     """Grant AMOUNT credits to PEER (base58 peer ID), signed by the ledger's key.
 
     The only way credit enters the ledger: every receipt moves credit from its client to its
@@ -393,7 +394,10 @@ def grant(db: str, key_path: str | None, peer: str, amount: int) -> None:
     with _open(db, key_path, need_key=True) as ledger:
         record = ledger.grant(peer_id_from_str(peer), amount)
         balance = ledger.balance(record.peer)
-    click.echo(json.dumps({**record.to_json(), "balance": balance}))
+    if as_json:
+        click.echo(json.dumps({**record.to_json(), "balance": balance}))
+        return
+    click.echo(f"granted {amount} credits to {peer}: balance now {balance}")
 
 
 @main.group()

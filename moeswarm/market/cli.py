@@ -60,10 +60,11 @@ def show_state(state: MarketState, *, as_json: bool = False, suggestion: Assignm
 
 
 def _render(s: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from .._cli_util import console as rich_console
+
+    console = rich_console()
     console.print(f"[bold]{s['model_id']}[/]  epoch {s['epoch']}  coverage [bold]{100 * s['coverage']:.1f}%[/] "
                   f"of {s['experts']} experts  holders {s['holders']}  held {_size(s['held_bytes'])} "
                   f"= {s['capacity_ratio']:.2f}x the model  demand reporters {s['demand_reporters']}")

@@ -18,10 +18,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .._tasks import cancel_and_wait
-from ..daemon import load_identity, parse_range, ready, stop_event
+from ..daemon import load_identity, parse_range, ready, say, span, stop_event
 from ..errors import SwarmError, Timeout
 from ..net.dataplane import DataPlaneServer, ServerConfig
 from ..net.expert_service import ExpertServerConfig
@@ -33,6 +33,7 @@ from .server import OnnxExpertServer
 from .shards import OnnxShards, RuntimeConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 SOFTWARE = "moeswarm-bridge/0.1.0"
 
 
@@ -148,16 +149,33 @@ async def run_bridge(config: BridgeConfig, on_ready: Callable[[dict[str, Any]], 
         link = RelayLink(identity, link_config, dataplane._on_connection)
         announcer = RelayAnnouncer(link, identity, server, assignment, config)
         link.on_session = announcer.on_session
+        say(f"dialling relay {config.relay_url}...")
         async with link, announcer:
-            welcome = await link.first_session()
-            await announcer.published.wait()
+            welcome = await _unless_stopped(stop, link.first_session())  # the relay may be down: keep
+            if welcome is None or await _unless_stopped(stop, announcer.published.wait()) is None:  # listening
+                return
             on_ready({"peer_id": identity.peer_id_str, "endpoint": welcome.endpoint, "relay": config.relay_url,
                       "model_id": manifest.model_id, "layers": list(assignment.layers),
                       "experts": list(assignment.experts), "moe_layers": list(shards.moe_layers)})
+            say(f"serving layers {span(assignment.layers)} x experts {span(assignment.experts)} through "
+                f"{config.relay_url} as {welcome.endpoint} (Ctrl-C to stop)")
             await stop.wait()
     finally:
         await dataplane.aclose()
         await server.aclose()
+
+
+async def _unless_stopped(stop: asyncio.Event, waiting: Awaitable[T]) -> T | None:
+    """``await waiting``, unless ``stop`` is set first (then ``None``): a bridge whose relay is down
+    goes on retrying inside ``waiting`` and must still stop when asked."""
+    task, stopped = asyncio.ensure_future(waiting), asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait(stopped)
+        if not task.done():
+            await cancel_and_wait(task)
+    return None if task.cancelled() else task.result()
 
 
 @contextlib.asynccontextmanager

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 
@@ -20,9 +19,10 @@ from .._cli_util import friendly_errors
 @click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16"]),
               help="Weights and arithmetic: fp32 matches the engine to 1e-5, fp16 halves the bytes.")
 @click.option("--model-id", default=None, help="Name of the model in the swarm (default: from config.json, as nodes).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @friendly_errors
 def export_onnx(model_dir: str, layers: str | None, experts: str | None, out_dir: str, dtype: str,
-                model_id: str | None) -> None:
+                model_id: str | None, quiet: bool) -> None:
     """Export a checkpoint's experts as ONNX layer shards for `moeswarm bridge`.
 
     Writes one layer_LLLL.onnx per MoE layer holding the chosen experts, its weights as
@@ -32,13 +32,23 @@ def export_onnx(model_dir: str, layers: str | None, experts: str | None, out_dir
     \b
         moeswarm export-onnx --model ./mixtral --layers 0-31 --experts 6-7 --out ./shards
     """
-    from ..daemon import parse_range
+    from ..daemon import parse_range, span
     from ..model import load_config
     from .export import export_onnx as run
 
+    from tqdm import tqdm
+
     cfg = load_config(model_dir)
-    manifest = run(model_dir, out_dir, layers=parse_range(layers, cfg.num_layers, "layers"),
-                   experts=parse_range(experts, cfg.num_experts, "experts"), dtype=dtype, model_id=model_id)
+    layer_range, expert_range = parse_range(layers, cfg.num_layers, "layers"), parse_range(experts, cfg.num_experts,
+                                                                                           "experts")
+    with tqdm(desc=f"exporting experts {span(expert_range)}", unit="layer", disable=quiet,
+              dynamic_ncols=True) as bar:
+        def on_layer(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        manifest = run(model_dir, out_dir, layers=layer_range, experts=expert_range, dtype=dtype, model_id=model_id,
+                       on_layer=on_layer)
     click.echo(json.dumps({"out": out_dir, "model_id": manifest.model_id, "layers": list(manifest.layers),
                            "experts": list(manifest.experts), "moe_layers": list(manifest.moe_layers),
                            "dtype": manifest.dtype}))
@@ -115,6 +125,7 @@ def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: 
     Prints `READY {json}` (peer_id, endpoint, layers, experts) once the relay has published it
     (with --web: the page's url).
     """
+    from ..daemon import check_listen, run_daemon
     from ..errors import ConfigError
     from .bridge import BridgeConfig, run_bridge
 
@@ -131,6 +142,7 @@ def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: 
         from ..web.serve import WebConfig, serve_web
 
         host, port = _host_port(web_listen)
+        check_listen(host, port, "--web")
 
         async def web_main() -> None:
             folder = shards_dir
@@ -147,7 +159,7 @@ def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: 
             assert folder is not None  # checked above
             await serve_web(WebConfig(host, port, relay_url, folder, ca_file, web_cert, web_key))
 
-        asyncio.run(web_main())
+        run_daemon(web_main())
         return
 
     async def main() -> None:
@@ -165,7 +177,7 @@ def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: 
                               None if auto else experts, threads, mmap, announce_interval, max_backoff_s=max_backoff)
         await run_bridge(config)
 
-    asyncio.run(main())
+    run_daemon(main())
 
 
 _standalone = click.Group(commands={"bridge": bridge, "export-onnx": export_onnx},

@@ -10,6 +10,7 @@ session with prepacking disabled for that, see ``shards.session_options``). The 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -48,11 +49,12 @@ def _externalize(model: onnx.ModelProto, folder: Path, data_name: str) -> None:
 
 def export_onnx(model_dir: str | Path, out_dir: str | Path, *, layers: tuple[int, int] | None = None,
                 experts: tuple[int, int] | None = None, dtype: str = "fp32",
-                model_id: str | None = None) -> Manifest:
+                model_id: str | None = None, on_layer: Callable[[int, int], None] | None = None) -> Manifest:
     """Export ``experts`` (inclusive range, default all) of every MoE layer in ``layers``.
 
     ``out_dir`` is created; existing shard files in it are overwritten. Returns the manifest
-    (also written to ``out_dir/manifest.json``).
+    (also written to ``out_dir/manifest.json``).  ``on_layer(done, total)`` hears of each MoE
+    layer written (a progress bar).
     """
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
@@ -73,6 +75,8 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, layers: tuple[int
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(model_dir) / "config.json", out / "config.json")
     shards = []
+    if on_layer is not None:
+        on_layer(0, len(moe))
     for L in moe:
         name = shard_file(L)
         model = layer_graph(L, weights.experts[L], cfg, dtype)
@@ -81,6 +85,8 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, layers: tuple[int
         onnx.checker.check_model(str(out / name))
         shards.append(ShardEntry(L, experts, name, name + ".data",
                                  {n: sha256_file(out / n) for n in (name, name + ".data")}))
+        if on_layer is not None:
+            on_layer(len(shards), len(moe))
     manifest = Manifest(
         model_id=model_id or model_id_for(str(model_dir), cfg), arch=cfg.arch, dtype=dtype,
         hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,

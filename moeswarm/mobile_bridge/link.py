@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import random
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +107,7 @@ class RelayLink:
         self._first: asyncio.Future[Welcome] = asyncio.get_running_loop().create_future()
         self._task: asyncio.Task[None] | None = None
         self._publish_lock = asyncio.Lock()
+        self._failures = _Failures(config.relay_url)
 
     async def __aenter__(self) -> "RelayLink":
         self._task = asyncio.create_task(self._run())
@@ -141,6 +145,7 @@ class RelayLink:
 
     async def _run(self) -> None:
         delay = self.config.initial_backoff_s
+        failures = self._failures
         while True:
             retry_after: float | None = None
             sessions = self.sessions
@@ -155,7 +160,7 @@ class RelayLink:
                     self._first.set_exception(Unreachable(f"relay {self.config.relay_url} refused: {e}")
                                               if not isinstance(e, ConfigError) else e)
                     return
-                log.warning("relay session failed: %s: %s", type(e).__name__, e)
+                failures.failed(e)
             if self.sessions > sessions:
                 delay = self.config.initial_backoff_s  # a session was welcomed: start over
             self._connected.clear()
@@ -180,6 +185,7 @@ class RelayLink:
                 if not self._first.done():
                     self._first.set_result(welcome)
                 log.info("relay session %d up: reachable at %s", self.sessions, welcome.endpoint)
+                self._failures.recovered()
                 self.on_session(welcome)
                 try:
                     await self._serve(session)
@@ -270,3 +276,51 @@ class RelayLink:
         if session.publish_waiter is not None and not session.publish_waiter.done():
             session.publish_waiter.set_exception(NetworkError("relay session ended"))
 
+
+
+_ERRNO_OF = {ConnectionResetError: errno.ECONNRESET, ConnectionRefusedError: errno.ECONNREFUSED,
+             ConnectionAbortedError: errno.ECONNABORTED}  # raised without an errno by the TLS layer
+
+
+def describe_failure(e: BaseException) -> str:
+    """Why a session with the relay failed, in words: not aiohttp's ``Cannot connect to host H:P
+    ssl:<ssl.SSLContext object at 0x...> [Connect call failed ...]``."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        os_error = e.os_error
+        code = os_error.errno or _ERRNO_OF.get(type(os_error))
+        reason = os.strerror(code).lower() if code else str(os_error) or type(os_error).__name__
+        return f"cannot connect to {e.host}:{e.port}: {reason}"
+    if isinstance(e, aiohttp.WSServerHandshakeError):
+        return f"the relay refused the WebSocket: HTTP {e.status} {e.message}"
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return "no answer in time"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+class _Failures:
+    """Logs failed sessions without flooding: one line for the first failure, then at most one a
+    minute with the count and the latest reason, and one when a session is up again."""
+
+    REPEAT_S = 60.0
+
+    def __init__(self, relay_url: str) -> None:
+        self.relay_url = relay_url
+        self.count = 0  # failures in a row
+        self.logged_at = 0.0
+
+    def failed(self, e: BaseException) -> None:
+        now = time.monotonic()
+        self.count += 1
+        if self.count == 1:
+            log.warning("relay %s: %s; retrying with backoff", self.relay_url, describe_failure(e))
+        elif now - self.logged_at >= self.REPEAT_S:
+            log.warning("relay %s: still failing after %d attempts, the last: %s", self.relay_url, self.count,
+                        describe_failure(e))
+        else:
+            return
+        self.logged_at = now
+
+    def recovered(self) -> None:
+        if self.count:
+            log.warning("relay %s: session up after %d failed attempts", self.relay_url, self.count)
+        self.count = 0

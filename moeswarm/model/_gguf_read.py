@@ -115,7 +115,7 @@ class GGUFFile:
         except FileNotFoundError:
             raise CheckpointError("file not found", path=path) from None
         except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"not a readable GGUF file ({type(e).__name__}: {e})", path=path) from None
+            raise _unreadable(path, e) from None
 
     def _check_split(self, readers: list["_Reader"]) -> None:
         """A split model's shards must say they are shards 0..n-1 of n, holding the tensors counted."""
@@ -307,3 +307,17 @@ def load_gguf_weights(
 
 
 __all__ = ["GGUFFile", "decodable", "load_gguf_weights", "read_config"]
+
+
+def _unreadable(path: str, e: Exception) -> CheckpointError:
+    """Why the gguf library could not parse ``path``, as a person can act on it (numpy's "When
+    changing to a larger dtype..." means the file ended before what its header declares)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+        size = f.seek(0, os.SEEK_END)
+    if magic != b"GGUF":
+        return CheckpointError("not a GGUF file: it does not begin with the bytes 'GGUF'", path=path)
+    if isinstance(e, (ValueError, IndexError)):
+        return CheckpointError(f"the GGUF file is cut short or damaged: it ends after {size:,} bytes, before the "
+                               "header and tensors it declares (an incomplete download or copy?)", path=path)
+    return CheckpointError(f"not a readable GGUF file ({type(e).__name__}: {e})", path=path)

@@ -220,9 +220,11 @@ def convert_to_gguf(
     sidecar: bool = True,
     on_tensor: Callable[[TensorPlan], None] | None = None,
     split_max_size: int = 0,
+    on_plan: Callable[[list[TensorPlan]], None] | None = None,
 ) -> ConvertReport:
     """Convert a model folder (or a GGUF file) to a GGUF file.
 
+    ``on_plan`` hears every tensor's plan before any is written, ``on_tensor`` each as it is written.
     ``split_max_size`` > 0 writes llama.cpp's split layout (``write_gguf``); ``path`` is then the
     first shard.  ``sidecar`` also writes config.json and the tokenizer files beside it, byte for byte (never
     overwriting), so its folder works as a model folder everywhere.  The swarm still tells the GGUF
@@ -237,6 +239,8 @@ def convert_to_gguf(
         raise ConfigError(f"{w.config.arch} has no GGUF form: llama.cpp's gguf package names no architecture "
                           f"for it (GGUF covers {', '.join(GGUF_ARCH)})")
     plans = plan(w, weight_type, experts_type)
+    if on_plan is not None:  # e.g. a progress bar's total: the bytes of every tensor to write
+        on_plan(plans)
     files = _source_files(model, w)
     files.setdefault("config.json", json.dumps(w.config.raw, indent=2))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..errors import CheckpointError
 from ._gguf_path import find_gguf
 from .config import ModelConfig
 from .weights import Weights, load_safetensors
@@ -23,6 +24,8 @@ def load_config(folder: str | os.PathLike[str]) -> ModelConfig:
     A GGUF's weights are encoded as its tensor types say: a ``quantization_config`` in the
     config.json it was converted from (an FP8 checkpoint's) does not apply to them."""
     gguf_file = find_gguf(folder)
+    if gguf_file is None:
+        _check_folder(folder)
     if gguf_file is not None and not (os.path.isdir(folder) and os.path.exists(os.path.join(folder, "config.json"))):
         from ._gguf_read import read_config
 
@@ -43,7 +46,17 @@ def load_weights(
         from ._gguf_read import load_gguf_weights
 
         return fold_norm_offset(load_gguf_weights(gguf_file, config=config, keep_expert=keep_expert))
+    _check_folder(folder)
     return fold_norm_offset(load_safetensors(folder, config=config, keep_expert=keep_expert))
+
+
+def _check_folder(folder: str | os.PathLike[str]) -> None:
+    """A checkpoint that is not GGUF is a folder: say so plainly when ``folder`` is something else."""
+    if os.path.isfile(folder):
+        raise CheckpointError("this is a file, not a model folder: give the folder that holds config.json and "
+                              "*.safetensors, or a .gguf file", path=str(folder))
+    if not os.path.isdir(folder):
+        raise CheckpointError("model folder not found", path=str(folder))
 
 
 def fold_norm_offset(w: Weights) -> Weights:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import click
 
@@ -53,10 +54,19 @@ def convert_gguf(model_dir: str, out: str, weight_type: str, experts_type: str |
 
     split = parse_size(split_max_size) if split_max_size else 0
 
-    with tqdm(unit="B", unit_scale=True, desc="writing", disable=quiet, leave=False, delay=1.0) as bar:
+    bars: list[Any] = []  # the bar appears once the plan (and so its total) is known
+
+    def on_plan(plans: list[Any]) -> None:
+        bars.append(tqdm(total=sum(p.nbytes for p in plans), unit="B", unit_scale=True, unit_divisor=1024,
+                         desc=f"writing {out}", disable=quiet, dynamic_ncols=True))
+
+    try:
         report = convert_to_gguf(model_dir, out, weight_type=weight_type.upper(),
                                  experts_type=experts_type.upper() if experts_type else None, sidecar=sidecar,
-                                 on_tensor=lambda p: bar.update(p.nbytes), split_max_size=split)
+                                 on_tensor=lambda p: bars[0].update(p.nbytes), split_max_size=split, on_plan=on_plan)
+    finally:
+        for bar in bars:
+            bar.close()
     counts = Counter(p.qtype.name for p in report.tensors)
     sizes: Counter[str] = Counter()
     for p in report.tensors:

@@ -32,6 +32,7 @@ PUBLISHED = {"FP8": QuantFormat("fp8_block", block=(128, 128), scale_bytes=4),
              "MXFP4": QuantFormat("mxfp4", group=32, scale_bytes=1),
              "INT4": QuantFormat("int4_group", group=32, scale_bytes=2)}
 FORMATS = ("BF16", *PUBLISHED, *GGML_BLOCKS)
+_DTYPE_FORMATS = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}  # a config's dtype, unquantised
 _QK_NORM = ("minimax_m3_vl_text", "minimax_m3_vl", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe",
             "glm4_moe", "glm_moe_dsa")  # per-head q/k RMSNorm (unless the config says use_qk_norm)
 _QK_NORM_FULL = ("minimax_m2", "olmoe", "flex_olmo")  # q/k RMSNorm over the whole projection
@@ -61,6 +62,7 @@ class ModelSize:
     total: int  # every parameter
     embeddings: int  # the input embedding and the LM head (counted once when tied)
     quant: QuantFormat | None  # how the checkpoint stores its experts (quantization_config), if it says
+    dtype: str = "bfloat16"  # the config's dtype (torch_dtype): what unquantised tensors are stored as
 
     @property
     def expert_params(self) -> int:
@@ -87,24 +89,27 @@ class ModelSize:
     def expert_bytes(self, fmt: str) -> int:
         """Bytes of one routed expert stored as ``fmt`` (one of ``FORMATS``); biases as 16-bit."""
         extra = 2 * self.expert_extra
-        if fmt == "BF16":
+        if fmt in ("BF16", "FP16"):
             return 2 * self.expert_params
+        if fmt == "FP32":
+            return 4 * self.expert_params
         if fmt in PUBLISHED:
             return sum(PUBLISHED[fmt].matrix_bytes(r, c) for r, c in self.expert_matrices) + extra
         block, size = GGML_BLOCKS[fmt]
         return sum(r * c // block * size for r, c in self.expert_matrices) + extra
 
     def stored_format(self) -> str:
-        """The format the checkpoint's config says its experts are stored in (BF16 if it says none)."""
+        """The format the checkpoint's config says its experts are stored in: its quantization_config,
+        else its dtype (BF16 if it names none)."""
         if self.quant is None:
-            return "BF16"
+            return _DTYPE_FORMATS.get(self.dtype, "BF16")
         return {"fp8_block": "FP8", "mxfp4": "MXFP4", "int4_group": "INT4"}[self.quant.method]
 
     def backbone_bytes(self, fmt: str) -> int:
         """The backbone at 16 bits, or in FP8 when the checkpoint stores its linear layers so."""
         if fmt == "FP8":  # DeepSeek/GLM/MiniMax FP8 checkpoints quantise attention and shared experts too
             return self.embeddings * 2 + (self.backbone - self.embeddings)
-        return 2 * self.backbone
+        return (4 if fmt == "FP32" else 2) * self.backbone
 
 
 def _moe_layer_flags(t: dict[str, Any], n: int, experts: int) -> list[bool]:
@@ -197,8 +202,9 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
     name = str(raw.get("model_type") or t["model_type"])
     if raw.get("text_config"):
         name += f" (text model: {t['model_type']})"
+    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or t.get("torch_dtype") or t.get("dtype") or "bfloat16")
     return ModelSize(name, H, n, sum(moe), E, k, matrices, extra, total, embeddings,
-                     quant_format(raw))
+                     quant_format(raw), dtype)
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

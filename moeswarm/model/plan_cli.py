@@ -87,7 +87,8 @@ def plan(model: str, fmt: str | None, nodes: int, memory_budget: str | None, as_
     click.echo(f"  routed experts  {size.routed_experts:,} in the model, {size.active_experts:,} active per token, "
                f"{_b(size.expert_params)} parameters each")
     click.echo(f"  stored as       {size.stored_format()}"
-               + (f" ({size.quant.label})" if size.quant is not None else " (no quantization_config)"))
+               + (f" ({size.quant.label})" if size.quant is not None
+                  else f" (config.json: dtype {size.dtype}, no quantization_config)"))
     click.echo("  one expert      " + ", ".join(f"{f} {_gib(size.expert_bytes(f))}" for f in FORMATS))
     click.echo(f"in {chosen}:")
     click.echo(f"  all experts     {_gib(figures['experts_total_bytes'])}; backbone ~{_gib(figures['backbone_bytes'])}")

@@ -42,6 +42,7 @@ def monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], ledger_url: str
 
     Prints `READY {json}` (http, peer_id, models) on stdout once serving.
     """
+    from ..daemon import check_listen, run_daemon
     from ..node.cli import host_port
 
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(asctime)s %(name)s %(message)s")
@@ -50,14 +51,15 @@ def monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], ledger_url: str
 
         set_relay_ca(relay_ca)
     host, port = host_port(http)
-    asyncio.run(run_monitor(bootstrap, models, host, port, interval, ledger_url, http_limits=http_limits(limits),
-                            allowed_hosts=allowed_hosts))
+    check_listen(host, port, "--http")
+    run_daemon(run_monitor(bootstrap, models, host, port, interval, ledger_url, http_limits=http_limits(limits),
+                           allowed_hosts=allowed_hosts))
 
 
 async def run_monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], host: str, port: int, interval: float,
                       ledger_url: str | None, on_ready: Any = None, stop: asyncio.Event | None = None,
                       http_limits: Any = None, allowed_hosts: tuple[str, ...] = ()) -> None:
-    from ..daemon import SwarmConfig, p2p_node, ready, stop_event
+    from ..daemon import SwarmConfig, joining, p2p_node, ready, say, stop_event
     from ..protocol import Identity
     from .watch import SwarmWatch, WatchConfig, model_from, model_name
     from .web import serve
@@ -65,7 +67,9 @@ async def run_monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], host:
     watched = [model_from(m) for m in models]
     stop = stop or stop_event()
     identity = Identity.generate()
-    async with p2p_node(identity, SwarmConfig(models[0], bootstrap=bootstrap, client_mode=True)) as p2p:
+    swarm = SwarmConfig(models[0], bootstrap=bootstrap, client_mode=True)
+    say(joining(swarm))
+    async with p2p_node(identity, swarm) as p2p:
         names = {model_id: model_name(path) for (model_id, _), path in zip(watched, models, strict=True)}
         watch = SwarmWatch(p2p, watched, WatchConfig(interval_s=interval, ledger_url=ledger_url), names)
         await watch.start()
@@ -76,6 +80,7 @@ async def run_monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], host:
             try:
                 (on_ready or ready)({"http": url, "peer_id": identity.peer_id_str,
                                      "models": [model_id for model_id, _ in watched]})
+                say(f"serving the swarm map at {url}/ (Ctrl-C to stop)")
                 await stop.wait()
             finally:
                 await runner.cleanup()

@@ -249,13 +249,14 @@ async def bootstrap(host: IHost, dht: MoeswarmDHT, config: P2PConfig) -> None:
                 try:
                     await host.connect(info)
                 except Exception as exc:  # noqa: BLE001 -- retried, then reported
-                    error = f"{type(exc).__name__}: {exc}"
+                    if error == "no answer" or not _negative_cache(exc):  # retries only say "recently failed"
+                        error = _dial_problem(exc, info)
                     await trio.sleep(pause)
                     pause *= 2
                     continue
                 answered.append(info)
                 return
-        failures.append(f"{info.peer_id}: {error}"[:200])
+        failures.append(error[:300])
 
     async with trio.open_nursery() as nursery:
         for info in peers:
@@ -266,6 +267,32 @@ async def bootstrap(host: IHost, dht: MoeswarmDHT, config: P2PConfig) -> None:
         await dht.routing_table.add_peer(info)
     with trio.move_on_after(config.op_timeout_s):
         await dht.refresh_routing_table()
+
+
+def _negative_cache(exc: BaseException) -> bool:
+    return isinstance(exc, SwarmException) and "negative cache" in str(exc)
+
+
+def _dial_problem(exc: BaseException, info: PeerInfo) -> str:
+    """Why dialling a bootstrap peer failed, as a person reads it: "connection refused at ADDR"
+    rather than the chain of libp2p exceptions around the OSError."""
+    where = " or ".join(f"{a}/p2p/{info.peer_id}" for a in info.addrs) or str(info.peer_id)
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo and len(seen) < 64:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ConnectionRefusedError):
+            return f"connection refused at {where} (is the peer running?)"
+        if isinstance(e, (TimeoutError, trio.TooSlowError)):
+            return f"no answer from {where}"
+        if isinstance(e, OSError) and e.errno is not None:
+            return f"{e.strerror or e} at {where}"
+        todo += [*(getattr(e, "errors", None) or ()), *(getattr(e, "exceptions", None) or ())]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return f"{type(exc).__name__}: {exc} (dialling {where})"
 
 
 _BOOTSTRAP_ADDR_TTL_S = 24 * 3600

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .._tasks import cancel_and_wait
-from ..daemon import load_identity, p2p_node, public_multiaddrs, ready, stop_event
+from ..daemon import joining, load_identity, p2p_node, public_multiaddrs, ready, say, stop_event
 from ..errors import CheckpointError, SwarmError, Unreachable
 from ..model import Model, Tokenizer, Weights, load_config, load_weights
 from ..model.model_id import model_id_for
@@ -50,7 +50,9 @@ class SwarmBackbone:
     async def __aenter__(self) -> "SwarmBackbone":
         sc, cfg = self.config.swarm, self.cfg
         try:
+            say(joining(sc))
             self.p2p = await self._stack.enter_async_context(p2p_node(self.identity, sc))
+            say(f"waiting up to {self.config.coverage_timeout_s:.0f} s for the swarm to announce every expert...")
             moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
             self.discovery = Discovery(self.p2p, self.table, moe, self.config.discovery_interval_s,
                                        num_layers=cfg.num_layers, num_experts=cfg.num_experts)
@@ -60,6 +62,7 @@ class SwarmBackbone:
                 raise Unreachable(f"{len(missing)} (layer, expert) pairs have no holder in the swarm, e.g. {sample}")
             await self.discovery.start()
             self._stack.push_async_callback(self.discovery.aclose)
+            say(f"loading the backbone's weights (attention, routers, LM head) from {sc.model_dir}...")
             # the whole map: experts the planner places here, or nobody serves, are computed from it
             local = self._local_experts()
             receipts = await self._ledger_sink() if self.config.ledger_url else None
@@ -251,6 +254,8 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
 
                     files.enter_context(run_file("backbone", backbone.identity.peer_id_str, info["status"]))
                 on_ready(info)
+                say(f"serving the OpenAI-compatible API at {info['http']}/v1 (Ctrl-C to stop)" if runner is not None
+                    else "serving (Ctrl-C to stop)")
                 await stop.wait()
         finally:
             if runner is not None:

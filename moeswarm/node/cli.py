@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import click
 
 from .._cli_util import friendly_errors, http_limit_options, http_limits
+from ..daemon import check_listen, run_daemon
 from ..errors import ConfigError
 
 
@@ -132,7 +132,9 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 
     Prints `READY {json}` (peer_id, multiaddrs, endpoint, status URL) on stdout once serving, and
     with --experts auto a `REBALANCE {json}` line (action, reason, layers, experts, more_blocks) per
-    re-evaluation. `moeswarm node status` shows what a running node measures and plans.
+    re-evaluation; what it is doing, in words, on stderr. Ctrl-C or SIGTERM withdraws and stops
+    within seconds (a second one stops at once). `moeswarm node status` shows what a running node
+    measures and plans.
     """
     from ..model.memory import parse_size
     from .config import NodeConfig
@@ -147,7 +149,11 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
                         market_ledger=market_ledger, max_connections=max_connections,
                         max_conns_per_ip=max_conns_per_ip, max_conns_per_peer=max_conns_per_peer,
                         frame_timeout_s=frame_timeout, idle_timeout_s=idle_timeout)
-    asyncio.run(run_node(config))
+    check_listen(config.swarm.host, data_port, "--port")
+    if config.status is not None:
+        check_listen(*config.status, "--status")
+    check_listen(config.swarm.host, config.swarm.p2p_port, "--p2p-port")
+    run_daemon(run_node(config))
 
 
 @click.command()
@@ -216,7 +222,8 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
 
     Serves /v1/models, /v1/completions and /v1/chat/completions, and /status and /metrics.
-    Prints `READY {json}` (peer_id, multiaddrs, http) on stdout once serving.
+    Prints `READY {json}` (peer_id, multiaddrs, http) on stdout once serving, and what it is doing,
+    in words, on stderr. Ctrl-C or SIGTERM drains and stops within seconds.
     """
     from ..model.memory import parse_size
     from .backbone import run_backbone
@@ -233,7 +240,10 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
                             verify=VerifyConfig(verify_fraction, probation_calls, verify_by),
                             engine=engine, draft_model=draft_model, api_key=api_key, max_tokens_cap=max_tokens_cap,
                             http_limits=limits)
-    asyncio.run(run_backbone(config))
+    assert config.http is not None
+    check_listen(*config.http, "--http")
+    check_listen(config.swarm.host, config.swarm.p2p_port, "--p2p-port")
+    run_daemon(run_backbone(config))
 
 
 @click.command("status")

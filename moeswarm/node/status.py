@@ -211,10 +211,11 @@ def _mb(n: Any) -> str:
 
 
 def render_report(report: dict[str, Any], show_experts: bool = False) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from .._cli_util import console as rich_console
+
+    console = rich_console()
     if "error" in report:
         console.print(f"[red]{report['url']}: {report['error']}[/red]")
         return
@@ -275,9 +276,12 @@ def render_report(report: dict[str, Any], show_experts: bool = False) -> None:
                   f"{counts.get('fetch', 0)} fetch; "
                   + (f"predicted {predicted} tokens/s" if (predicted := plan.get("predicted_tokens_per_s")) is not None
                      else "no prediction until holders are measured"))
-    console.print(f"  {f.get('experts', 0)} experts fetched ({_mb(f.get('bytes'))}); "
-                  + (f"{f.get('verified', 0)} checked against their digests, {f.get('rejected', 0)} refused"
-                     if f.get("checked") else "not checked: no expert_digests.json"))
+    if not tiers.get("acting") and not f.get("experts"):  # a node, or a backbone with --tiers remote
+        console.print("  fetches no expert weights (the plan is shown, not followed)")
+    else:
+        console.print(f"  {f.get('experts', 0)} experts fetched ({_mb(f.get('bytes'))}); "
+                      + (f"{f.get('verified', 0)} checked against their digests, {f.get('rejected', 0)} refused"
+                         if f.get("checked") else "not checked: its model folder has no expert_digests.json"))
     if show_experts:
         table = Table("layer", "local", "remote", "fetch", title="plan per expert", title_justify="left")
         for layer, tiers_of in sorted(plan.get("layers", {}).items(), key=lambda kv: int(kv[0])):

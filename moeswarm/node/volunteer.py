@@ -11,11 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..daemon import (
+    joining,
     load_identity,
     p2p_node,
     parse_range,
     public_multiaddrs,
     ready,
+    say,
+    span,
     stop_event,
 )
 from ..market import AssignConfig, Block, market_assignment
@@ -50,18 +53,23 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
     model_id = sc.model_id or model_id_for(sc.model_dir, cfg)
     identity = load_identity(sc.identity_file)
     stop = stop or stop_event()
+    chosen = None if config.experts == "auto" else (Block(parse_range(config.layers, cfg.num_layers, "layers"),
+                                                          parse_range(config.experts, cfg.num_experts, "experts")),)
+    say(joining(sc))
     async with p2p_node(identity, sc) as p2p:
         market = None
-        if config.experts == "auto":
+        if chosen is None:
+            say("asking the swarm's market which experts it lacks...")
             market = market_view(cfg, model_id, config)
             blocks = await market_assignment(p2p, *market, ledger_url=config.market_ledger,
                                              config=AssignConfig(max_blocks=config.max_blocks))
         else:
-            blocks = (Block(parse_range(config.layers, cfg.num_layers, "layers"),
-                            parse_range(config.experts, cfg.num_experts, "experts")),)
+            blocks = chosen
         (layers, experts), more = (blocks[0].layers, blocks[0].experts), blocks[1:]
         moe = moe_layers_of(cfg, blocks)
+        say(f"loading {_blocks_text(blocks)} from {sc.model_dir}...")
         weights = load_blocks(sc.model_dir, cfg, blocks)
+        say(f"mapped {held_bytes(weights) / 2**20:,.1f} MiB of expert weights (read from disk when first called)")
         server = ExpertServer(weights, identity, ExpertServerConfig(
             model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
         watch_memory(server, weights, config.memory_budget)
@@ -97,17 +105,25 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
                           "endpoint": endpoint, "model_id": model_id, "layers": list(layers),
                           "experts": list(experts), "blocks": [[*b.layers, *b.experts] for b in blocks],
                           "status": status_url})
+                say(f"serving {_blocks_text(blocks)} at {endpoint}"
+                    + (f", status at {status_url}" if status_url else "") + " (Ctrl-C to stop)")
                 if market is not None and config.rebalance_interval_s > 0:
                     holding = Holding(cfg, server, announcer, weights, tuple(blocks), config.memory_budget)
                     await Rebalancer(p2p, identity.peer_id, *market, holding, config, on_decision).run_until(stop)
                 else:
                     await stop.wait()
+            say("withdrawing the announcement...")
             await announcer.withdraw()
         finally:
             await dataplane.aclose()
             await server.aclose()
             if gate is not None:
                 await gate.aclose()
+
+
+def _blocks_text(blocks: tuple[Block, ...] | list[Block]) -> str:
+    """``layers 0-3 x experts 0-3`` (and ``+ layers 4-7 x experts 0-1`` for more blocks)."""
+    return " + ".join(f"layers {span(b.layers)} x experts {span(b.experts)}" for b in blocks)
 
 
 async def _node_status(stack: contextlib.AsyncExitStack, config: NodeConfig, identity: Identity, p2p: Any,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import click
 
 from .._cli_util import friendly_errors
+from ..daemon import check_listen, run_daemon
 from ..errors import ConfigError
 
 
@@ -106,7 +106,8 @@ def relay(listen: str, cert_file: str | None, key_file: str | None, public_url: 
     config = RelayDaemonConfig(RelayConfig(host, port, cert_file, key_file, public_url, binding_cert, limits,
                                                            volunteer_shards, volunteer_shards_url),
                                tuple(bootstrap), p2p_listen, identity_file, dht=not no_dht)
-    asyncio.run(run_relay(config))
+    check_listen(host, port, "--listen")
+    run_daemon(run_relay(config))
 
 
 if __name__ == "__main__":  # python -m moeswarm.relay.cli, until the lead registers the command

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..daemon import load_identity, ready, stop_event
+from ..daemon import DRAIN_GRACE_S, listen_problem, load_identity, ready, say, stop_event
+from ..errors import ConfigError
 from ..net.p2p import P2PConfig, P2PNode
 from ._directory import DhtDirectory, Directory, MemoryDirectory
 from ._server import RelayConfig, RelayServer
@@ -41,6 +42,8 @@ async def _directory(config: RelayDaemonConfig, identity: Any) -> AsyncIterator[
         yield MemoryDirectory(), []
         return
     listen = config.p2p_listen or default_p2p_listen(config.relay.host)
+    say(f"joining the swarm through {', '.join(config.bootstrap)}..." if config.bootstrap
+        else f"starting the DHT on {listen}: this relay is a bootstrap peer...")
     node = P2PNode(identity, P2PConfig(listen=listen, bootstrap=config.bootstrap))
     await node.start()
     try:
@@ -52,10 +55,13 @@ async def _directory(config: RelayDaemonConfig, identity: Any) -> AsyncIterator[
 async def run_relay(config: RelayDaemonConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
                     stop: asyncio.Event | None = None) -> None:
     identity = load_identity(config.identity_file)
-    stop = stop or stop_event()
+    stop = stop or stop_event(max(DRAIN_GRACE_S, config.relay.limits.drain_timeout_s + 1))  # --drain-timeout
     async with _directory(config, identity) as (directory, multiaddrs):
         server = RelayServer(identity, config.relay, directory)
-        await server.start()
+        try:
+            await server.start()
+        except OSError as e:
+            raise ConfigError(f"--listen {config.relay.host}:{config.relay.port}: {listen_problem(e)}") from None
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGHUP, server.reload_tls)
@@ -63,7 +69,9 @@ async def run_relay(config: RelayDaemonConfig, on_ready: Callable[[dict[str, Any
             http = server.url.replace("wss://", "https://").replace("ws://", "http://")
             on_ready({"url": server.url, "peer_id": identity.peer_id_str, "multiaddrs": multiaddrs,
                       "port": server.port, "healthz": f"{http}/healthz", "metrics": f"{http}/metrics"})
+            say(f"relaying for devices at {server.url}/device, health at {http}/healthz (Ctrl-C to stop)")
             await stop.wait()
+            say("telling devices to reconnect elsewhere, draining streams in flight...")
         finally:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGHUP)

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from ..daemon import ready, stop_event
+from ..daemon import listen_problem, ready, say, stop_event
 from ..errors import ConfigError, Unreachable
 from ..relay import binding_of, client_context
 from .volunteer import VolunteerSite, add_volunteer_routes
@@ -74,10 +74,14 @@ async def serve_web(config: WebConfig, on_ready: Callable[[dict[str, Any]], None
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port, ssl_context=tls)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            raise ConfigError(f"--web {config.host}:{config.port}: {listen_problem(e)}") from None
         port = int(runner.addresses[0][1])
         url = f"{'https' if tls else 'http'}://{config.host}:{port}/volunteer/"
         on_ready({"url": url, "relay": config.relay_url, "port": port})
+        say(f"serving the volunteer page at {url} for relay {config.relay_url} (Ctrl-C to stop)")
         await stop.wait()
     finally:
         await runner.cleanup()

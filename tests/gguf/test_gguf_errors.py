@@ -51,7 +51,7 @@ def test_cli_reports_a_truncated_gguf_in_one_line(good: Path) -> None:
 def test_not_a_gguf(tmp_path: Path) -> None:
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"GGML" + b"\0" * 60)
-    with pytest.raises(CheckpointError, match="not a readable GGUF file") as e:
+    with pytest.raises(CheckpointError, match="not a GGUF file: it does not begin with the bytes 'GGUF'") as e:
         load_model(bad)
     assert e.value.path == str(bad)
     with pytest.raises(CheckpointError, match="file not found"):

@@ -107,8 +107,10 @@ def test_grant_models_add_and_the_balance(tmp_path: Path) -> None:
     assert code == 0 and (added["model_id"], added["hidden"], added["ffn"], added["top_k"]) == (
         "demo/model", cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k)
     peer = Identity.generate().peer_id_str
-    code, out = run("grant", "--db", db, "--key", str(key), peer, "1000")
-    assert code == 0 and json.loads(out)["balance"] == 1000
+    code, out = run("grant", "--db", db, "--key", str(key), peer, "600")
+    assert code == 0 and out.strip() == f"granted 600 credits to {peer}: balance now 600"  # a person reads it
+    code, out = run("grant", "--db", db, "--key", str(key), peer, "400", "--json")
+    assert code == 0 and json.loads(out)["balance"] == 1000 and json.loads(out)["amount"] == 400
     code, out = run("grant", "--db", db, "--key", str(key), peer, str(2**63 - 1000))
     assert code == 2 and "above the ledger's limit" in out
     code, out = run("grant", "--db", db, "--key", str(tmp_path / "someone-else.key"), peer, "5")
