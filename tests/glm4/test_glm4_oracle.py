@@ -215,3 +215,19 @@ def test_published_configs_parse_at_real_scale() -> None:
     air = ModelConfig.from_hf(GLM_4_5_AIR)
     assert air.qk_norm is None and sum(air.moe_layers) == 45 and air.num_experts == 128 and air.rope.dim == 64
     assert air.eos_token_ids == (151329, 151336, 151338)
+
+
+def test_mla_latent_norms_use_eps_1e6_whatever_rms_norm_eps_says(glm4_checkpoints, monkeypatch) -> None:
+    """transformers builds ``q_a_layernorm`` / ``kv_a_layernorm`` with RMSNorm's default eps (1e-6);
+    with this config's ``rms_norm_eps`` (1e-5) there instead, the logits were 5e-5 off: inside the
+    1e-4 tolerance, so this test holds them to 1e-5 and shows the wrong eps exceeds that."""
+    import moeswarm.model.attention as attention
+
+    folder, ref = glm4_checkpoints.get("glm4_moe_lite")
+    model = load_model(folder, backend="eager")
+    assert model.config.rms_norm_eps == 1e-5
+    prefill, _ = run_engine(model, ref)
+    assert np.abs(prefill - ref.prefill_logits).max() <= 1e-5
+    monkeypatch.setattr(attention, "MLA_LATENT_EPS", model.config.rms_norm_eps)
+    prefill, _ = run_engine(model, ref)
+    assert np.abs(prefill - ref.prefill_logits).max() > 1e-5
