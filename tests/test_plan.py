@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from moeswarm.model.plan import GGML_BLOCKS, model_size
 
 CONFIGS = Path(__file__).resolve().parents[1] / "moeswarm" / "model" / "configs"
-SHIPPED = ("minimax-m3", "deepseek-v3.2", "kimi-k2.5")
+SHIPPED = ("minimax-m3", "deepseek-v3.2", "kimi-k2.5", "glm-4.5")
 
 
 def plan_json(path: Path, *args: str) -> dict:  # type: ignore[type-arg]
@@ -114,4 +114,26 @@ def test_swarm_and_budget_figures_and_a_clear_error(tmp_path: Path) -> None:
     assert done.returncode != 0 and "lacks 'num_hidden_layers'" in done.stderr
     done = subprocess.run([sys.executable, "-m", "moeswarm.cli", "plan", "--model", "no-such-model"],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "deepseek-v3.2, kimi-k2.5, minimax-m3" in done.stderr
+    assert done.returncode != 0 and all(n in done.stderr for n in ("deepseek-v3.2", "glm-4.5", "kimi-k2.5", "minimax-m3"))
+
+
+def test_glm_4_5_prints_its_model_card_beside_the_count(tmp_path: Path) -> None:
+    """zai-org/GLM-4.5's card: 355B total, 32B active.  plan counts 352.8B (without the ~4B
+    multi-token-prediction layer) and 32.1B active without the embedding lookup and LM head."""
+    got = plan_json(CONFIGS / "glm-4.5.json")
+    assert (got["layers"], got["moe_layers"], got["experts_per_layer"], got["top_k"]) == (92, 89, 160, 8)
+    assert "model_card" not in got  # a file path is not a shipped name: no card
+    text = subprocess.run([sys.executable, "-m", "moeswarm.cli", "plan", "--model", "glm-4.5"],
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "352.8B total, 33.6B active per token (32.1B without embeddings and LM head)" in text
+    assert "model card      355B total, 32B active (zai-org/GLM-4.5)" in text
+    # GLM-4.5-Air's shape (no QK norm, one dense layer) and GLM-4.7-Flash's (MLA, mlp_layer_types),
+    # as transformers' config classes default them, against transformers' own count
+    for model_type in ("glm4_moe", "glm4_moe_lite"):
+        raw = AutoConfig.for_model(model_type).to_dict()
+        path = tmp_path / model_type
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(raw))
+        want, got = transformers_count(raw), plan_json(path)
+        assert got["total_params"] == want["total"], model_type
+        assert got["routed_experts"] == want["moe_layers"] * want["experts"], model_type

@@ -294,3 +294,17 @@ def v_head_order(kind: str, cfg: "ModelConfig", shape: tuple[int, ...]) -> tuple
     n = shape[1] if kind == "v_cols" else shape[0]
     perm = v_head_permutation(kind, n, dn.num_k_heads, dn.num_v_heads, dn.key_dim, dn.v_head_dim)
     return (None, perm) if kind == "v_cols" else (perm, None)
+
+
+# ---------------------------------------------------------------- GLM-4.5 / 4.6 (glm4moe)
+# As llama.cpp's convert_hf_to_gguf.py (Glm4MoeModel) writes it: NeoX rotary (no q/k permutation),
+# the pre-FFN norm as ``post_attention_norm``, DeepSeek-V3's router, shared-expert and dense-layer
+# names; the multi-token-prediction layer is not written.  GLM-4.7-Flash (glm4_moe_lite) has no
+# GGUF form here.
+GGUF_ARCH["glm4_moe"] = "glm4moe"
+NAME_MAP["glm4_moe"] = (
+    _BACKBONE + _GQA + _QKV_BIAS + _QK_NORM + _ROUTER
+    + _rows(("{L}.mlp_norm", "blk.{L}.post_attention_norm.weight", _P + "post_attention_layernorm.weight"),
+            ("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.gate.e_score_correction_bias"))
+    + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
+)

@@ -14,6 +14,11 @@ from .config import ModelConfig
 from .experts import f32, mm
 
 
+# transformers builds MLA's latent norms (q_a_layernorm, kv_a_layernorm) with RMSNorm's default eps
+# in every family that uses them (DeepSeek-V3/V3.2, GLM-5, GLM-4.7-Flash), whatever rms_norm_eps says
+MLA_LATENT_EPS = 1e-6
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     var = np.mean(np.square(x), axis=-1, keepdims=True)
     return (x / np.sqrt(var + np.float32(eps))) * f32(w)
@@ -206,7 +211,7 @@ def mla_qkv(
     nh, nope, rd, vd = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     q_resid = None
     if cfg.q_lora_rank:
-        q_resid = rms_norm(linear(x, w["q_a"]), w["q_a_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
+        q_resid = rms_norm(linear(x, w["q_a"]), w["q_a_norm"], MLA_LATENT_EPS)  # type: ignore[arg-type]
         q = linear(q_resid, w["q_b"])  # type: ignore[arg-type]
     else:
         q = linear(x, w["q"])  # type: ignore[arg-type]
@@ -214,7 +219,7 @@ def mla_qkv(
     q_pass, q_rot = q[..., :nope], q[..., nope:]
     kv = linear(x, w["kv_a"])  # type: ignore[arg-type]  # (B, T, kv_lora + rd)
     latent, k_rot = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
-    latent = rms_norm(latent, w["kv_a_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
+    latent = rms_norm(latent, w["kv_a_norm"], MLA_LATENT_EPS)  # type: ignore[arg-type]
     k_rot = k_rot.reshape(B, 1, T, rd)
     cos, sin = rope.tables(positions)
     q_rot, k_rot = rope.apply(q_rot, cos, sin), rope.apply(k_rot, cos, sin)

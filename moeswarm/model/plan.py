@@ -34,7 +34,8 @@ PUBLISHED = {"FP8": QuantFormat("fp8_block", block=(128, 128), scale_bytes=4),
 FORMATS = ("BF16", *PUBLISHED, *GGML_BLOCKS)
 _DTYPE_FORMATS = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}  # a config's dtype, unquantised
 _QK_NORM = ("minimax_m3_vl_text", "minimax_m3_vl", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe",
-            "glm4_moe", "glm_moe_dsa")  # per-head q/k RMSNorm (unless the config says use_qk_norm)
+            "glm_moe_dsa")  # per-head q/k RMSNorm (unless the config says use_qk_norm; GLM-4.5's default is off)
+_NO_O_BIAS = ("glm4_moe",)  # attention_bias puts biases on q/k/v only
 _QK_NORM_FULL = ("minimax_m2", "olmoe", "flex_olmo")  # q/k RMSNorm over the whole projection
 
 
@@ -155,7 +156,7 @@ def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
     nkv = int(t.get("num_key_value_heads") or nh)
     p = H * nh * hd * (2 if t.get("model_type") in _GATED_ATTENTION else 1) + 2 * H * nkv * hd + nh * hd * H
     if t.get("attention_bias"):
-        p += nh * hd + 2 * nkv * hd + H
+        p += nh * hd + 2 * nkv * hd + (0 if t.get("model_type") in _NO_O_BIAS else H)
     if t.get("qk_norm_type") == "per_layer" or t.get("model_type") in _QK_NORM_FULL:
         norms = nh * hd + nkv * hd
     elif t.get("use_qk_norm", t.get("model_type") in _QK_NORM):
@@ -205,6 +206,20 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or t.get("torch_dtype") or t.get("dtype") or "bfloat16")
     return ModelSize(name, H, n, sum(moe), E, k, matrices, extra, total, embeddings,
                      quant_format(raw), dtype)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What a published model's card says of its size, to print beside the count from config.json."""
+
+    total: str  # total parameters as the card writes them ("355B")
+    active: str  # active parameters per token ("32B")
+    source: str  # where the card is (hub repository)
+
+
+# shipped config name -> its model card's figures (cards round, and may count the
+# multi-token-prediction layer, which plan leaves out)
+MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

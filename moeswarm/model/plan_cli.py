@@ -23,7 +23,7 @@ def _gib(n: float) -> str:
 @click.command("plan")
 @click.option("--model", "model", required=True, metavar="CONFIG_OR_DIR",
               help="A config.json, a model folder holding one (nothing else is read: no weights needed), or "
-                   "the name of a config shipped with moeswarm: minimax-m3, deepseek-v3.2, kimi-k2.5.")
+                   "the name of a config shipped with moeswarm: minimax-m3, deepseek-v3.2, kimi-k2.5, glm-4.5.")
 @click.option("--format", "fmt", default=None, type=click.Choice(_FORMATS, case_sensitive=False),
               help="Stored format for the swarm and budget figures (default: what the config's "
                    "quantization_config says, else BF16).")
@@ -52,10 +52,12 @@ def plan(model: str, fmt: str | None, nodes: int, memory_budget: str | None, as_
     from pathlib import Path
 
     from .memory import parse_size
-    from .plan import FORMATS, model_size, read_config, swarm_figures
+    from .plan import FORMATS, MODEL_CARDS, model_size, read_config, swarm_figures
 
     shipped = Path(__file__).parent / "configs" / f"{model}.json"
+    card = None
     if not Path(model).exists() and shipped.is_file():
+        card = MODEL_CARDS.get(model)
         model = str(shipped)
     elif not Path(model).exists():
         names = ", ".join(sorted(p.stem for p in shipped.parent.glob("*.json")))
@@ -77,13 +79,17 @@ def plan(model: str, fmt: str | None, nodes: int, memory_budget: str | None, as_
             "moe_layers": size.moe_layers, "experts_per_layer": size.num_experts, "top_k": size.top_k,
             "routed_experts": size.routed_experts, "active_experts_per_token": size.active_experts,
             "expert_params": size.expert_params, "stored_format": size.stored_format(), "format": chosen,
-            "expert_bytes_by_format": {f: size.expert_bytes(f) for f in FORMATS}, **figures}, indent=1))
+            "expert_bytes_by_format": {f: size.expert_bytes(f) for f in FORMATS}, **figures,
+            **({"model_card": {"total": card.total, "active": card.active, "source": card.source}} if card else {})},
+            indent=1))
         return
     ratio = size.total / size.active
     click.echo(f"{size.model_type}: {size.num_layers} layers ({size.num_layers - size.moe_layers} dense, "
                f"{size.moe_layers} MoE), {size.num_experts} experts per MoE layer, top-{size.top_k}")
     click.echo(f"  parameters      {_b(size.total)} total, {_b(size.active)} active per token "
                f"({_b(size.active - size.embeddings)} without embeddings and LM head); {ratio:.0f}:1")
+    if card is not None:
+        click.echo(f"  model card      {card.total} total, {card.active} active ({card.source})")
     click.echo(f"  routed experts  {size.routed_experts:,} in the model, {size.active_experts:,} active per token, "
                f"{_b(size.expert_params)} parameters each")
     click.echo(f"  stored as       {size.stored_format()}"
