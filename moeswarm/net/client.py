@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ from ..protocol import (
     DEFAULT_MAX_FRAME,
     FATAL_CODES,
     ClientHandshake,
+    ConfigRequest,
+    ConfigResponse,
     Error,
     ErrorCode,
     ExpertRequest,
@@ -57,7 +60,7 @@ class ExpertClient:
         self.reader, self.writer = reader, writer
         self.server_peer = server_peer
         self.max_frame = max_frame
-        self._pending: dict[bytes, asyncio.Future[ExpertResponse | WeightsResponse]] = {}
+        self._pending: dict[bytes, asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse]] = {}
         self._pings: dict[int, asyncio.Future[float]] = {}
         self._write_lock = asyncio.Lock()
         self._closed: BaseException | None = None
@@ -125,11 +128,18 @@ class ExpertClient:
             raise ProtocolError("an expert_response answered a weights_request", code=ErrorCode.UNEXPECTED_MESSAGE)
         return response
 
-    async def _request(self, request: ExpertRequest | WeightsRequest, timeout: float,
-                       what: str) -> ExpertResponse | WeightsResponse:
+    async def config(self, model_id: str, timeout: float) -> bytes:
+        """The config bytes the server's ``model_id`` hashes (the caller checks them against a digest)."""
+        response = await self._request(ConfigRequest(os.urandom(16), model_id), timeout, "config fetch")
+        if not isinstance(response, ConfigResponse):
+            raise ProtocolError("another response answered a config_request", code=ErrorCode.UNEXPECTED_MESSAGE)
+        return response.config
+
+    async def _request(self, request: ExpertRequest | WeightsRequest | ConfigRequest, timeout: float,
+                       what: str) -> ExpertResponse | WeightsResponse | ConfigResponse:
         if self._closed is not None:
             raise Unreachable(f"connection is closed: {self._closed}")
-        future: asyncio.Future[ExpertResponse | WeightsResponse] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse] = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = future
         try:
             async with self._write_lock:
@@ -176,7 +186,7 @@ class ExpertClient:
                     if not fut.done():
                         fut.set_exception(BadResponse(f"the server's answer is invalid: {e}", code=e.code))
                     continue
-                if isinstance(msg, (ExpertResponse, WeightsResponse)):
+                if isinstance(msg, (ExpertResponse, WeightsResponse, ConfigResponse)):
                     fut = self._pending.get(msg.request_id)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)

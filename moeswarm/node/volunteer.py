@@ -20,8 +20,9 @@ from ..daemon import (
 )
 from ..market import AssignConfig, Block, market_assignment
 from ..model import ModelConfig, load_config
-from ..model.model_id import model_id_for
+from ..model.model_id import config_bytes, model_id_for
 from ..net.announce import AnnounceConfig, Announcer
+from ..net.catalogue import catalogue_model
 from ..net.dataplane import DataPlaneServer, ServerConfig
 from ..protocol import Identity
 from .config import NodeConfig
@@ -79,7 +80,8 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
                                         idle_timeout_s=config.idle_timeout_s),
                                     weights_handler=(lambda client, request: asyncio.to_thread(
                                         serve_weights, server.weights, model_id, request))
-                                    if config.serve_weights else None)
+                                    if config.serve_weights else None,
+                                    configs={model_id: config_bytes(sc.model_dir)})
         await server.start()
         await dataplane.start()
         try:
@@ -87,7 +89,8 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
             endpoint = f"tcp+tls://{host}:{config.announce_port or dataplane.port}"
             announcer = Announcer(p2p, identity, AnnounceConfig(
                 model_id, layers, moe, experts, (endpoint,), held_bytes(weights), config.announce_interval_s,
-                config.record_ttl_s, more_blocks=tuple((b.layers, b.experts) for b in more)),
+                config.record_ttl_s, more_blocks=tuple((b.layers, b.experts) for b in more),
+                catalogue=(catalogue_model(sc.model_dir, model_id),)),
                 stats=lambda: (server.throughput, server.load_permille))
             await announcer.start()
             async with contextlib.AsyncExitStack() as stack:
