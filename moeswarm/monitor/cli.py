@@ -133,13 +133,13 @@ async def list_models(bootstrap: tuple[str, ...], paths: tuple[str, ...],
     from ..errors import CheckpointError
     from ..net.catalogue import read_catalogue, resolve_models
     from ..protocol import Identity
-    from .watch import config_from_bytes, model_from
+    from .watch import catalogue_fetch, config_from_bytes, model_from
 
     wanted = [model_from(p)[0] for p in paths] or None
     identity = Identity.generate()
     async with p2p_node(identity, SwarmConfig("", bootstrap=bootstrap, client_mode=True)) as p2p:
         catalogue = await read_catalogue(p2p)
-        served = await resolve_models(catalogue, identity, wanted=wanted, timeout=timeout)
+        served = await resolve_models(catalogue, catalogue_fetch(identity, timeout), wanted=wanted)
     out = []
     for m in sorted(served, key=lambda m: m.model_id):
         try:

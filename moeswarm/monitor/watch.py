@@ -84,6 +84,13 @@ class Measured:
     error: str = ""
 
 
+def catalogue_fetch(identity: Identity, timeout: float) -> Any:
+    """How the monitor asks a catalogue holder for a config: ``config_request`` over the data plane."""
+    from ..net.client import fetch_config
+
+    return lambda entry, model_id: fetch_config(identity, entry.peer_id, entry.endpoints, model_id, timeout)
+
+
 def config_from_bytes(model_id: str, config: bytes) -> ModelConfig:
     """The config of a model the catalogue names, from the bytes a holder handed out (digest checked):
     ``CheckpointError`` if they are not a config.json of a supported family."""
@@ -136,7 +143,8 @@ class SwarmWatch:
 
         catalogue = await read_catalogue(self.p2p)
         new = [m for m in catalogue.offers if m not in self.models][:max(0, MAX_CATALOGUE_MODELS - len(self.models))]
-        for served in await resolve_models(catalogue, self.identity, wanted=new, timeout=self.config.ping_timeout_s):
+        for served in await resolve_models(catalogue, catalogue_fetch(self.identity, self.config.ping_timeout_s),
+                                           wanted=new):
             try:
                 cfg = config_from_bytes(served.model_id, served.config)
             except CheckpointError as e:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
-from ..errors import ConfigError, NetworkError, ProtocolError, SwarmError
+from ..errors import ProtocolError, SwarmError
 from ..model.model_id import config_bytes, id_digest_prefix, model_name
 from ..protocol import (
     ErrorCode,
@@ -299,30 +299,13 @@ class ServedModel:
 Fetch = Callable[[CatalogueEntry, str], Any]  # (holder's entry, model id) -> awaitable of config bytes
 
 
-async def fetch_config(identity: Identity, entry: CatalogueEntry, model_id: str, timeout: float = 10.0) -> bytes:
-    """The config a holder hands out for ``model_id`` (``config_request``, over its first endpoint that answers)."""
-    from .client import ExpertClient
-
-    error: Exception = NetworkError("the entry names no endpoint")
-    for endpoint in entry.endpoints:
-        try:
-            client = await ExpertClient.connect(endpoint, identity, expected_peer=entry.peer_id, timeout=timeout)
-        except (NetworkError, ProtocolError, ConfigError) as e:
-            error = e
-            continue
-        try:
-            return await client.config(model_id, timeout)
-        finally:
-            await client.aclose()
-    raise error
-
-
-async def resolve_models(catalogue: Catalogue, identity: Identity, *, wanted: Sequence[str] | None = None,
-                         timeout: float = 10.0, fetch: Fetch | None = None) -> list[ServedModel]:
+async def resolve_models(catalogue: Catalogue, fetch: Fetch, *,
+                         wanted: Sequence[str] | None = None) -> list[ServedModel]:
     """Each offer (of ``wanted`` ids, if given) whose config one of up to ``CONFIG_TRIES`` holders
-    hands out with the published digest; a holder whose config does not hash to it is counted
-    (``config_mismatch``), one that cannot be reached too (``config_unreachable``)."""
-    get = fetch or (lambda entry, model_id: fetch_config(identity, entry, model_id, timeout))
+    hands out (``fetch``: ``moeswarm.net.client.fetch_config``) with the published digest; a holder
+    whose config does not hash to it is counted (``config_mismatch``), one that cannot be reached
+    too (``config_unreachable``)."""
+    get = fetch
 
     async def one(offer: Offer) -> ServedModel | None:
         for entry in offer.holders[:CONFIG_TRIES]:
@@ -347,5 +330,5 @@ async def resolve_models(catalogue: Catalogue, identity: Identity, *, wanted: Se
 
 
 __all__ = ["CATALOGUE_PROVIDER_KEY", "Catalogue", "catalogue_model", "CatalogueEntry", "CatalogueModel", "Offer", "ServedModel",
-           "catalogue_key", "fetch_config", "is_catalogue_key", "read_catalogue", "resolve_models",
+           "catalogue_key", "is_catalogue_key", "read_catalogue", "resolve_models",
            "select_catalogue", "sign_catalogue_entry", "validate_catalogue"]

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .._tasks import cancel_and_wait
@@ -280,3 +281,21 @@ class Connections:
         self._closed = True
         for peer in list(self._clients):
             await self.drop(peer)
+
+
+async def fetch_config(identity: Identity, peer_id: bytes, endpoints: Sequence[str], model_id: str,
+                       timeout: float = 10.0) -> bytes:
+    """The config bytes ``peer_id`` hands out for ``model_id`` (``config_request``), over the first of
+    its ``endpoints`` that answers; the caller checks them against the digest it trusts."""
+    error: Exception = NetworkError("no endpoint given")
+    for endpoint in endpoints:
+        try:
+            client = await ExpertClient.connect(endpoint, identity, expected_peer=peer_id, timeout=timeout)
+        except (NetworkError, ProtocolError, ConfigError) as e:
+            error = e
+            continue
+        try:
+            return await client.config(model_id, timeout)
+        finally:
+            await client.aclose()
+    raise error
