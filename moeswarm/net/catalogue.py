@@ -252,7 +252,7 @@ async def read_catalogue(dht: Any, *, max_peers: int = MAX_CATALOGUE_PEERS,
         log.info("find_providers for the catalogue failed: %s", e)
         return out
     by_digest: dict[str, dict[bytes, Offer]] = {}
-    for peer in providers[:max_peers]:
+    for peer in list(dict.fromkeys(providers))[:max_peers]:  # a provider may be listed twice
         try:
             key = catalogue_key(peer_id_from_str(peer))
             value = await dht.get(key)
