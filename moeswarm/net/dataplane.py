@@ -296,9 +296,9 @@ class _ServerConnection:
             elif isinstance(msg, Ping):
                 await self.send(Pong(msg.ts, bytes(msg.want)))
             elif isinstance(msg, ConfigRequest):
-                config = self.server.configs.get(msg.model_id)
+                held = self.server.configs.get(msg.model_id)
                 await self.send(Error(ErrorCode.UNKNOWN_EXPERT, f"model {msg.model_id!r} is not served here",
-                                      msg.request_id) if config is None else ConfigResponse(msg.request_id, config))
+                                      msg.request_id) if held is None else ConfigResponse(msg.request_id, held))
             elif isinstance(msg, Error):
                 log.info("peer reported error %s: %s", msg.code, msg.message)
             else:

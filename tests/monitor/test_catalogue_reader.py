@@ -24,7 +24,7 @@ from moeswarm.net.catalogue import (
     resolve_models,
     sign_catalogue_entry,
 )
-from moeswarm.net.client import fetch_config
+from moeswarm.net.client import ExpertClient, fetch_config
 from moeswarm.net.dataplane import DataPlaneServer
 from moeswarm.protocol import ErrorCode, Identity
 
@@ -115,12 +115,19 @@ def test_config_request_over_a_real_tls_data_plane() -> None:
     async def refuse(client: bytes, request: object) -> object:
         raise ProtocolError("no experts", code=ErrorCode.UNKNOWN_EXPERT)
 
-    async def run() -> tuple[bytes, int]:
+    async def run() -> tuple[bytes, int, list[bytes]]:
         async with DataPlaneServer(server_id, refuse, configs={"m-1": config}) as plane:
             got = await fetch_config(client_id, server_id.peer_id, [plane.endpoint], "m-1", timeout=10)
             with pytest.raises(ProtocolError) as info:
                 await fetch_config(client_id, server_id.peer_id, [plane.endpoint], "m-2", timeout=10)
-        return got, info.value.code
+            # one connection keeps serving after config requests (a ping too)
+            client = await ExpertClient.connect(plane.endpoint, client_id, expected_peer=server_id.peer_id)
+            try:
+                again = [await client.config("m-1", 10) for _ in range(3)]
+                assert await client.ping(timeout=10) > 0
+            finally:
+                await client.aclose()
+        return got, info.value.code, again
 
-    got, code = asyncio.run(run())
-    assert got == config and code == ErrorCode.UNKNOWN_EXPERT
+    got, code, again = asyncio.run(run())
+    assert got == config and code == ErrorCode.UNKNOWN_EXPERT and again == [config] * 3
