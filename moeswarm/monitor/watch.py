@@ -45,6 +45,7 @@ class WatchConfig:
     ping_timeout_s: float = 5.0
     ledger_url: str | None = None
     top_contributors: int = 20
+    catalogue_interval_s: float = 30.0  # without --model: re-read the catalogue (new models) at most this often
 
 
 @dataclass
@@ -124,6 +125,7 @@ class SwarmWatch:
             self.add_model(model_id, cfg, (names or {}).get(model_id))
         self.catalogue = catalogue
         self.catalogue_rejected: dict[str, int] = {}  # what the last catalogue pass dropped, by reason
+        self._catalogue_read_at: float | None = None  # monotonic time of the last catalogue pass
         self.measured: dict[bytes, Measured] = {}
         self.contributors: list[dict[str, Any]] | None = None
         self.ledger_error = ""
@@ -174,7 +176,10 @@ class SwarmWatch:
                 log.exception("monitor refresh failed")
 
     async def refresh(self) -> None:
-        if self.catalogue:
+        now = time.monotonic()
+        if self.catalogue and (self._catalogue_read_at is None
+                               or now - self._catalogue_read_at >= self.config.catalogue_interval_s):
+            self._catalogue_read_at = now
             with contextlib.suppress(SwarmError):
                 await self.read_catalogue()
         for m in list(self.models.values()):

@@ -108,10 +108,13 @@ def test_models_and_the_monitor_list_what_the_swarm_serves_and_drop_a_liar(tmp_p
                 page.wait_for_selector(f'[data-model="{model_id}"] [data-verdict="healthy"]', timeout=WAIT_MS)
             for peer in honest.values():
                 page.wait_for_selector(f'td[data-peer-id="{peer}"]', timeout=WAIT_MS)
+            page.wait_for_function("document.getElementById('updated').textContent.includes('dropped:')",
+                                   timeout=WAIT_MS)
             text = page.inner_text("body")
         assert "demo-copy (mixtral)" in text and "checkpoint (mixtral)" in text
         assert all(model_id in text for model_id in honest)
         assert lies["swapped"] not in text and lies["misnamed"] not in text
+        assert "2 models from the catalogue · dropped: config_mismatch 1, digest_not_id 1" in text
         snap = get_json(url + "/api/v1/swarm")
         assert {m["model_id"] for m in snap["models"]} == set(honest)
         assert snap["catalogue"]["rejected"]["config_mismatch"] == 1
