@@ -27,8 +27,12 @@ from ..protocol import (
     provider_key,
     sign_announcement,
 )
-
-from .catalogue import CATALOGUE_PROVIDER_KEY, CatalogueModel, catalogue_key, sign_catalogue_entry
+from .catalogue import (
+    CATALOGUE_PROVIDER_KEY,
+    CatalogueModel,
+    catalogue_key,
+    sign_catalogue_entry,
+)
 
 log = logging.getLogger(__name__)
 SOFTWARE = "moeswarm/0.1.0"

@@ -329,6 +329,19 @@ async def resolve_models(catalogue: Catalogue, fetch: Fetch, *,
     return [m for m in found if m is not None]
 
 
-__all__ = ["CATALOGUE_PROVIDER_KEY", "Catalogue", "catalogue_model", "CatalogueEntry", "CatalogueModel", "Offer", "ServedModel",
-           "catalogue_key", "is_catalogue_key", "read_catalogue", "resolve_models",
-           "select_catalogue", "sign_catalogue_entry", "validate_catalogue"]
+__all__ = [
+    "CATALOGUE_PROVIDER_KEY",
+    "Catalogue",
+    "CatalogueEntry",
+    "CatalogueModel",
+    "Offer",
+    "ServedModel",
+    "catalogue_key",
+    "catalogue_model",
+    "is_catalogue_key",
+    "read_catalogue",
+    "resolve_models",
+    "select_catalogue",
+    "sign_catalogue_entry",
+    "validate_catalogue",
+]

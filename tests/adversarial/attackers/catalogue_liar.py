@@ -21,9 +21,15 @@ import hashlib
 import json
 import sys
 import time
+from pathlib import Path
 
 from moeswarm.errors import ProtocolError
-from moeswarm.net.catalogue import CATALOGUE_PROVIDER_KEY, CatalogueModel, catalogue_key, sign_catalogue_entry
+from moeswarm.net.catalogue import (
+    CATALOGUE_PROVIDER_KEY,
+    CatalogueModel,
+    catalogue_key,
+    sign_catalogue_entry,
+)
 from moeswarm.net.dataplane import DataPlaneServer
 from moeswarm.net.p2p import P2PConfig, P2PNode
 from moeswarm.protocol import ErrorCode, Identity
@@ -35,7 +41,7 @@ async def refuse(client: bytes, request: object) -> object:
 
 async def main() -> None:
     boot, config_path = sys.argv[1], sys.argv[2]
-    raw = json.loads(open(config_path).read())
+    raw = json.loads(Path(config_path).read_text())
     published = json.dumps({**raw, "name": "swapped"}, indent=2).encode()
     served = json.dumps({**raw, "name": "swapped", "num_local_experts": 64}, indent=2).encode()
     digest = hashlib.sha256(published).digest()
