@@ -65,6 +65,8 @@ MAX_CATALOGUE_PEERS: Final = 64
 """Providers of the catalogue key a reader asks for and reads in one pass."""
 MAX_CATALOGUE_MODELS: Final = 32
 """Distinct model ids a reader keeps from one pass; further ones are dropped and counted."""
+PARALLEL_GETS: Final = 8
+"""DHT gets of catalogue entries in flight at once (each is a lookup of its own)."""
 CONFIG_TRIES: Final = 3
 """Holders asked for a model's config before the model is given up for this pass."""
 _KEY = re.compile(r"/moeswarm/v1/catalogue/([1-9A-HJ-NP-Za-km-z]+)")
@@ -252,10 +254,22 @@ async def read_catalogue(dht: Any, *, max_peers: int = MAX_CATALOGUE_PEERS,
         log.info("find_providers for the catalogue failed: %s", e)
         return out
     by_digest: dict[str, dict[bytes, Offer]] = {}
-    for peer in list(dict.fromkeys(providers))[:max_peers]:  # a provider may be listed twice
+    peers = list(dict.fromkeys(providers))[:max_peers]  # a provider may be listed twice
+    gate = asyncio.Semaphore(PARALLEL_GETS)
+
+    async def get(peer: str) -> tuple[str, bytes | None] | SwarmError:
         try:
             key = catalogue_key(peer_id_from_str(peer))
-            value = await dht.get(key)
+            async with gate:
+                return key, await dht.get(key)
+        except SwarmError as e:
+            return e
+
+    for peer, got in zip(peers, await asyncio.gather(*(get(p) for p in peers))):  # in provider order
+        try:
+            if isinstance(got, SwarmError):
+                raise got
+            key, value = got
             if value is None:
                 out.reject("no_entry")
                 continue
