@@ -23,6 +23,7 @@ class LazyGroup(click.Group):
         "convert-gguf": "moeswarm.model.gguf_cli:convert_gguf",
         "expert-digests": "moeswarm.node.cli:expert_digests",
         "monitor": "moeswarm.monitor.cli:monitor",
+        "models": "moeswarm.monitor.cli:models",
         "plan": "moeswarm.model.plan_cli:plan",
     }
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -29,10 +31,43 @@ def model_id_for(folder: str | os.PathLike[str], cfg: ModelConfig) -> str:
     and one encoding share an id.
     """
     gguf_file = find_gguf(folder)
+    digest = hashlib.sha256(config_bytes(folder)).hexdigest()[:12]
     if gguf_file is None:
-        return f"{cfg.arch}-{hashlib.sha256(Path(folder, 'config.json').read_bytes()).hexdigest()[:12]}"
+        return f"{cfg.arch}-{digest}"
     from .gguf import GGUFFile  # the gguf package: imported only for GGUF checkpoints
 
-    f = GGUFFile(gguf_file)
-    digest = hashlib.sha256(f.config_text().encode("utf-8")).hexdigest()[:12]
-    return f"{cfg.arch}-{digest}-{f.expert_encoding(cfg)}"
+    return f"{cfg.arch}-{digest}-{GGUFFile(gguf_file).expert_encoding(cfg)}"
+
+
+def config_bytes(folder: str | os.PathLike[str]) -> bytes:
+    """The bytes a checkpoint's model id hashes: its config.json, or the config.json a GGUF embeds.
+    A holder hands these out (``config_request``), and the swarm catalogue publishes their SHA-256."""
+    gguf_file = find_gguf(folder)
+    if gguf_file is None:
+        return Path(folder, "config.json").read_bytes()
+    from .gguf import GGUFFile
+
+    return GGUFFile(gguf_file).config_text().encode("utf-8")
+
+
+def model_name(path: str | os.PathLike[str]) -> str | None:
+    """A human name for the checkpoint at ``path``: config.json's ``name``, else the last part of its
+    ``_name_or_path``, else the folder's (or GGUF file's) own name."""
+    p = Path(path)
+    folder = p.parent if p.name == "config.json" else p
+    if folder.is_dir() and (folder / "config.json").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            raw = json.loads((folder / "config.json").read_text())
+            name = config_name(raw)
+            if name:
+                return name
+    return (folder.stem if folder.is_file() else folder.name) or None
+
+
+def config_name(raw: object) -> str | None:
+    """A human name from a parsed config.json: its ``name``, else the last part of ``_name_or_path``."""
+    if isinstance(raw, dict):
+        for key in ("name", "_name_or_path"):
+            if isinstance(raw.get(key), str) and raw[key].strip("/"):
+                return str(raw[key]).rstrip("/").rsplit("/", 1)[-1]
+    return None

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from .._tasks import cancel_and_wait
-from ..errors import ConfigError, NetworkError, ProtocolError, SwarmError
+from ..errors import CheckpointError, ConfigError, NetworkError, ProtocolError, SwarmError
 from ..market import ModelShape, fetch_state
 from ..model import ModelConfig, load_config
-from ..model.model_id import model_id_for
+from ..model.model_id import model_id_for, model_name
 from ..net.client import ExpertClient
 from ..net.discovery import Discovery
 from ..net.routing_table import Holder, SwarmTable
@@ -45,6 +45,7 @@ class WatchConfig:
     ping_timeout_s: float = 5.0
     ledger_url: str | None = None
     top_contributors: int = 20
+    catalogue_interval_s: float = 30.0  # without --model: re-read the catalogue (new models) at most this often
 
 
 @dataclass
@@ -84,18 +85,23 @@ class Measured:
     error: str = ""
 
 
-def model_name(path: str) -> str | None:
-    """A human name for the checkpoint at ``path``: config.json's ``name``, else the last part of its
-    ``_name_or_path``, else the folder's (or GGUF file's) own name."""
-    p = Path(path)
-    folder = p.parent if p.name == "config.json" else p
-    if folder.is_dir() and (folder / "config.json").is_file():
-        with contextlib.suppress(OSError, ValueError):
-            raw = json.loads((folder / "config.json").read_text())
-            for key in ("name", "_name_or_path"):
-                if isinstance(raw.get(key), str) and raw[key].strip("/"):
-                    return str(raw[key]).rstrip("/").rsplit("/", 1)[-1]
-    return (folder.stem if folder.is_file() else folder.name) or None
+def catalogue_fetch(identity: Identity, timeout: float) -> Any:
+    """How the monitor asks a catalogue holder for a config: ``config_request`` over the data plane."""
+    from ..net.client import fetch_config
+
+    return lambda entry, model_id: fetch_config(identity, entry.peer_id, entry.endpoints, model_id, timeout)
+
+
+def config_from_bytes(model_id: str, config: bytes) -> ModelConfig:
+    """The config of a model the catalogue names, from the bytes a holder handed out (digest checked):
+    ``CheckpointError`` if they are not a config.json of a supported family."""
+    try:
+        raw = json.loads(config)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"the config of {model_id} is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"the config of {model_id} is not a JSON object")
+    return ModelConfig.from_hf(raw, model_id=model_id)
 
 
 def model_from(path: str) -> tuple[str, ModelConfig]:
@@ -108,22 +114,47 @@ def model_from(path: str) -> tuple[str, ModelConfig]:
 
 class SwarmWatch:
     def __init__(self, p2p: Any, models: list[tuple[str, ModelConfig]], config: WatchConfig = WatchConfig(),
-                 names: dict[str, str | None] | None = None) -> None:
+                 names: dict[str, str | None] | None = None, *, catalogue: bool = False) -> None:
+        """``catalogue``: also watch every model the swarm's catalogue names (``moeswarm.net.catalogue``),
+        re-read each round, configs fetched from holders and checked against the published digest."""
         self.p2p = p2p
         self.config = config
         self.identity = Identity.generate()  # the monitor's own key, for data-plane pings
         self.models: dict[str, WatchedModel] = {}
         for model_id, cfg in models:
-            table = SwarmTable(model_id)
-            moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
-            self.models[model_id] = WatchedModel(model_id, cfg, table, Discovery(p2p, table, moe),
-                                                 (names or {}).get(model_id))
+            self.add_model(model_id, cfg, (names or {}).get(model_id))
+        self.catalogue = catalogue
+        self.catalogue_rejected: dict[str, int] = {}  # what the last catalogue pass dropped, by reason
+        self._catalogue_read_at: float | None = None  # monotonic time of the last catalogue pass
         self.measured: dict[bytes, Measured] = {}
         self.contributors: list[dict[str, Any]] | None = None
         self.ledger_error = ""
         self.rounds = 0
         self._clients: dict[bytes, ExpertClient] = {}
         self._task: asyncio.Task[None] | None = None
+
+    def add_model(self, model_id: str, cfg: ModelConfig, name: str | None = None) -> None:
+        table = SwarmTable(model_id)
+        moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
+        self.models[model_id] = WatchedModel(model_id, cfg, table, Discovery(
+            self.p2p, table, moe, num_layers=cfg.num_layers, num_experts=cfg.num_experts), name)
+
+    async def read_catalogue(self) -> None:
+        """Add the models of the catalogue not watched yet (at most ``MAX_CATALOGUE_MODELS`` in all)."""
+        from ..net.catalogue import MAX_CATALOGUE_MODELS, read_catalogue, resolve_models
+
+        catalogue = await read_catalogue(self.p2p)
+        new = [m for m in catalogue.offers if m not in self.models][:max(0, MAX_CATALOGUE_MODELS - len(self.models))]
+        for served in await resolve_models(catalogue, catalogue_fetch(self.identity, self.config.ping_timeout_s),
+                                           wanted=new):
+            try:
+                cfg = config_from_bytes(served.model_id, served.config)
+            except CheckpointError as e:
+                log.warning("catalogue: %s", e)
+                catalogue.reject("config_unsupported")
+                continue
+            self.add_model(served.model_id, cfg, served.name or None)
+        self.catalogue_rejected = catalogue.rejected
 
     async def start(self) -> None:
         await self.refresh()
@@ -145,7 +176,13 @@ class SwarmWatch:
                 log.exception("monitor refresh failed")
 
     async def refresh(self) -> None:
-        for m in self.models.values():
+        now = time.monotonic()
+        if self.catalogue and (self._catalogue_read_at is None
+                               or now - self._catalogue_read_at >= self.config.catalogue_interval_s):
+            self._catalogue_read_at = now
+            with contextlib.suppress(SwarmError):
+                await self.read_catalogue()
+        for m in list(self.models.values()):
             with contextlib.suppress(SwarmError):
                 await m.discovery.refresh()
             with contextlib.suppress(SwarmError, ProtocolError, ConfigError, ValueError):
@@ -255,7 +292,8 @@ class SwarmWatch:
             })
         return {"version": SNAPSHOT_VERSION, "generated_at_ms": now_ms, "rounds": self.rounds,
                 "models": models, "nodes": nodes, "ledger": self.config.ledger_url,
-                "contributors": self.contributors, "ledger_error": self.ledger_error or None}
+                "contributors": self.contributors, "ledger_error": self.ledger_error or None,
+                "catalogue": {"rejected": self.catalogue_rejected} if self.catalogue else None}
 
     @staticmethod
     def _node(h: Holder, m: WatchedModel, measured: Measured) -> dict[str, Any]:

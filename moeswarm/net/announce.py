@@ -2,7 +2,8 @@
 
 One record covers the node's blocks (a layer range x an expert range each, ``more_blocks``
 beside the first); it is stored under the node's own key for every MoE layer it holds and the node registers as a provider of each layer's key, which is how
-backbones find it (``protocol_spec/``: DHT keys).
+backbones find it (``protocol_spec/``: DHT keys). With ``catalogue`` set it also keeps its entry
+in the swarm's catalogue (``moeswarm.net.catalogue``): which models it serves, by config digest.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from ..protocol import (
     provider_key,
     sign_announcement,
 )
+from .catalogue import (
+    CATALOGUE_PROVIDER_KEY,
+    CatalogueModel,
+    catalogue_key,
+    sign_catalogue_entry,
+)
 
 log = logging.getLogger(__name__)
 SOFTWARE = "moeswarm/0.1.0"
@@ -42,6 +49,7 @@ class AnnounceConfig:
     interval_s: float = 240.0  # refresh period (protocol_spec: every 4 minutes)
     ttl_s: float = 600.0  # records expire this long after each refresh
     more_blocks: BlockRanges = ()  # (layers, experts) beside the first
+    catalogue: tuple[CatalogueModel, ...] = ()  # what the swarm catalogue says this node serves (none: no entry)
 
     def blocks(self) -> BlockRanges:
         return ((self.layers, self.experts), *self.more_blocks)
@@ -78,6 +86,12 @@ class Announcer:
             await self.dht.put(announcement_key(self.config.model_id, layer, self.identity.peer_id), value)
             if provide:
                 await self.dht.provide(provider_key(self.config.model_id, layer))
+        if self.config.catalogue:  # the swarm's catalogue: same seq and lifetime as the announcement
+            entry = sign_catalogue_entry(self.identity, self.config.catalogue, self.config.endpoints,
+                                         seq=record.seq, expires_at_ms=record.expires_at_ms)
+            await self.dht.put(catalogue_key(self.identity.peer_id), entry.encode())
+            if provide:
+                await self.dht.provide(CATALOGUE_PROVIDER_KEY)
         self.last = record
 
     async def move(self, blocks: Sequence[tuple[tuple[int, int], tuple[int, int]]], moe_layers: Sequence[int],

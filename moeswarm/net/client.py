@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .._tasks import cancel_and_wait
@@ -24,6 +26,8 @@ from ..protocol import (
     DEFAULT_MAX_FRAME,
     FATAL_CODES,
     ClientHandshake,
+    ConfigRequest,
+    ConfigResponse,
     Error,
     ErrorCode,
     ExpertRequest,
@@ -57,7 +61,7 @@ class ExpertClient:
         self.reader, self.writer = reader, writer
         self.server_peer = server_peer
         self.max_frame = max_frame
-        self._pending: dict[bytes, asyncio.Future[ExpertResponse | WeightsResponse]] = {}
+        self._pending: dict[bytes, asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse]] = {}
         self._pings: dict[int, asyncio.Future[float]] = {}
         self._write_lock = asyncio.Lock()
         self._closed: BaseException | None = None
@@ -125,11 +129,18 @@ class ExpertClient:
             raise ProtocolError("an expert_response answered a weights_request", code=ErrorCode.UNEXPECTED_MESSAGE)
         return response
 
-    async def _request(self, request: ExpertRequest | WeightsRequest, timeout: float,
-                       what: str) -> ExpertResponse | WeightsResponse:
+    async def config(self, model_id: str, timeout: float) -> bytes:
+        """The config bytes the server's ``model_id`` hashes (the caller checks them against a digest)."""
+        response = await self._request(ConfigRequest(os.urandom(16), model_id), timeout, "config fetch")
+        if not isinstance(response, ConfigResponse):
+            raise ProtocolError("another response answered a config_request", code=ErrorCode.UNEXPECTED_MESSAGE)
+        return response.config
+
+    async def _request(self, request: ExpertRequest | WeightsRequest | ConfigRequest, timeout: float,
+                       what: str) -> ExpertResponse | WeightsResponse | ConfigResponse:
         if self._closed is not None:
             raise Unreachable(f"connection is closed: {self._closed}")
-        future: asyncio.Future[ExpertResponse | WeightsResponse] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse] = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = future
         try:
             async with self._write_lock:
@@ -176,7 +187,7 @@ class ExpertClient:
                     if not fut.done():
                         fut.set_exception(BadResponse(f"the server's answer is invalid: {e}", code=e.code))
                     continue
-                if isinstance(msg, (ExpertResponse, WeightsResponse)):
+                if isinstance(msg, (ExpertResponse, WeightsResponse, ConfigResponse)):
                     fut = self._pending.get(msg.request_id)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
@@ -270,3 +281,21 @@ class Connections:
         self._closed = True
         for peer in list(self._clients):
             await self.drop(peer)
+
+
+async def fetch_config(identity: Identity, peer_id: bytes, endpoints: Sequence[str], model_id: str,
+                       timeout: float = 10.0) -> bytes:
+    """The config bytes ``peer_id`` hands out for ``model_id`` (``config_request``), over the first of
+    its ``endpoints`` that answers; the caller checks them against the digest it trusts."""
+    error: Exception = NetworkError("no endpoint given")
+    for endpoint in endpoints:
+        try:
+            client = await ExpertClient.connect(endpoint, identity, expected_peer=peer_id, timeout=timeout)
+        except (NetworkError, ProtocolError, ConfigError) as e:
+            error = e
+            continue
+        try:
+            return await client.config(model_id, timeout)
+        finally:
+            await client.aclose()
+    raise error

@@ -2,7 +2,8 @@
 Ed25519 handshake of ``moeswarm.protocol``.
 
 ``DataPlaneServer`` accepts connections, runs the handshake, then answers ``ExpertRequest``s
-and ``WeightsRequest``s (concurrently, through handlers) and ``Ping``s (link probes too).  A bad frame gets an ``Error`` with the
+and ``WeightsRequest``s (concurrently, through handlers), ``Ping``s (link probes too) and ``ConfigRequest``s (the
+config.json of a model served here, for the swarm catalogue).  A bad frame gets an ``Error`` with the
 spec's code; after a fatal code the connection is closed, otherwise it keeps going; the server
 keeps serving other connections either way.  ``ExpertClient`` is one authenticated,
 multiplexed connection: many calls in flight, answered by ``request_id``.
@@ -16,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -27,6 +28,8 @@ from ..protocol import (
     FATAL_CODES,
     MAX_HANDSHAKE_FRAME,
     Auth,
+    ConfigRequest,
+    ConfigResponse,
     Error,
     ErrorCode,
     ExpertRequest,
@@ -96,8 +99,9 @@ class ServerConfig:
 
 class DataPlaneServer:
     def __init__(self, identity: Identity, handler: Handler, config: ServerConfig = ServerConfig(),
-                 weights_handler: WeightsHandler | None = None) -> None:
+                 weights_handler: WeightsHandler | None = None, configs: Mapping[str, bytes] | None = None) -> None:
         self.identity = identity
+        self.configs = dict(configs or {})  # model id -> the config bytes its id hashes (config_request)
         self.handler = handler
         self.weights_handler = weights_handler  # None: weight fetches get UNKNOWN_EXPERT
         self.config = config
@@ -291,6 +295,10 @@ class _ServerConnection:
                 task.add_done_callback(self.in_flight.discard)
             elif isinstance(msg, Ping):
                 await self.send(Pong(msg.ts, bytes(msg.want)))
+            elif isinstance(msg, ConfigRequest):
+                held = self.server.configs.get(msg.model_id)
+                await self.send(Error(ErrorCode.UNKNOWN_EXPERT, f"model {msg.model_id!r} is not served here",
+                                      msg.request_id) if held is None else ConfigResponse(msg.request_id, held))
             elif isinstance(msg, Error):
                 log.info("peer reported error %s: %s", msg.code, msg.message)
             else:

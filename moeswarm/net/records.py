@@ -4,7 +4,8 @@
 ``/moeswarm/v1/<model>/demand/<peer>``: backbones' signed demand reports (``moeswarm.market``);
 ``/moeswarm/v1/ledger/<ledger peer>/epoch/<n>``: a ledger's signed settlement root (``LedgerRoot``);
 ``/moeswarm/v1/<model>/evidence/<accused peer>``: a backbone's signed proof that a holder returned
-wrong outputs (``moeswarm.net.evidence``), never replaced once valid.
+wrong outputs (``moeswarm.net.evidence``), never replaced once valid;
+``/moeswarm/v1/catalogue/<peer>``: the models a peer serves (``moeswarm.net.catalogue``).
 Each is accepted only when signed by the peer its key names; a stored record is replaced only
 by a newer one from the same peer, and a settlement root never (an epoch is settled once).
 """
@@ -32,6 +33,7 @@ from ..protocol import (
 )
 from ..protocol._limits import MAX_RECORD_BYTES
 from ..protocol._wire import Fields, bad, unpack  # the protocol's defensive decoder
+from .catalogue import is_catalogue_key, select_catalogue, validate_catalogue
 from .evidence import is_evidence_key, select_evidence, validate_evidence
 
 _DEMAND = re.compile(r"/moeswarm/v1/.+/demand/[1-9A-HJ-NP-Za-km-z]+")
@@ -45,6 +47,9 @@ def validate_any(key: str, value: bytes, stored: bytes | None = None) -> None:
     """Raise ``ProtocolError`` unless ``value`` may be stored under ``key`` (replacing ``stored``)."""
     if is_ledger_root_key(key):
         validate_ledger_root(key, value, stored)
+        return
+    if is_catalogue_key(key):
+        validate_catalogue(key, value, stored)
         return
     if is_evidence_key(key):
         validate_evidence(key, value, stored)
@@ -66,6 +71,8 @@ def select_any(key: str, values: Sequence[bytes]) -> int:
     """Index of the best valid value (highest seq; for settlement roots, the first signed)."""
     if is_ledger_root_key(key):
         return select_ledger_root(key, values)
+    if is_catalogue_key(key):
+        return select_catalogue(key, values)
     if is_evidence_key(key):
         return select_evidence(key, values)
     if not is_demand_key(key):

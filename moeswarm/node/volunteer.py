@@ -23,8 +23,9 @@ from ..daemon import (
 )
 from ..market import AssignConfig, Block, market_assignment
 from ..model import ModelConfig, load_config
-from ..model.model_id import model_id_for
+from ..model.model_id import config_bytes, model_id_for, model_name
 from ..net.announce import AnnounceConfig, Announcer
+from ..net.catalogue import catalogue_model
 from ..net.dataplane import DataPlaneServer, ServerConfig
 from ..protocol import Identity
 from .config import NodeConfig
@@ -87,7 +88,8 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
                                         idle_timeout_s=config.idle_timeout_s),
                                     weights_handler=(lambda client, request: asyncio.to_thread(
                                         serve_weights, server.weights, model_id, request))
-                                    if config.serve_weights else None)
+                                    if config.serve_weights else None,
+                                    configs={model_id: config_bytes(sc.model_dir)})
         await server.start()
         await dataplane.start()
         try:
@@ -95,7 +97,8 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
             endpoint = f"tcp+tls://{host}:{config.announce_port or dataplane.port}"
             announcer = Announcer(p2p, identity, AnnounceConfig(
                 model_id, layers, moe, experts, (endpoint,), held_bytes(weights), config.announce_interval_s,
-                config.record_ttl_s, more_blocks=tuple((b.layers, b.experts) for b in more)),
+                config.record_ttl_s, more_blocks=tuple((b.layers, b.experts) for b in more),
+                catalogue=(catalogue_model(model_id, config_bytes(sc.model_dir), model_name(sc.model_dir)),)),
                 stats=lambda: (server.throughput, server.load_permille))
             await announcer.start()
             async with contextlib.AsyncExitStack() as stack:

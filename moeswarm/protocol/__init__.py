@@ -25,6 +25,7 @@ from ._identity import (
 from ._limits import (
     DEFAULT_MAX_FRAME,
     MAX_BLOCKS,
+    MAX_CONFIG_BYTES,
     EXPERT_TENSORS,
     FATAL_CODES,
     MAX_EXPERT,
@@ -40,6 +41,8 @@ from ._messages import (
     Announcement,
     Auth,
     BlockRanges,
+    ConfigRequest,
+    ConfigResponse,
     CountersignedReceipt,
     Error,
     ExpertRequest,
@@ -82,12 +85,12 @@ from ._wire import DecodeLimits, canonical, scan, unpack
 __all__ = [
     # constants
     "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "DEFAULT_MAX_FRAME", "ErrorCode", "FATAL_CODES",
-    "MAX_PROBE_BYTES", "MAX_BLOCKS", "EXPERT_TENSORS", "MAX_HANDSHAKE_FRAME", "MAX_LAYER", "MAX_EXPERT",
+    "MAX_PROBE_BYTES", "MAX_BLOCKS", "MAX_CONFIG_BYTES", "EXPERT_TENSORS", "MAX_HANDSHAKE_FRAME", "MAX_LAYER", "MAX_EXPERT",
     "SignatureKind", "WIRE_DTYPES", "DHT_NAMESPACE",
     # messages
     "Message", "Hello", "HelloAck", "Auth", "ExpertRows", "ExpertRequest", "ExpertResponse",
     "Receipt", "CountersignedReceipt", "Error", "Ping", "Pong", "Announcement", "BlockRanges",
-    "WeightsRequest", "WeightsResponse",
+    "WeightsRequest", "WeightsResponse", "ConfigRequest", "ConfigResponse",
     # codec and framing
     "encode", "decode", "to_wire", "DecodeLimits", "unpack", "scan", "peek_request_id", "canonical", "receipt_body",
     "announcement_body", "frame", "frame_body", "parse_frame_header", "read_frame",

@@ -21,6 +21,7 @@ from ._limits import (
     HASH_SIZE,
     LOAD_SCALE,
     MAX_BLOCKS,
+    MAX_CONFIG_BYTES,
     MAX_ENDPOINT_BYTES,
     MAX_ENDPOINTS,
     MAX_ERROR_MESSAGE_BYTES,
@@ -43,6 +44,8 @@ from ._messages import (
     Announcement,
     Auth,
     BlockRanges,
+    ConfigRequest,
+    ConfigResponse,
     CountersignedReceipt,
     Error,
     ExpertRequest,
@@ -199,6 +202,25 @@ def _dec_weights_response(f: Fields) -> WeightsResponse:
     if data.ndim > 2 or data.shape[0] < 1:
         bad("data must be rows of a matrix or of a bias vector", ErrorCode.BAD_TENSOR)
     return WeightsResponse(request_id, data)
+
+
+# ---------------------------------------------------------------- model configs (v1.3)
+
+
+def _enc_config_request(m: ConfigRequest) -> dict[str, Any]:
+    return {"model_id": m.model_id, "request_id": m.request_id}
+
+
+def _dec_config_request(f: Fields) -> ConfigRequest:
+    return ConfigRequest(f.bin("request_id", size=REQUEST_ID_SIZE), _model_id(f))
+
+
+def _enc_config_response(m: ConfigResponse) -> dict[str, Any]:
+    return {"config": m.config, "request_id": m.request_id}
+
+
+def _dec_config_response(f: Fields) -> ConfigResponse:
+    return ConfigResponse(f.bin("request_id", size=REQUEST_ID_SIZE), f.bin("config", max_size=MAX_CONFIG_BYTES))
 
 
 # ---------------------------------------------------------------- expert calls
@@ -383,6 +405,7 @@ _ENCODERS: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
     Hello: _enc_hello, HelloAck: _enc_hello_ack, Auth: _enc_auth, Error: _enc_error,
     Ping: _enc_ping, Pong: _enc_pong, ExpertRequest: _enc_expert_request,
     WeightsRequest: _enc_weights_request, WeightsResponse: _enc_weights_response,
+    ConfigRequest: _enc_config_request, ConfigResponse: _enc_config_response,
     ExpertResponse: _enc_expert_response, CountersignedReceipt: _enc_countersigned,
     Announcement: _enc_announcement,
 }
@@ -390,6 +413,7 @@ _DECODERS: Final[dict[str, Callable[[Fields], Message]]] = {
     Hello.TYPE: _dec_hello, HelloAck.TYPE: _dec_hello_ack, Auth.TYPE: _dec_auth,
     Error.TYPE: _dec_error, Ping.TYPE: _dec_ping, Pong.TYPE: _dec_pong,
     WeightsRequest.TYPE: _dec_weights_request, WeightsResponse.TYPE: _dec_weights_response,
+    ConfigRequest.TYPE: _dec_config_request, ConfigResponse.TYPE: _dec_config_response,
     ExpertRequest.TYPE: _dec_expert_request, ExpertResponse.TYPE: _dec_expert_response,
     CountersignedReceipt.TYPE: _dec_countersigned, Announcement.TYPE: _dec_announcement,
 }

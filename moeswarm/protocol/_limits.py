@@ -56,6 +56,8 @@ CLOCK_SKEW_MS: Final = 5 * 60 * 1000
 """Tolerance added to ``MAX_RECORD_TTL_MS`` for clocks that disagree."""
 MAX_PROBE_BYTES: Final = 8 * 1024 * 1024
 """Largest ``ping.pad`` and ``ping.want``: link probes stay well inside the minimum frame limit's 8x."""
+MAX_CONFIG_BYTES: Final = 256 * 1024
+"""Largest ``config_response.config``: a model's config.json (the largest known are under 16 KiB)."""
 MAX_DECODE_DEPTH: Final = 8
 """Nesting of arrays and maps in one decoded body (v1 messages nest at most 4 deep)."""
 MAX_DECODE_OBJECTS: Final = 1 << 19

@@ -168,6 +168,24 @@ class WeightsResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class ConfigRequest:
+    """Client -> server: the config.json of a model the server holds (v1.3; the swarm catalogue)."""
+
+    TYPE: ClassVar[str] = "config_request"
+    request_id: bytes  # 16 random bytes
+    model_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigResponse:
+    """Server -> client: the bytes the model id hashes (its config.json), at most ``MAX_CONFIG_BYTES``."""
+
+    TYPE: ClassVar[str] = "config_response"
+    request_id: bytes
+    config: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Announcement:
     """Signed DHT record: this peer serves these experts at these endpoints."""
 
@@ -208,6 +226,8 @@ Message = (
     | Pong
     | WeightsRequest
     | WeightsResponse
+    | ConfigRequest
+    | ConfigResponse
     | CountersignedReceipt
     | Announcement
 )

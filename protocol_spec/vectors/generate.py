@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from moeswarm import protocol as p  # noqa: E402
 from moeswarm.protocol._wire import unpack  # noqa: E402
+from moeswarm.net import catalogue as cat  # noqa: E402
 
 CLIENT_SEED = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
 SERVER_SEED = bytes.fromhex("4ccd089b28ff96da9db6c346ec114e0f5b8a319f35aba624da8cf6ed4fb8a6fb")
@@ -157,6 +158,10 @@ def _messages() -> dict[str, dict[str, Any]]:
         ("weights_response", p.WeightsResponse(REQUEST_ID, np.arange(8, dtype="<f2").reshape(2, 4)),
          "answers weights_request: the rows in the holder's storage dtype (f16 here)"),
         ("announcement", _announcement(), "DHT value; also in records.json"),
+        ("config_request", p.ConfigRequest(REQUEST_ID, "mixtral-e4bde7c04b4d"),
+         "v1.3: the config the holder's model id hashes"),
+        ("config_response", p.ConfigResponse(REQUEST_ID, CONFIG_BYTES),
+         "answers config_request: the bytes whose SHA-256 the catalogue publishes"),
     ]
     return {name: _message_vector(name, msg, note) for name, msg, note in items}
 
@@ -285,6 +290,10 @@ def _invalid_cases() -> list[dict[str, Any]]:
         ("ping.ts is a float", _body(p.to_wire(p.Ping(1)), ts=1.0), E.BAD_FIELD),
         ("ping.want above 8 MiB", _body(p.to_wire(p.Ping(1)), want=8 * 2**20 + 1), E.BAD_FIELD),
         ("ping.pad is a str", _body(p.to_wire(p.Ping(1)), pad="x"), E.BAD_FIELD),
+        ("config_request model_id with a space", _body(p.to_wire(p.ConfigRequest(REQUEST_ID, "a")), model_id="a b"),
+         E.BAD_FIELD),
+        ("config_response config above 256 KiB", _body(p.to_wire(p.ConfigResponse(REQUEST_ID, b"{}")),
+                                                       config=bytes(256 * 1024 + 1)), E.BAD_FIELD),
         ("weights_request rows empty", _body(wreq, start=2, stop=2), E.BAD_FIELD),
         ("weights_request unknown tensor", _body(wreq, tensor="router"), E.BAD_FIELD),
         ("weights_request request_id 15 bytes", _body(wreq, request_id=bytes(15)), E.BAD_FIELD),
@@ -399,6 +408,57 @@ def _records() -> dict[str, Any]:
     }
 
 
+CONFIG_BYTES = b'{"model_type": "mixtral", "name": "tiny"}'
+
+
+def _catalogue_entry(**overrides: Any) -> cat.CatalogueEntry:
+    fields: dict[str, Any] = dict(
+        models=[cat.CatalogueModel("mixtral-" + hashlib.sha256(CONFIG_BYTES).hexdigest()[:12],
+                                   hashlib.sha256(CONFIG_BYTES).digest(), "tiny")],
+        endpoints=["tcp+tls://203.0.113.7:4443"], seq=7, expires_at_ms=NOW_MS + 600_000)
+    fields.update(overrides)
+    return cat.sign_catalogue_entry(SERVER, **fields)
+
+
+def _catalogue() -> dict[str, Any]:
+    E = p.ErrorCode
+    good = _catalogue_entry()
+    key = cat.catalogue_key(SERVER.peer_id)
+    value = good.encode()
+    flipped = bytearray(value)
+    flipped[value.index(good.sig)] ^= 0x01
+    two = cat.CatalogueModel("custom-id", bytes(32), "")
+    cases: list[tuple[str, str, bytes, bytes | None, int, int | None]] = [
+        ("valid", key, value, None, NOW_MS, None),
+        ("valid, newer than stored seq 6", key, value, _catalogue_entry(seq=6).encode(), NOW_MS, None),
+        ("valid with a second model of a chosen id", key, _catalogue_entry(models=[*good.models, two]).encode(),
+         None, NOW_MS, None),
+        ("stored entry has the same seq", key, value, value, NOW_MS, E.STALE),
+        ("expired at now", key, value, None, NOW_MS + 600_000, E.EXPIRED),
+        ("expires more than 24 h + 5 min ahead", key, _catalogue_entry(expires_at_ms=NOW_MS + 86_700_001).encode(),
+         None, NOW_MS, E.BAD_FIELD),
+        ("signature byte flipped", key, bytes(flipped), None, NOW_MS, E.AUTH_FAILED),
+        ("key names another peer", cat.catalogue_key(CLIENT.peer_id), value, None, NOW_MS, E.AUTH_FAILED),
+        ("no models", key, _catalogue_entry(models=[]).encode(), None, NOW_MS, E.BAD_FIELD),
+        ("nine models", key, _catalogue_entry(models=[cat.CatalogueModel(f"m{i}", bytes(32)) for i in range(9)])
+         .encode(), None, NOW_MS, E.BAD_FIELD),
+        ("a model named twice", key, _catalogue_entry(models=[two, two]).encode(), None, NOW_MS, E.BAD_FIELD),
+        ("digest of 31 bytes", key, _catalogue_entry(models=[cat.CatalogueModel("m", bytes(31))]).encode(),
+         None, NOW_MS, E.BAD_FIELD),
+        ("name with a control character", key, _catalogue_entry(models=[cat.CatalogueModel("m", bytes(32), "a\nb")])
+         .encode(), None, NOW_MS, E.BAD_FIELD),
+        ("larger than 8192 bytes", key, value + bytes(8192), None, NOW_MS, E.FRAME_TOO_LARGE),
+    ]
+    return {
+        "provider_key": cat.CATALOGUE_PROVIDER_KEY,
+        "entry_key": key,
+        "entry_hex": value.hex(),
+        "config_hex": CONFIG_BYTES.hex(),
+        "cases": [{"name": n, "key": k, "value_hex": v.hex(), "stored_hex": s.hex() if s else None,
+                   "now_ms": t, "code": None if c is None else int(c)} for n, k, v, s, t, c in cases],
+    }
+
+
 def build() -> dict[str, Any]:
     """File name -> JSON content of every vector file."""
     files: dict[str, Any] = {
@@ -410,6 +470,7 @@ def build() -> dict[str, Any]:
         "invalid.json": _invalid_cases(),
         "forward_compat.json": _forward_compat(),
         "records.json": _records(),
+        "catalogue.json": _catalogue(),
     }
     for name, vector in _messages().items():
         files[f"messages/{name}.json"] = vector

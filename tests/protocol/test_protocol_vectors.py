@@ -191,3 +191,36 @@ def test_record_vectors(load_vector: Callable[[str], Any]) -> None:
             assert info.value.code == c["code"], (c["name"], str(info.value))
             codes.add(c["code"])
     assert codes == {3, 4, 9, 14, 15}
+
+
+def test_catalogue_vectors(load_vector: Callable[[str], Any]) -> None:
+    """The swarm catalogue's entries (``protocol_spec`` section 13): each case's verdict and code."""
+    import hashlib
+
+    from moeswarm.net.catalogue import CatalogueEntry, validate_catalogue
+    from moeswarm.net.records import validate_any
+
+    v = load_vector("catalogue.json")
+    server = load_vector("identity.json")[1]
+    assert v["provider_key"] == "/moeswarm/v1/catalogue"
+    assert v["entry_key"] == v["provider_key"] + "/" + server["peer_id_base58"]
+    entry = CatalogueEntry.decode(bytes.fromhex(v["entry_hex"]))
+    config = bytes.fromhex(v["config_hex"])
+    assert entry.models[0].config_digest == hashlib.sha256(config).digest()
+    assert entry.models[0].model_id == "mixtral-" + hashlib.sha256(config).hexdigest()[:12]
+    codes = set()
+    for c in v["cases"]:
+        stored = bytes.fromhex(c["stored_hex"]) if c["stored_hex"] else None
+        value = bytes.fromhex(c["value_hex"])
+        if c["code"] is None:
+            assert validate_catalogue(c["key"], value, stored, now_ms=c["now_ms"]).encode() == value
+        else:
+            with pytest.raises(ProtocolError) as info:
+                validate_catalogue(c["key"], value, stored, now_ms=c["now_ms"])
+            assert info.value.code == c["code"], (c["name"], str(info.value))
+            codes.add(c["code"])
+    assert codes == {3, 4, 9, 14, 15}
+    # the DHT's validator routes catalogue keys to this rule (a current entry: the vectors' clock is in 2023)
+    with pytest.raises(ProtocolError) as info:
+        validate_any(v["entry_key"], bytes.fromhex(v["entry_hex"]))
+    assert info.value.code == 15

@@ -195,7 +195,13 @@ function render() {
   renderNodes(last);
   renderContributors(last);
   const updated = document.getElementById("updated");
-  updated.textContent = `updated ${new Date(last.generated_at_ms).toLocaleTimeString()} · crawl round ${last.rounds}`;
+  let text = `updated ${new Date(last.generated_at_ms).toLocaleTimeString()} · crawl round ${last.rounds}`;
+  if (last.catalogue) {  // watching the swarm's catalogue (no --model): say what it dropped
+    const dropped = Object.entries(last.catalogue.rejected).sort().map(([reason, n]) => `${reason} ${n}`);
+    text += ` · ${last.models.length} models from the catalogue`;
+    if (dropped.length) text += ` · dropped: ${dropped.join(", ")}`;
+  }
+  updated.textContent = text;
   document.body.dataset.rounds = String(last.rounds);
 }
 
