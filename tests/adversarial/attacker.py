@@ -185,16 +185,18 @@ def expensive(args: argparse.Namespace) -> None:
 
 
 def hold(args: argparse.Namespace) -> None:
-    """Open ``count`` TCP connections from ``source`` that never finish the TLS handshake, print
-    HELD, hold them until stdin closes, and report how many the victim had already closed."""
+    """Open ``count`` TCP connections from ``source`` (from each of ``sources``, if given) that never
+    finish the TLS handshake, print HELD, hold them until stdin closes, and report how many the
+    victim had already closed."""
     parts = urlsplit(args.endpoint)
     socks = []
-    for _ in range(args.count):
-        try:
-            socks.append(socket.create_connection((parts.hostname, parts.port), timeout=5,
-                                                  source_address=(args.source, 0)))
-        except OSError:
-            break
+    for source in (args.sources or args.source).split(","):
+        for _ in range(args.count):
+            try:
+                socks.append(socket.create_connection((parts.hostname, parts.port), timeout=5,
+                                                      source_address=(source, 0)))
+            except OSError:
+                break
     out({"opened": len(socks)})
     sys.stdin.readline()  # the test measures the victim, then closes our stdin
     closed = 0
@@ -470,6 +472,7 @@ def main() -> None:
     p = sub.add_parser("hold")
     p.add_argument("endpoint")
     p.add_argument("--source", default="127.0.0.2")
+    p.add_argument("--sources", default="", help="comma-separated source addresses (instead of --source)")
     p.add_argument("--count", type=int, default=300)
     p.set_defaults(fn=hold)
     p = sub.add_parser("slow-frame")
