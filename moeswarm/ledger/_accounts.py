@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import Connection, bindparam, func, insert, select, update
+from sqlalchemy import Connection, and_, bindparam, exists, func, insert, literal_column, select, union_all, update
 
 from moeswarm.errors import ConfigError
 from moeswarm.protocol import canonical, peer_id_to_str, public_key_from_peer_id, verify
@@ -117,12 +117,23 @@ def escrowed(conn: Connection) -> int:
 
 @dataclass(frozen=True)
 class Standing:
-    """What the ledger knows of one peer: its balance and the calls it paid for (verified work)."""
+    """What the ledger knows of one peer: its balance, the calls it paid for and what it earned.
+
+    ``standing`` is what demand reports are weighted by: credit this peer paid out and did not
+    get back, ``paid - earned`` since ``since_ms``, at most its lifetime ``paid - earned``, never
+    below 0 (receipts whose server was withheld by audit evidence, i.e. refunded, count on
+    neither side). Credit paid to a colluder and paid back nets to 0, so keys passing one credit
+    around have no standing however often it goes round; and since ``paid - earned`` over a
+    key's lifetime is at most the grants it received, a set of keys holds at most as much
+    standing, all together, as the grants it was given: standing costs what it buys
+    (``protocol_spec/security.md``, "Standing")."""
 
     peer: bytes
     balance: int  # spendable credits
     paid: int  # credits it paid for calls appended at or after ``since_ms``
     receipts: int  # those calls
+    earned: int = 0  # credits paid to it as a server for calls appended at or after ``since_ms``
+    standing: int = 0  # max(0, min(paid - earned, lifetime paid - lifetime earned))
 
     @property
     def funded(self) -> bool:
@@ -130,34 +141,61 @@ class Standing:
 
     def to_json(self) -> dict[str, Any]:
         return {"peer": peer_id_to_str(self.peer), "balance": self.balance, "paid": self.paid,
-                "receipts": self.receipts, "funded": self.funded}
+                "receipts": self.receipts, "earned": self.earned, "standing": self.standing,
+                "funded": self.funded}
+
+
+def _withheld(conn: Connection) -> set[tuple[int, bytes]]:
+    from ._models import Evidence
+
+    return {(int(e), bytes(s)) for e, s in conn.execute(select(Evidence.epoch, Evidence.server)).all()}
 
 
 def standing_of(conn: Connection, peers: Iterable[bytes], since_ms: int) -> dict[bytes, Standing]:
     wanted = list(dict.fromkeys(peers))
     held = balances_of(conn, wanted)
-    paid: dict[bytes, list[int]] = {}
+    withheld = _withheld(conn)
+    # per peer: [paid, receipts, earned] since since_ms, then [paid, earned] over its lifetime
+    sums: dict[bytes, list[int]] = {}
     for i in range(0, len(wanted), 500):
         chunk = wanted[i : i + 500]
-        rows = conn.execute(select(Entry.client, Entry.amount).where(Entry.client.in_(chunk))
-                            .where(Entry.received_ms >= since_ms))
-        for client, amount in rows:
-            s = paid.setdefault(bytes(client), [0, 0])
-            s[0] += int(amount)
-            s[1] += 1
-    return {p: Standing(p, held.get(p, 0), *paid.get(p, (0, 0))) for p in wanted}
+        for side, column in ((0, Entry.client), (1, Entry.server)):
+            rows = conn.execute(select(column, Entry.server, Entry.epoch, Entry.amount, Entry.received_ms)
+                                .where(column.in_(chunk)).where(Entry.amount > 0))
+            for peer, server, epoch, amount, received in rows:
+                if (int(epoch), bytes(server)) in withheld:
+                    continue  # refunded to the client: paid by nobody, earned by nobody
+                s = sums.setdefault(bytes(peer), [0, 0, 0, 0, 0])
+                if received >= since_ms:
+                    s[2 * side] += int(amount)
+                    s[1] += 1 - side
+                s[3 + side] += int(amount)
+    out = {}
+    for p in wanted:
+        paid, receipts, earned, life_paid, life_earned = sums.get(p, (0, 0, 0, 0, 0))
+        out[p] = Standing(p, held.get(p, 0), paid, receipts, earned,
+                          max(0, min(paid - earned, life_paid - life_earned)))
+    return out
 
 
 def top_payers(conn: Connection, since_ms: int, limit: int) -> list[bytes]:
-    """The clients that paid the most for calls appended at or after ``since_ms``, most first.
+    """The peers that paid out the most credit they did not get back (``paid - earned``) for calls
+    appended at or after ``since_ms``, most first; refunded receipts count on neither side.
 
     Only an order: SQLite sums as a float here (``total``), PostgreSQL as NUMERIC; the exact
-    figures come from ``standing_of``."""
-    total = func.sum(Entry.amount) if conn.dialect.name == "postgresql" else func.total(Entry.amount)
-    rows = conn.execute(select(Entry.client, total.label("paid")).where(Entry.received_ms >= since_ms)
-                        .where(Entry.amount > 0).group_by(Entry.client)
-                        .order_by(total.desc(), Entry.client).limit(limit))
-    return [bytes(r.client) for r in rows]
+    figures (also bounded by the lifetime figure) come from ``standing_of``."""
+    from ._models import Evidence
+
+    refunded = exists().where(and_(Evidence.epoch == Entry.epoch, Evidence.server == Entry.server))
+    counted = and_(Entry.received_ms >= since_ms, Entry.amount > 0, ~refunded)
+    flows = union_all(
+        select(Entry.client.label("peer"), Entry.amount.label("x")).where(counted),
+        select(Entry.server.label("peer"), (literal_column("0") - Entry.amount).label("x")).where(counted),
+    ).subquery()
+    total = func.sum(flows.c.x) if conn.dialect.name == "postgresql" else func.total(flows.c.x)
+    rows = conn.execute(select(flows.c.peer, total.label("net")).group_by(flows.c.peer).having(total > 0)
+                        .order_by(total.desc(), flows.c.peer).limit(limit))
+    return [bytes(r.peer) for r in rows]
 
 
 def count_grants(conn: Connection) -> int:
@@ -168,8 +206,6 @@ def accounts_problem(conn: Connection, ledger: bytes) -> str | None:
     """What is wrong with the grants and accounts, or None: every grant signed by ``ledger`` over
     its row, and every balance equal to what the grants, the entries and the settlements make it
     (granted - paid as client + earned as a paid server + refunds of withheld servers' receipts)."""
-    from ._models import Evidence
-
     expected: dict[bytes, int] = {}
     for g in conn.execute(select(Grant).order_by(Grant.id)).all():  # .all(): no cursor left open on return
         if not grant_verifies(ledger, g.record, g.sig) or g.record != grant_body(
@@ -177,7 +213,7 @@ def accounts_problem(conn: Connection, ledger: bytes) -> str | None:
             return f"grant {g.id}: its signature or fields do not verify"
         expected[bytes(g.peer)] = expected.get(bytes(g.peer), 0) + int(g.amount)
     settled = set(conn.execute(select(Settlement.epoch)).scalars().all())
-    withheld = {(int(e), bytes(s)) for e, s in conn.execute(select(Evidence.epoch, Evidence.server)).all()}
+    withheld = _withheld(conn)
     for client, server, epoch, amount in conn.execute(select(Entry.client, Entry.server, Entry.epoch, Entry.amount)
                                                       .where(Entry.amount > 0)):  # read to the end
         client, server, amount = bytes(client), bytes(server), int(amount)

@@ -153,7 +153,7 @@ class MergeConfig:
     trim: float = 0.2  # per expert, drop this fraction of the lowest and of the highest shares, then average
     max_volume_ratio: float = 4.0  # one report's rate counts at most this x the median rate
     max_reporters: int = 256  # only this many backbones are merged: the most standing, then the most recent
-    max_weight_ratio: float = 4.0  # with standing: one reporter weighs at most this x the median weight
+    max_weight_ratio: float = 4.0  # with standing: one reporter weighs at most this x the median weight (by weight)
     standing_window_s: float = 24 * 3600.0  # standing counts the calls a reporter paid for in this window, s
 
 
@@ -178,7 +178,8 @@ def merge_reports(reports: Iterable[DemandReport | bytes], shape: ModelShape, *,
 
     With ``standing`` (reporter peer ID -> verified work, e.g. credits it paid the ledger), a
     reporter without standing is dropped (``no_standing``), weights are capped at
-    ``max_weight_ratio`` x their median, and the center and the trimmed mean are weighted.
+    ``max_weight_ratio`` x their median by weight (``_mass_median``), and the center, the
+    outlier distance and the trimmed mean are weighted.
     """
     now = int(time.time() * 1000) if now_ms is None else now_ms
     rejected: dict[str, int] = {}
@@ -218,11 +219,12 @@ def merge_reports(reports: Iterable[DemandReport | bytes], shape: ModelShape, *,
     weights = None
     if standing is not None:
         w = np.array([float(standing[r.reporter]) for r in kept])
-        weights = np.minimum(w, config.max_weight_ratio * float(np.median(w)))
+        weights = np.minimum(w, config.max_weight_ratio * _mass_median(w, w))
     center = np.median(shares, axis=0) if weights is None else _weighted_quantile(shares, weights, 0.5)
     center /= max(center.sum(), 1e-300)
     distance = 0.5 * np.abs(shares - center).sum(axis=1)  # total variation, 0..1
-    limit = max(config.outlier_floor, config.outlier_factor * float(np.median(distance)))
+    typical = float(np.median(distance)) if weights is None else _mass_median(distance, weights)
+    limit = max(config.outlier_floor, config.outlier_factor * typical)
     inlier = distance <= limit
     if (~inlier).any():
         rejected["outlier"] = int((~inlier).sum())
@@ -251,6 +253,18 @@ def _reject_reason(r: DemandReport, shape: ModelShape, now: int, config: MergeCo
     if not float(r.counts.sum(dtype=np.float64)) > 0:
         return "empty"
     return None
+
+
+def _mass_median(values: np.ndarray, weights: np.ndarray) -> float:
+    """The value at which half the total weight is reached (values sorted ascending).
+
+    Weights are capped at ``max_weight_ratio`` x the mass median of the standings, not their plain
+    median: 200 reporters of 1 credit each next to 40 of 10^6 pull a plain median down to 1 and
+    the 40 down to 4 credits each; the mass median stays at 10^6, so many small reporters weigh
+    what they paid, not more."""
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(weights[order])
+    return float(values[order][int(np.searchsorted(cum, 0.5 * cum[-1]))])
 
 
 def _weighted_quantile(rows: np.ndarray, weights: np.ndarray, q: float) -> np.ndarray:

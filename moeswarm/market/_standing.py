@@ -1,5 +1,7 @@
-"""Reporters' standing from the ledger: the credits each paid for calls (verified work), which
-``merge_reports`` weighs demand reports by (``POST {ledger}/v1/standing``)."""
+"""Reporters' standing from the ledger, which ``merge_reports`` weighs demand reports by
+(``POST {ledger}/v1/standing``): the credit each paid for calls and did not get back
+(``standing``: paid - earned, bounded by its lifetime figure; see ``moeswarm.ledger.Standing``).
+A ledger from before that rule answers only ``paid``, which is used then."""
 
 from __future__ import annotations
 
@@ -13,9 +15,13 @@ from moeswarm.protocol import peer_id_from_str, peer_id_to_str
 MAX_PEERS_PER_QUERY = 1024  # the ledger service's limit per POST
 
 
+def _weight(s: dict[str, object]) -> float:
+    return float(s["standing"] if "standing" in s else s["paid"])  # type: ignore[arg-type]
+
+
 async def fetch_standing(ledger_url: str, peers: Iterable[bytes], since_ms: int,
                          timeout_s: float = 10.0) -> dict[bytes, float]:
-    """Credits each of ``peers`` paid the ledger for calls appended since ``since_ms``."""
+    """Standing of each of ``peers``: credit paid for calls appended since ``since_ms`` and not got back."""
     wanted = list(dict.fromkeys(peers))
     out: dict[bytes, float] = {}
     url = ledger_url.rstrip("/") + "/v1/standing"
@@ -29,7 +35,7 @@ async def fetch_standing(ledger_url: str, peers: Iterable[bytes], since_ms: int,
                         raise BadResponse(f"the ledger at {ledger_url} answered {resp.status}: {await resp.text()}")
                     answer = await resp.json()
                 for s in answer["standing"]:
-                    out[peer_id_from_str(s["peer"])] = float(s["paid"])
+                    out[peer_id_from_str(s["peer"])] = _weight(s)
     except (aiohttp.ClientError, TimeoutError) as e:
         raise Unreachable(f"ledger at {ledger_url}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
@@ -39,7 +45,7 @@ async def fetch_standing(ledger_url: str, peers: Iterable[bytes], since_ms: int,
 
 async def fetch_top_standing(ledger_url: str, since_ms: int, limit: int,
                              timeout_s: float = 10.0) -> dict[bytes, float]:
-    """The ``limit`` clients that paid the ledger the most since ``since_ms``, with what they paid."""
+    """The ``limit`` peers with the most standing since ``since_ms``, with their standing."""
     url = f"{ledger_url.rstrip('/')}/v1/standing"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http, http.get(
@@ -47,7 +53,7 @@ async def fetch_top_standing(ledger_url: str, since_ms: int, limit: int,
             if resp.status != 200:
                 raise BadResponse(f"the ledger at {ledger_url} answered {resp.status}: {await resp.text()}")
             answer = await resp.json()
-        return {peer_id_from_str(s["peer"]): float(s["paid"]) for s in answer["standing"]}
+        return {peer_id_from_str(s["peer"]): _weight(s) for s in answer["standing"]}
     except (aiohttp.ClientError, TimeoutError) as e:
         raise Unreachable(f"ledger at {ledger_url}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:

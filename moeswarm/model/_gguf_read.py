@@ -20,7 +20,7 @@ from typing import Any, cast
 import gguf
 import ml_dtypes
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..errors import CheckpointError
 from ._gguf_meta import FORMAT_VERSION, HF_CONFIG, VERSION, hf_config_from_metadata
@@ -32,6 +32,13 @@ from .config import ModelConfig
 from .weights import ExpertWeights, Weights, expected_shapes, expert_shapes
 
 Q = GGMLQuantizationType
+MAX_GGUF_ARRAY_ITEMS = 1 << 22
+"""Items in one metadata array (4,194,304): llama.cpp vocabularies hold up to ~262k tokens and
+~500k merges. Counts are also checked against the bytes left in the file before anything is
+read, so a header claiming 2^40 items is refused at once instead of allocating until memory
+runs out (issue 32)."""
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 _VIEWS = (Q.F32, Q.F16, Q.BF16)  # read as plain numpy views, zero-copy
 
 
@@ -56,6 +63,45 @@ class _Reader(gguf.GGUFReader):
     def __init__(self, path: str) -> None:
         self._path = path
         super().__init__(path, "r")
+
+    # -------- bounded header reading: every count must fit in the bytes left before it is used
+
+    def _fits(self, what: str, count: int, item_bytes: int, offs: int) -> None:
+        left = len(self.data) - offs
+        if count * item_bytes > left:
+            raise CheckpointError(f"the GGUF file is cut short or damaged: its header claims {count} {what} of at "
+                                  f"least {item_bytes} bytes each, but only {max(left, 0)} bytes are left in the file "
+                                  "(an incomplete download or copy?)", path=self._path)
+
+    def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        slen = self._get(offset, np.uint64)
+        self._fits("string bytes", int(slen[0]) if len(slen) else 1, 1, offset + 8)
+        return super()._get_str(offset)
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        self._fits("metadata keys", int(count), _MIN_KV_BYTES, offs)
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[Any]]:
+        self._fits("tensors", int(count), _MIN_TENSOR_INFO_BYTES, offs)
+        return super()._build_tensor_info(offs, count)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        if not len(item_type) or not len(count):
+            raise CheckpointError("GGUF file is truncated inside a metadata array", path=self._path)
+        itype, n = GGUFValueType(int(item_type[0])), int(count[0])
+        nptype = self.gguf_scalar_to_np.get(itype)
+        item_bytes = np.dtype(nptype).itemsize if nptype is not None else 8 if itype == GGUFValueType.STRING else 12
+        self._fits("array items", n, item_bytes, orig_offs + 12)
+        if n > MAX_GGUF_ARRAY_ITEMS:
+            raise CheckpointError(f"GGUF metadata array of {n} items (at most {MAX_GGUF_ARRAY_ITEMS})", path=self._path)
+        if nptype is None:  # strings, nested arrays: gguf's own reader, one part per item
+            return super()._get_field_parts(orig_offs, raw_type)
+        values = self._get(orig_offs + 12, nptype, n)  # numbers: one view for the array, not one per item
+        return 12 + int(values.nbytes), [item_type, count, values], [2], [GGUFValueType.ARRAY, itype]
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         size = len(self.data)
@@ -114,7 +160,7 @@ class GGUFFile:
             raise
         except FileNotFoundError:
             raise CheckpointError("file not found", path=path) from None
-        except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as e:
+        except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, RecursionError) as e:
             raise _unreadable(path, e) from None
 
     def _check_split(self, readers: list["_Reader"]) -> None:

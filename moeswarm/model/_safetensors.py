@@ -34,7 +34,12 @@ _DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # FP8 checkpoints (moeswarm.model._stored)
 }
-_MAX_HEADER = 100 * 1024 * 1024  # the format's own limit on the JSON header
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+"""Largest JSON header read (the format allows 100 MB): ~100,000 tensors in one file. A header
+is parsed only if it also holds at most one JSON array or object per ``_BYTES_PER_CONTAINER``
+bytes (a tensor entry is one object and two arrays in 49 bytes or more), so its parse costs
+about what a real checkpoint's does: 48 MiB of ``[]`` is refused before ``json.loads``."""
+_BYTES_PER_CONTAINER = 12
 
 
 @dataclass(frozen=True)
@@ -57,12 +62,20 @@ class SafetensorsFile:
                 if len(head) < 8:
                     raise CheckpointError("safetensors file is truncated: no header", path=self.path)
                 (n,) = struct.unpack("<Q", head)
-                if n > _MAX_HEADER or 8 + n > size:
+                if 8 + n > size:
                     raise CheckpointError("safetensors file is truncated or corrupt: bad header length", path=self.path)
-                header = json.loads(fh.read(n))
+                if n > MAX_HEADER_BYTES:
+                    raise CheckpointError(f"safetensors header of {n} bytes (at most {MAX_HEADER_BYTES})", path=self.path)
+                raw = fh.read(n)
+                containers = raw.count(b"[") + raw.count(b"{")
+                if containers * _BYTES_PER_CONTAINER > n + 2 * _BYTES_PER_CONTAINER:
+                    raise CheckpointError(f"safetensors header holds {containers} JSON arrays/objects in {n} bytes "
+                                          f"(a checkpoint's holds at most one per {_BYTES_PER_CONTAINER} bytes)",
+                                          path=self.path)
+                header = json.loads(raw)
         except FileNotFoundError:
             raise CheckpointError("file not found", path=self.path) from None
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise CheckpointError("safetensors header is not valid JSON", path=self.path) from None
         if not isinstance(header, dict):
             raise CheckpointError("safetensors header is not a JSON object", path=self.path)

@@ -25,6 +25,7 @@ from libp2p.peer.peerstore import PeerStoreError
 from libp2p.records.validator import NamespacedValidator, Validator
 
 from moeswarm.errors import ProtocolError
+from moeswarm.net.addresses import address_key
 from moeswarm.net.records import select_any, validate_any
 from moeswarm.net.value_quota import DEFAULT_MAX_VALUES, DEFAULT_MAX_VALUES_PER_PEER, QuotaStore
 from moeswarm.protocol import DHT_NAMESPACE
@@ -98,6 +99,9 @@ def install_routing_table_hygiene(dht: MoeswarmDHT) -> None:
 _FRESH = contextvars.ContextVar("moeswarm_fresh_lookup", default=False)
 _ACKS: contextvars.ContextVar[list[ID] | None] = contextvars.ContextVar("moeswarm_put_acks",
                                                                         default=None)
+_WRITER: contextvars.ContextVar[str | None] = contextvars.ContextVar("moeswarm_dht_writer", default=None)
+"""The address (IPv4, IPv6 /64) of the peer whose inbound KAD stream is being handled: the
+writer group a PUT_VALUE is charged to (``QuotaStore``)."""
 
 
 class _ValueStore(ValueStore):
@@ -106,7 +110,7 @@ class _ValueStore(ValueStore):
     py-libp2p empties one linear scan at a time."""
 
     def use_quotas(self, capacity: int, per_peer: int) -> None:
-        store = QuotaStore(capacity, per_peer)
+        store = QuotaStore(capacity, per_peer, source=_WRITER.get)
         store.update(self.store)
         self.store = store
 
@@ -177,6 +181,18 @@ class MoeswarmDHT(KadDHT):
                 return False
             skip_server_mode_check = False
         return await super().add_peer(peer_id, skip_server_mode_check=skip_server_mode_check)
+
+    async def _do_handle_stream(self, stream: Any) -> None:
+        """Every value stored while handling an inbound stream is charged to the sender's address."""
+        try:
+            remote = stream.get_remote_address()
+        except Exception:  # noqa: BLE001 -- a transport without addresses: charged per key
+            remote = None
+        token = _WRITER.set(address_key(remote) if remote else None)
+        try:
+            await super()._do_handle_stream(stream)
+        finally:
+            _WRITER.reset(token)
 
     async def _serves_kad(self, peer_id: ID) -> bool:
         """Whether identify says the peer accepts KAD streams (runs identify if not yet done)."""

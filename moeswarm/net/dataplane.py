@@ -111,9 +111,10 @@ class DataPlaneServer:
             self._ssl, self._cert = self_signed_server_context(identity.peer_id_str)
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
-        self._per_address: dict[str, int] = {}  # open connections by address_key
+        self._per_address: dict[str, dict[asyncio.Task[None], None]] = {}  # address_key -> its connections, oldest first
         self._per_peer: dict[bytes, int] = {}  # authenticated connections by client peer ID
         self.refused = {"connections": 0, "address": 0, "peer": 0}  # connections turned away, by limit
+        self.evicted = 0  # connections closed to make room for a newcomer's address (fair share)
         self.port = 0
 
     @property
@@ -151,28 +152,51 @@ class DataPlaneServer:
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername")
         address = address_key(peername) if peername is not None else ""  # "": a relayed stream (the relay counts)
-        if len(self._connections) >= self.config.max_connections:
-            self.refused["connections"] += 1
+        if address and len(self._per_address.get(address, ())) >= self.config.max_conns_per_ip:
+            self.refused["address"] += 1
             writer.transport.abort()
             return
-        if address and self._per_address.get(address, 0) >= self.config.max_conns_per_ip:
-            self.refused["address"] += 1
+        if len(self._connections) >= self.config.max_connections and not self._make_room(address):
+            self.refused["connections"] += 1
             writer.transport.abort()
             return
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
-        self._per_address[address] = self._per_address.get(address, 0) + 1
+        self._per_address.setdefault(address, {})[task] = None
         try:
             await _ServerConnection(self, reader, writer).run()
         except asyncio.CancelledError:
             pass
         finally:
-            self._connections.discard(task)
-            left = self._per_address.pop(address) - 1
-            if left:
-                self._per_address[address] = left
+            self._forget(task, address)
             await close_writer(writer)
+
+    def _forget(self, task: asyncio.Task[None], address: str) -> None:
+        self._connections.discard(task)
+        held = self._per_address.get(address)
+        if held is not None:
+            held.pop(task, None)
+            if not held:
+                del self._per_address[address]
+
+    def _make_room(self, address: str) -> bool:
+        """Fair share of a full server among addresses (the relay's rule for a full device): if some
+        address holds at least two more connections than ``address`` does, close that address's
+        oldest and say yes. So no set of addresses can lock a newcomer out: at worst every address
+        ends up with an equal share of ``max_connections``."""
+        counted = [a for a in self._per_address if a]  # "": relayed streams, counted by their relay
+        if not counted:
+            return False
+        mine = len(self._per_address.get(address, ()))
+        heaviest = max(counted, key=lambda a: len(self._per_address[a]))
+        if len(self._per_address[heaviest]) <= mine + 1:
+            return False
+        victim = next(iter(self._per_address[heaviest]))
+        self._forget(victim, heaviest)
+        victim.cancel()
+        self.evicted += 1
+        return True
 
     def _admit_peer(self, peer: bytes) -> bool:
         if self._per_peer.get(peer, 0) >= self.config.max_conns_per_peer:

@@ -8,14 +8,20 @@ the whole store. ``QuotaStore`` replaces that dict:
 - every value is charged to the peer its key names (``owner_of``: the signer, proven by the
   record's validation before it is stored), at most ``per_owner`` values each;
 - a peer at its quota that writes a new key loses its own oldest value, nobody else's;
-- when the store is full, the peer holding the most values loses its oldest one;
-- each write costs O(1): per-peer insertion-ordered dicts and owners bucketed by count.
+- when the store is full, eviction takes from the *writer group* holding the most values: the
+  address the value came from (IPv4 address or IPv6 /64, ``source``; values learned by our own
+  lookups form one group per owner); within that group, from the owner that joined it last, its
+  oldest value. Keys are free, addresses are not (Bitcoin Core's addrman buckets by source
+  group for the same reason): 1,000 fresh keys from one address are one heavy group, so a flood
+  evicts itself, and an honest holder whose address holds a few records is the last to lose one.
+  A flood from the honest holder's own address loses its youngest keys first, not the holder's;
+- each write costs O(1): insertion-ordered dicts and groups bucketed by count.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 DEFAULT_MAX_VALUES: Final = 50_000
@@ -35,19 +41,59 @@ def owner_of(key: bytes) -> str:
     return key.rsplit(b"/", 1)[-1].decode("utf-8", "replace")[:64]
 
 
+class _Buckets:
+    """Names bucketed by a count, with the largest count found in O(1) amortised."""
+
+    def __init__(self) -> None:
+        self.count: dict[str, int] = {}
+        self._with: dict[int, dict[str, None]] = {}  # n -> names holding exactly n, first come first
+        self._top = 0
+
+    def add(self, name: str, delta: int) -> None:
+        before = self.count.get(name, 0)
+        after = before + delta
+        if before:
+            bucket = self._with[before]
+            del bucket[name]
+            if not bucket:
+                del self._with[before]
+        if after:
+            self.count[name] = after
+            self._with.setdefault(after, {})[name] = None
+            self._top = max(self._top, after)
+        else:
+            self.count.pop(name, None)
+        while self._top and self._top not in self._with:
+            self._top -= 1
+
+    def heaviest(self) -> str:
+        return next(iter(self._with[self._top]))
+
+    def clear(self) -> None:
+        self.count.clear()
+        self._with.clear()
+        self._top = 0
+
+
 class QuotaStore(dict):  # type: ignore[type-arg]
-    """A ``dict`` (key -> stored entry) that evicts by quota when a new key arrives."""
+    """A ``dict`` (key -> stored entry) that evicts by quota when a new key arrives.
+
+    ``source()`` names the writer group of the value being stored (the DHT sets it to the
+    sender's address while it handles a PUT_VALUE); ``None`` means "our own lookup", charged to
+    a group of its own per owner.
+    """
 
     def __init__(self, capacity: int = DEFAULT_MAX_VALUES, per_owner: int = DEFAULT_MAX_VALUES_PER_PEER,
-                 owner: Callable[[bytes], str] = owner_of) -> None:
+                 owner: Callable[[bytes], str] = owner_of, source: Callable[[], str | None] = lambda: None) -> None:
         super().__init__()
         if capacity < 1 or per_owner < 1:
             raise ValueError("capacity and per_owner must be at least 1")
-        self.capacity, self.per_owner, self._owner_fn = capacity, per_owner, owner
+        self.capacity, self.per_owner, self._owner_fn, self._source = capacity, per_owner, owner, source
         self._by_owner: dict[str, dict[bytes, None]] = {}  # owner -> its keys, oldest first
         self._owner: dict[bytes, str] = {}  # key -> owner
-        self._with_count: dict[int, set[str]] = {}  # n -> owners holding exactly n values
-        self._top = 0  # the largest n with owners
+        self._group: dict[bytes, str] = {}  # key -> writer group it is charged to
+        self._members: dict[str, dict[str, dict[bytes, None]]] = {}  # group -> owner (first come first) -> keys
+        self._groups = _Buckets()  # values held per group
         self.evicted = 0  # values pushed out so far (by quota or by capacity)
 
     # ---------------------------------------------------------------- dict interface
@@ -55,30 +101,35 @@ class QuotaStore(dict):  # type: ignore[type-arg]
     def __setitem__(self, key: bytes, value: Any) -> None:
         if key in self:
             super().__setitem__(key, value)
-            keys = self._by_owner[self._owner[key]]
-            del keys[key]
-            keys[key] = None  # a refreshed value is young again
+            owner, group = self._owner[key], self._group[key]
+            for keys in (self._by_owner[owner], self._members[group][owner]):
+                del keys[key]
+                keys[key] = None  # a refreshed value is young again (it stays charged to its first writer)
             return
         owner = self._owner_fn(key)
-        held = len(self._by_owner.get(owner, ()))
-        if held >= self.per_owner:
-            self._evict_oldest(owner)
+        group = self._source() or f"key:{owner}"
+        if len(self._by_owner.get(owner, ())) >= self.per_owner:
+            del self[next(iter(self._by_owner[owner]))]
+            self.evicted += 1
         elif len(self) >= self.capacity:
-            self._evict_oldest(self._heaviest())
+            self._evict_from(self._groups.heaviest())
         super().__setitem__(key, value)
-        self._owner[key] = owner
-        keys = self._by_owner.setdefault(owner, {})
-        keys[key] = None
-        self._moved(owner, len(keys) - 1, +1)
+        self._owner[key], self._group[key] = owner, group
+        self._by_owner.setdefault(owner, {})[key] = None
+        self._members.setdefault(group, {}).setdefault(owner, {})[key] = None
+        self._groups.add(group, +1)
 
     def __delitem__(self, key: bytes) -> None:
         super().__delitem__(key)
-        owner = self._owner.pop(key)
-        keys = self._by_owner[owner]
-        del keys[key]
-        self._moved(owner, len(keys) + 1, -1)
-        if not keys:
-            del self._by_owner[owner]
+        owner, group = self._owner.pop(key), self._group.pop(key)
+        for table, name in ((self._by_owner, owner), (self._members[group], owner)):
+            keys = table[name]
+            del keys[key]
+            if not keys:
+                del table[name]
+        if not self._members[group]:
+            del self._members[group]
+        self._groups.add(group, -1)
 
     def pop(self, key: bytes, *default: Any) -> Any:
         if key in self:
@@ -106,31 +157,24 @@ class QuotaStore(dict):  # type: ignore[type-arg]
         super().clear()
         self._by_owner.clear()
         self._owner.clear()
-        self._with_count.clear()
-        self._top = 0
+        self._group.clear()
+        self._members.clear()
+        self._groups.clear()
 
     # ---------------------------------------------------------------- accounting
 
     def held_by(self, owner: str) -> int:
         return len(self._by_owner.get(owner, ()))
 
-    def _moved(self, owner: str, before: int, delta: int) -> None:
-        after = before + delta
-        if before:
-            bucket = self._with_count[before]
-            bucket.discard(owner)
-            if not bucket:
-                del self._with_count[before]
-        if after:
-            self._with_count.setdefault(after, set()).add(owner)
-            self._top = max(self._top, after)
-        while self._top and self._top not in self._with_count:
-            self._top -= 1
+    def held_from(self, group: str) -> int:
+        """Values charged to a writer group (an address, or ``key:OWNER`` for our own lookups)."""
+        return self._groups.count.get(group, 0)
 
-    def _heaviest(self) -> str:
-        return next(iter(self._with_count[self._top]))
+    def groups(self) -> Iterator[str]:
+        return iter(self._members)
 
-    def _evict_oldest(self, owner: str) -> None:
-        oldest = next(iter(self._by_owner[owner]))
-        del self[oldest]
+    def _evict_from(self, group: str) -> None:
+        """The youngest owner of the group loses its oldest value there."""
+        owner = next(reversed(self._members[group]))
+        del self[next(iter(self._members[group][owner]))]
         self.evicted += 1

@@ -189,6 +189,10 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 @click.option("--verify-by", default="auto", show_default=True, type=click.Choice(["auto", "local", "holders"]),
               help="auto: recompute where the checkpoint holds the experts, else ask other holders; "
                    "local: recompute only; holders: ask other holders only.")
+@click.option("--spot-check-fraction", default=1.0, show_default=True, type=click.FloatRange(0, 1), metavar="F",
+              help="After probation, of the calls not checked in full, recompute one random row per expert of this "
+                   "share (where this checkpoint holds the experts; chosen after the answer, unseen by the holder). "
+                   "1 catches a liar at its first lie; for one-token decode it costs the call's compute here.")
 @click.option("--max-batch", default=16, show_default=True, type=click.IntRange(min=1), metavar="N",
               help="Sequences advanced together in one forward pass (continuous batching): one request per "
                    "expert holder per MoE layer carries all of them. 1 serves one user at a time.")
@@ -216,7 +220,7 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 @friendly_errors
 def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_url: str | None,
              ledger_queue: str | None, audit_fraction: float, tiers: str, fetch_cache: str, probe_interval: float,
-             verify_fraction: float, probation_calls: int, verify_by: str, max_batch: int, prefill_chunk: int,
+             verify_fraction: float, probation_calls: int, verify_by: str, spot_check_fraction: float, max_batch: int, prefill_chunk: int,
              kv_cache: str, max_waiting: int, speculative: int, draft_model: str | None, api_key: str | None,
              max_tokens_cap: int, **swarm: object) -> None:
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
@@ -237,7 +241,7 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
     config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout,  # type: ignore[arg-type]
                             ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction,
                             tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval,
-                            verify=VerifyConfig(verify_fraction, probation_calls, verify_by),
+                            verify=VerifyConfig(verify_fraction, probation_calls, verify_by, spot_fraction=spot_check_fraction),
                             engine=engine, draft_model=draft_model, api_key=api_key, max_tokens_cap=max_tokens_cap,
                             http_limits=limits)
     assert config.http is not None

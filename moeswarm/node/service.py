@@ -310,11 +310,15 @@ class ChatTemplate:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         import jinja2
 
+        from ._template_sandbox import TemplateLimitError, render_bounded
+
         try:
-            return str(_compile(self.source).render(
-                messages=[dict(m) for m in messages], add_generation_prompt=True,
-                bos_token=self.bos_token, eos_token=self.eos_token,
-            ))
+            return render_bounded(_compile(self.source), messages=[dict(m) for m in messages],
+                                  add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateLimitError as e:
+            raise ConfigError(f"the chat template went over its limits: {e}") from None
+        except RecursionError:
+            raise ConfigError("the chat template went over its limits: it recursed too deeply") from None
         except jinja2.TemplateError as e:
             raise ConfigError(f"the chat template rejected the messages: {e}") from None
 
@@ -333,13 +337,14 @@ def render_chat(messages: Sequence[Mapping[str, str]], tokenizer_folder: str | o
 
 @functools.lru_cache(maxsize=8)
 def _compile(source: str) -> Any:
-    """Compile a chat template the way transformers does (sandboxed, trimmed blocks)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """Compile a chat template the way transformers does (sandboxed, trimmed blocks), bounded in
+    steps, time and size (``_template_sandbox``)."""
+    from ._template_sandbox import BoundedSandbox
 
     def raise_exception(message: str) -> None:
         raise ConfigError(f"the chat template rejected the messages: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:

@@ -4,7 +4,18 @@ Receipts prove who answered, not that the answer is right.  ``Verifier`` sits wh
 dispatch receives a holder's response (``RemoteExperts._call``) and where it chooses holders:
 
 * **Which calls are checked.**  A holder's first ``probation_calls`` calls are all checked; after
-  that a random ``fraction`` of them (the draw is unpredictable to the holder).
+  that a random ``fraction`` of them in full, and every other call is *spot-checked* where this
+  backbone holds the call's experts: one random row of each expert in the call is recomputed
+  (``spot_fraction``, 1 by default: every such call). The choice is made after the response arrived, from ``os.urandom``, and a
+  checked call looks exactly like an unchecked one on the wire, so the holder cannot tell which
+  calls or rows are checked. So the chance of catching a lie does not drop once a holder passed
+  probation: a call whose every row is wrong is caught on its first lie, whenever it comes
+  (a liar that waits, one that lies on 1 call in 50, one that lies when it guesses a call is
+  unchecked); a lie on ``k`` of a call's ``n`` rows of one expert is caught with chance ``k/n``
+  per call. The cost is one row per expert per call on the backbone (issue 32): for a decode step
+  (one token) that is the whole call, recomputed after the answer, so a backbone holding the
+  experts pays their compute as well as the round trip. ``spot_fraction`` f < 1 trades that for a
+  liar's life: one that lies on every row of 1 call in 50 then survives 50 / f calls on average.
 * **How.**  By recomputing the call's experts from this backbone's own checkpoint where it holds
   them, else by sending the same request to a second holder and, if the two disagree, to a third:
   the majority wins.  Outputs agree when ``max|a - b| / max(1, max|ref|)`` stays within the wire
@@ -67,6 +78,9 @@ class VerifyConfig:
     probation_calls: int = 8  # a holder's first calls, all checked; it is preferred only once it passed them
     method: str = "auto"  # "auto": recompute where the checkpoint holds the experts, else ask other holders;
     # "local": recompute only (calls whose experts are not here go unchecked); "holders": ask other holders only
+    spot_fraction: float = 1.0  # after probation, the share of the calls not checked in full of which one random
+    # row per expert is recomputed (where this backbone holds the experts): at 1 a liar that waits out probation
+    # is caught on its first lie
     publish_evidence: bool = True  # put signed evidence against a caught holder into the DHT
     evidence_interval_s: float = 10.0  # read the DHT's evidence against known holders this often
     republish_s: float = 240.0  # put the evidence this backbone published again this often (DHT churn)
@@ -76,6 +90,8 @@ class VerifyConfig:
             raise ConfigError(f"the verify fraction must be within 0..1, not {self.fraction}")
         if self.probation_calls < 0:
             raise ConfigError(f"--probation-calls must be >= 0, not {self.probation_calls}")
+        if not 0.0 <= self.spot_fraction <= 1.0:
+            raise ConfigError(f"--spot-check-fraction must be within [0, 1], not {self.spot_fraction}")
         if self.method not in METHODS:
             raise ConfigError(f"--verify-by is one of {', '.join(METHODS)}, not {self.method!r}")
 
@@ -113,6 +129,7 @@ class Verifier:
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self.checked = self.passed = self.disagreements = self.unverifiable = 0
+        self.spot_checked = 0  # calls of trusted holders of which one row per expert was recomputed
         self.verification_calls = 0  # extra calls to other holders made to check one
         self.check_s = 0.0  # time the checks added to the token path, seconds
         self.evidence_published = self.evidence_accepted = 0
@@ -162,8 +179,16 @@ class Verifier:
                                  code=ErrorCode.BAD_TENSOR)
         s = self.stats.setdefault(peer, HolderChecks())
         s.calls += 1
-        if not self.config.enabled or (self.trusted(peer) and self._rng.random() >= self.config.fraction):
+        if not self.config.enabled:
             return outputs, True
+        if self.trusted(peer) and self._rng.random() >= self.config.fraction:
+            if self.weights is None or self._rng.random() >= self.config.spot_fraction:
+                return outputs, True
+            t0 = time.perf_counter()
+            try:
+                return await self._spot_check(peer, request, response, outputs)
+            finally:
+                self.check_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
             local = await self._recompute(request) if self.weights is not None else None
@@ -175,6 +200,30 @@ class Verifier:
             return await self._judge_by_holders(peer, request, response, outputs)
         finally:
             self.check_s += time.perf_counter() - t0
+
+    async def _spot_check(self, peer: bytes, request: ExpertRequest, response: ExpertResponse,
+                          outputs: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Recompute one random row of each expert of the call; on a mismatch, the whole call."""
+        assert self.weights is not None
+        held = self.weights.experts.get(request.layer, {})
+        if any(int(e.expert) not in held for e in request.experts):
+            return outputs, True  # not held here: only the sampled full checks (by holders) cover it
+        picks: list[tuple[int, int, int]] = []  # (row of the outputs, expert, row of the hidden states)
+        offset = 0
+        for e in request.experts:
+            i = self._rng.randrange(len(e.rows))
+            picks.append((offset + i, int(e.expert), int(e.rows[i])))
+            offset += len(e.rows)
+        sample = ExpertRequest(request.request_id, request.model_id, request.layer, request.seq, request.hidden,
+                               tuple(ExpertRows(e, np.array([row], np.uint32)) for _, e, row in picks))
+        reference = await asyncio.to_thread(self._compute, sample, held)  # (k, H)
+        self.spot_checked += 1
+        error = relative_error(response.outputs[[p for p, _, _ in picks]], reference)
+        if error <= self.tolerance:
+            return outputs, True
+        full = await self._recompute(request)
+        assert full is not None
+        return self._judge_local(peer, request, response, outputs, full)
 
     def _judge_local(self, peer: bytes, request: ExpertRequest, response: ExpertResponse, outputs: np.ndarray,
                      reference: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -371,7 +420,8 @@ class Verifier:
         return {"fraction": c.fraction, "probation_calls": c.probation_calls, "tolerance": self.tolerance,
                 "method": "off" if not c.enabled else "local" if self.weights is not None and c.method != "holders"
                 else "holders" if c.method != "local" else "none",
-                "checked": self.checked, "passed": self.passed, "disagreements": self.disagreements,
+                "checked": self.checked, "spot_checked": self.spot_checked, "passed": self.passed,
+                "disagreements": self.disagreements,
                 "unverifiable": self.unverifiable, "verification_calls": self.verification_calls,
                 "check_ms": round(self.check_s * 1e3, 1),
                 "evidence_published": self.evidence_published, "evidence_accepted": self.evidence_accepted,

