@@ -335,11 +335,11 @@ def relay_streams(args: argparse.Namespace) -> None:
 
 
 def dht_flood(args: argparse.Namespace) -> None:
-    """Join the victim's DHT and store ``writes`` signed records at it under one key: first one
-    record claiming every layer (valid under any layer key, if ranges are not bounded), then one
-    record per made-up model."""
+    """Join the victim's DHT and store ``writes`` signed records at it under one key: first
+    ``every_layer`` keys holding one record claiming every layer (valid under any layer key, if
+    ranges are not bounded), then one record per made-up model."""
     from moeswarm.net.p2p import P2PConfig, P2PNode
-    from moeswarm.protocol import announcement_key, sign_announcement
+    from moeswarm.protocol import announcement_key, peer_id_to_str, sign_announcement
 
     async def main() -> dict[str, Any]:
         identity = Identity.generate()
@@ -356,7 +356,7 @@ def dht_flood(args: argparse.Namespace) -> None:
 
             victim = ID.from_base58(args.bootstrap.rsplit("/", 1)[-1])
             every_layer = record("flood", (0, 2**32 - 1))
-            jobs = [(announcement_key("flood", i, identity.peer_id), every_layer) for i in range(args.writes // 2)]
+            jobs = [(announcement_key("flood", i, identity.peer_id), every_layer) for i in range(args.every_layer)]
             jobs += [(announcement_key(f"flood{i}", 0, identity.peer_id), record(f"flood{i}", (0, 0)))
                      for i in range(args.writes - len(jobs))]
             stored = 0
@@ -371,7 +371,7 @@ def dht_flood(args: argparse.Namespace) -> None:
                     return ok
 
                 stored += await node._call(put)
-            return {"writes": len(jobs), "stored": stored, "every_layer_stored": None,
+            return {"writes": len(jobs), "stored": stored, "peer_id": peer_id_to_str(identity.peer_id),
                     "seconds": round(time.monotonic() - t0, 1)}
 
     out(asyncio.run(main()))
@@ -457,6 +457,7 @@ def main() -> None:
     p = sub.add_parser("dht-flood")
     p.add_argument("bootstrap")
     p.add_argument("--writes", type=int, default=1500)
+    p.add_argument("--every-layer", type=int, default=750)
     p.set_defaults(fn=dht_flood)
     p = sub.add_parser("http")
     p.add_argument("url")
