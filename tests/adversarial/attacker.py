@@ -184,9 +184,23 @@ def expensive(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- attack 7: held connections
 
 
+def _closed_by_victim(socks: list[socket.socket]) -> int:
+    closed = 0
+    for s in socks:
+        s.setblocking(False)
+        try:
+            closed += s.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            pass
+        except OSError:
+            closed += 1
+    return closed
+
+
 def hold(args: argparse.Namespace) -> None:
     """Open ``count`` TCP connections from ``source`` that never finish the TLS handshake, print
-    HELD, hold them until stdin closes, and report how many the victim had already closed."""
+    HELD, and hold them until stdin closes (or sends an empty line); each other line is answered
+    with how many of them the victim has closed so far, and so is the end."""
     parts = urlsplit(args.endpoint)
     socks = []
     for _ in range(args.count):
@@ -196,16 +210,10 @@ def hold(args: argparse.Namespace) -> None:
         except OSError:
             break
     out({"opened": len(socks)})
-    sys.stdin.readline()  # the test measures the victim, then closes our stdin
-    closed = 0
+    while sys.stdin.readline().strip():  # the test measures the victim, then closes our stdin
+        out({"closed_by_victim": _closed_by_victim(socks)})
+    closed = _closed_by_victim(socks)
     for s in socks:
-        s.setblocking(False)
-        try:
-            closed += s.recv(1) == b""
-        except BlockingIOError:
-            pass
-        except OSError:
-            closed += 1
         s.close()
     out({"closed_by_victim": closed})
 

@@ -43,19 +43,13 @@ from moeswarm.node.status import _gauges, render_report
 from moeswarm.node.verify import VerifyConfig
 from moeswarm.protocol import peer_id_from_str
 
-pytestmark = [
-    pytest.mark.slow, pytest.mark.timeout(420),
-    # In two whole-suite runs a client socket was found unclosed by the garbage collector during
-    # this test (not reproduced alone or beside any subset of tests/adversarial): an open leak,
-    # named in the session notes; each test ends with a collection under this filter (below).
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 @pytest.fixture(autouse=True)
 def _collect_this_tests_garbage():  # type: ignore[no-untyped-def]
-    """The leak above, finalised under this test's own filter: found by the collector during the
-    next test (tests/gguf, pure computation), it failed that test in a clean-clone run."""
+    """A socket this test left unclosed is found here, in this test's teardown, and fails it
+    (warnings are errors), rather than in whichever test the collector happens to run next."""
     yield
     gc.collect()
 
