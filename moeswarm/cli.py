@@ -177,7 +177,7 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
     from .errors import ConfigError
     from .model import SamplingParams, Tokenizer
     from .model import generate as run
-    from .model.speculative import generate_speculative
+    from .model.speculative import SpeculativeStats, generate_speculative
 
     cfg = model.config
     tokenizer = None
@@ -202,7 +202,9 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
     out: list[int] = []
     if speculative and temperature != 0:
         raise ConfigError("--speculative needs --temperature 0 (greedy)")
-    tokens = generate_speculative(model, ids, params, k=speculative) if speculative else run(model, ids, params)
+    drafts = SpeculativeStats()
+    tokens = generate_speculative(model, ids, params, k=speculative, stats=drafts) if speculative \
+        else run(model, ids, params)
     for token in tokens:
         out.append(token)
         if stream is not None:
@@ -211,6 +213,10 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
     click.echo()
     if print_token_ids:
         click.echo(json.dumps(out))
+    if speculative:
+        click.echo(f"speculative: {len(out)} tokens in {drafts.steps} forward passes after the prompt "
+                   f"({len(out) - 1} without drafts), {drafts.accepted}/{drafts.drafted} draft tokens accepted",
+                   err=True)
     return len(out)
 
 
