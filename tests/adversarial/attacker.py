@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import os
+import select
 import socket
 import ssl
 import struct
@@ -325,7 +326,9 @@ def relay_devices(args: argparse.Namespace) -> None:
 
 def relay_streams(args: argparse.Namespace) -> None:
     """Open ``per`` client streams to one device from each of ``sources``; print HELD, hold them
-    until stdin closes."""
+    until stdin closes (or sends an empty line). Each other line is answered with the indices (in
+    opening order) of the streams the relay has closed or written to so far: the device never
+    writes unasked, so those are the ones the relay let go."""
     socks, statuses = [], []
     for source in args.sources.split(","):
         for _ in range(args.per):
@@ -333,7 +336,9 @@ def relay_streams(args: argparse.Namespace) -> None:
             statuses.append(tls.status)  # type: ignore[attr-defined]
             socks.append(tls)
     out({"statuses": statuses})
-    sys.stdin.readline()
+    while sys.stdin.readline().strip():
+        readable = set(select.select(socks, [], [], 0)[0])
+        out({"closed": [i for i, s in enumerate(socks) if s in readable or s.pending()]})
     for s in socks:
         s.close()
     out({"released": len(socks)})
