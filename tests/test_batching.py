@@ -100,7 +100,8 @@ def null_tv_quantile(expected: np.ndarray, N: int, level: float = 0.999, runs: i
     return float(np.quantile(0.5 * np.abs(draws - expected).sum(axis=1) / N, level))
 
 
-def chi2_of_two_tokens(verifier, draft_kind: str, N: int) -> tuple[float, float, float, float]:  # type: ignore[no-untyped-def]
+def chi2_of_two_tokens(verifier, draft_kind: str,  # type: ignore[no-untyped-def]
+                       N: int) -> tuple[float, float, float, float]:
     """The first two emitted tokens of a 5-token vocabulary against the target's joint
     p0(a) p1(b | a): -> (chi-square, its 0.999 quantile, total variation, the 0.999 quantile of
     the total variation of N exact draws)."""

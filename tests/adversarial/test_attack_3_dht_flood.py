@@ -4,13 +4,14 @@ A DHT server keeps 1,000 values here (50,000 in production; the figure is scaled
 test takes seconds, the same size is given to the base commit's store). An honest peer stores
 its announcement there; then an attacker process, one key, stores 1,300 values at it: 100 keys
 under one announcement claiming layers [0, 2^32-1] (valid under every layer key when ranges are
-unbounded) and 1,200 announcements of made-up models, more than the store holds. On the base commit 7895ee0 the store filled
-up and evicted the oldest value, the honest announcement, which a fresh reader then cannot find.
+unbounded) and 1,200 announcements of made-up models, more than the store holds. On the base
+commit 7895ee0 the store filled up and evicted the oldest value, the honest announcement, which a
+fresh reader then cannot find.
 Now the every-layer record is refused (layers end at 1,023) and the attacker's values are charged
 to its key (200 here): its newest push out its oldest, the victim reports at most 200 values
 charged to it, and the honest announcement is still found.
 
-Negative control (run by hand, too slow to keep): the same flood at a store whose per-peer quota
+Negative control (run by hand; a second victim would double the file's time): the same flood at a store whose per-peer quota
 is 1,000,000 fails on "one key holds 999 of 1000 values".
 """
 

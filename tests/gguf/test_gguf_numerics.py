@@ -100,7 +100,8 @@ def assert_every_weight_within_its_rounding(path, folder, weight_type: str) -> W
     return stored
 
 
-def assert_exact_for_the_file(logits: np.ndarray, path, folder, ref, weight_type: str) -> None:  # type: ignore[no-untyped-def]
+def assert_exact_for_the_file(logits: np.ndarray, path, folder, ref,  # type: ignore[no-untyped-def]
+                              weight_type: str) -> None:
     """Every weight within its rounding (above), and the engine's logits within LOGIT_TOL x max|logit| of
     the file decoded by gguf-py and run in float32 (negative control: all-zero logits are not)."""
     stored = assert_every_weight_within_its_rounding(path, folder, weight_type)

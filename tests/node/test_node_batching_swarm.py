@@ -82,7 +82,8 @@ def test_eight_concurrent_completions_equal_each_alone() -> None:
             # batched: one request per holder per MoE layer carries every sequence's rows
             assert calls2 - calls1 < (calls1 - calls0) / 3, (calls1 - calls0, calls2 - calls1)
             # eight sequences at once cost no more memory than the cache pool and their activations
-            print(f"growth {max(samples) - warm_peak} kB; bound: KV pool {KV_CACHE >> 10} + activations {activations_kb()}")
+            print(f"growth {max(samples) - warm_peak} kB; bound: KV pool {KV_CACHE >> 10} kB "
+                  f"+ activations {activations_kb()} kB")
             assert samples and max(samples) <= warm_peak + (KV_CACHE >> 10) + activations_kb(), \
                 (warm_peak, max(samples), activations_kb())
         finally:
