@@ -5,8 +5,8 @@ test takes seconds, the same size is given to the base commit's store). An hones
 its announcement there; then an attacker process, one key, stores 1,300 values at it: 100 keys
 under one announcement claiming layers [0, 2^32-1] (valid under every layer key when ranges are
 unbounded) and 1,200 announcements of made-up models, more than the store holds. On the base
-commit 7895ee0 the store filled up and evicted the oldest value, the honest announcement, which a
-fresh reader then cannot find.
+commit 7895ee0 (this file, attacker and victim copied onto it) all 1,300 were stored, the store
+evicted the oldest value, and the test failed on "the honest announcement was evicted".
 Now the every-layer record is refused (layers end at 1,023) and the attacker's values are charged
 to its key (200 here): its newest push out its oldest, the victim reports at most 200 values
 charged to it, and the honest announcement is still found.
