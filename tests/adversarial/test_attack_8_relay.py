@@ -8,7 +8,9 @@ base commit 7895ee0: (1) the relay kept reading (it buffers a message up to 64 M
 16 KiB check) until its 10 s handshake timeout; (2) all 20 were admitted; (3) an honest client
 from 127.0.0.1 got 503. Now (1) the connection is dropped after 16 KiB, (2) the 17th device
 connection of one address gets 429, (3) the honest client gets its fair share (101) and the
-heaviest address loses its oldest stream.
+heaviest address loses its oldest stream: the attacker reports which of its streams the relay let
+go (negative control, run by hand: a relay closing the heaviest address's newest stream instead
+fails with [63]).
 """
 
 from __future__ import annotations
