@@ -19,8 +19,9 @@ quantised the way the hub checkpoints are:
 * ``write_int4(src, dst, group)``: Kimi K2.x. Routed experts' weights become compressed-tensors
   ``pack-quantized``: ``weight_packed`` int32 ``[R, C/8]`` (compressed-tensors' own
   ``pack_to_int32``), ``weight_scale`` bf16 ``[R, C/group]``, ``weight_shape`` int32 ``[2]``;
-  symmetric 4-bit. Scales are rounded to 4 significant bits so that (q * scale) is exact in bf16,
-  the dtype compressed-tensors dequantises in (our engine computes in float32).
+  symmetric 4-bit, scales rounded to bf16 as published. compressed-tensors dequantises in bf16,
+  rounding q * scale (8 significant bits of the scale times 4 of q) to bf16; the engine computes it
+  exactly in float32.
 """
 from __future__ import annotations
 
@@ -59,12 +60,17 @@ def _write(dst: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
 
 
 def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales ``[ceil(R/br), ceil(C/bc)]``: a matrix smaller than a block (DeepSeek's 128 x 128 on a
+    tiny model) or not a multiple of it gets partial blocks at its edges, as DeepSeek's own
+    ``weight_dequant`` reads them."""
     R, C = w.shape
     br, bc = block
-    assert R % br == 0 and C % bc == 0, (w.shape, block)
-    blocks = w.float().reshape(R // br, br, C // bc, bc)
-    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX  # (R/br, C/bc)
-    q = (blocks / scale[:, None, :, None]).reshape(R, C).to(torch.float8_e4m3fn)
+    nr, nc = -(-R // br), -(-C // bc)
+    padded = torch.zeros(nr * br, nc * bc)
+    padded[:R, :C] = w.float()
+    scale = padded.reshape(nr, br, nc, bc).abs().amax(dim=(1, 3)) / FP8_MAX  # (ceil(R/br), ceil(C/bc))
+    per_weight = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:R, :C]
+    q = (w.float() / per_weight).to(torch.float8_e4m3fn)
     return q, scale.float()
 
 
@@ -115,13 +121,13 @@ def write_mxfp4(src_packed: Path, dst: Path) -> Path:
 
 
 def int4_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 4-bit groups with bf16 scales amax / 7, rounded to bf16 as published files hold
+    them (so q * scale is generally not exact in bf16: compressed-tensors' bf16 decoding rounds it)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     R, C = w.shape
     g = w.float().reshape(R, C // group, group)
-    scale = g.abs().amax(dim=-1) / 7.0
-    mant, exp = torch.frexp(scale)  # 4 significant bits: q * scale is exact in bf16
-    scale = torch.ldexp(torch.round(mant * 16) / 16, exp).to(torch.bfloat16)
+    scale = (g.abs().amax(dim=-1) / 7.0).to(torch.bfloat16)
     q = torch.clamp(torch.round(g / scale.float()[..., None]), -8, 7).reshape(R, C).to(torch.int8)
     return pack_to_int32(q, 4), scale
 
@@ -158,7 +164,7 @@ def write_int4(src: Path, dst: Path, group: int = 16) -> Path:
 def transformers_reference(model_dir: Path, prompt: list[int], n_decode: int = 8):  # type: ignore[no-untyped-def]
     """``oracle.Reference`` of transformers 5.24 loading the quantised checkpoint on the CPU, where it
     dequantises every weight at load (FP8 and MXFP4 to the float32 asked for; compressed-tensors to
-    its bf16 scale dtype, which is then widened to float32 exactly: q * scale is exact in bf16 here)."""
+    its bf16 scale dtype, q * scale rounded to bf16, then widened to float32)."""
     import oracle  # type: ignore[import-not-found]
 
     model = oracle.load_model(model_dir)

@@ -64,7 +64,17 @@ def test_generate_through_a_swarm_missing_experts_with_local_fallback_and_show_e
     assert experts and experts <= set(range(4))  # it holds 0-3; the rest was computed here
 
 
-def test_speculative_generation_at_the_command_line_equals_greedy() -> None:
+def test_speculative_generation_at_the_command_line_equals_greedy_in_fewer_passes() -> None:
+    """Same tokens as plain greedy, and the drafts really ran: fewer forward passes than tokens (a
+    command that ignored --speculative prints no such line, or one pass per token)."""
     prompt = ["--prompt", "the LORD the LORD the LORD the LORD the LORD", "--max-new-tokens", "24",
               "--print-token-ids"]
-    assert ids_of(moeswarm("generate", "--speculative", "4", *prompt)) == ids_of(moeswarm("generate", *prompt))
+    speculative = moeswarm("generate", "--speculative", "4", *prompt)
+    assert ids_of(speculative) == ids_of(moeswarm("generate", *prompt))
+    passes = re.search(r"^speculative: (\d+) of (\d+) draft tokens accepted \(\d+%\), 24 tokens in (\d+) forward "
+                       r"passes$", speculative.stderr, re.M)
+    assert passes, speculative.stderr[-2000:]
+    accepted, drafted, forward = map(int, passes.groups())
+    steps = forward - 1  # the passes after the prompt's
+    # each pass emits its accepted drafts and one token of its own (the last pass's may go unused)
+    assert 0 < accepted <= drafted and steps + accepted in (23, 24) and steps < 23, passes.group(0)

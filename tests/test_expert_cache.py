@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
 from moeswarm.demo import CHECKPOINT
-from moeswarm.model import SamplingParams, Tokenizer, generate, load_model
+from moeswarm.model import KVCache, Model, SamplingParams, Tokenizer, generate, load_model
 from moeswarm.model.expert_cache import LRU, RecencyFrequency, predict_next_experts, simulate
 
 
@@ -48,13 +49,34 @@ def binomial_tail(n: int, k: int, p: float) -> float:
     return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
 
 
-def test_next_layer_prediction_beats_chance_on_a_routed_trace_of_the_demo_model() -> None:
+HELD_OUT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+            "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.")
+
+
+def popularity_guess(model: Model, text: str) -> dict[int, set[int]]:
+    """Each MoE layer's top_k most picked experts over one prefill of ``text``: a guess that ignores
+    the hidden state, learnt from a trace the predictor is not scored on."""
+    counts: dict[int, Counter[int]] = {}
+    model.observers.append(lambda layer, ids: counts.setdefault(layer, Counter()).update(ids.ravel().tolist()))
+    model.forward(np.array(Tokenizer.from_folder(CHECKPOINT).encode(text)), KVCache.empty(model.config.num_layers))
+    model.observers.clear()
+    return {layer: {e for e, _ in c.most_common(model.config.top_k)} for layer, c in counts.items()}
+
+
+def test_next_layer_prediction_against_chance_and_a_held_out_popularity_guess() -> None:
     """Over every decode step of a 120-token greedy generation (hundreds of picks, not a handful),
     the predicted next-layer experts hold the router's real picks far more often than a guess of
-    top_k of the experts would (chance: top_k / num_experts per pick): a one-sided binomial test."""
+    top_k of the experts would (chance: top_k / num_experts per pick): a one-sided binomial test.
+
+    They do not beat a guess that ignores the hidden state: each layer's top_k most popular experts
+    over a different text. Paired, step by step, on the same picks, the popularity guess holds more
+    of them (on this model it printed predictor 505/726, popularity 548/726, steps won 48, lost 81;
+    README says so). This assertion fails the day the predictor earns its keep, and the
+    README's sentence must then change with it."""
     model = load_model(CHECKPOINT)
     cfg = model.config
-    hits = total = 0
+    popular = popularity_guess(model, HELD_OUT)
+    wins = losses = hits = popular_hits = total = 0
     guesses: dict[int, set[int]] = {}
 
     def state(layer: int, x: np.ndarray) -> None:
@@ -63,10 +85,12 @@ def test_next_layer_prediction_beats_chance_on_a_routed_trace_of_the_demo_model(
             guesses[layer + 1] = set(ids[-1].tolist())
 
     def routed(layer: int, ids: np.ndarray) -> None:
-        nonlocal hits, total
+        nonlocal wins, losses, hits, popular_hits, total
         if layer in guesses:
-            hits += len(set(ids[-1].tolist()) & guesses.pop(layer))
-            total += ids.shape[1]
+            picks = set(ids[-1].tolist())
+            ours, theirs = len(picks & guesses.pop(layer)), len(picks & popular[layer])
+            hits, popular_hits, total = hits + ours, popular_hits + theirs, total + ids.shape[1]
+            wins, losses = wins + (ours > theirs), losses + (ours < theirs)
 
     model.state_observers.append(state)
     model.observers.append(routed)
@@ -75,3 +99,6 @@ def test_next_layer_prediction_beats_chance_on_a_routed_trace_of_the_demo_model(
     chance = cfg.top_k / cfg.num_experts
     assert total >= 120 * (cfg.num_layers - 1) * cfg.top_k  # every decode step, every predicted layer
     assert binomial_tail(total, hits, chance) < 1e-9, (hits, total, chance)
+    # sign test on the steps where the two guesses differ: does the predictor win more than half?
+    assert binomial_tail(wins + losses, wins, 0.5) > 0.05, (hits, popular_hits, total, wins, losses)
+    print(f"predictor {hits}/{total}, held-out popularity {popular_hits}/{total}, steps won {wins} lost {losses}")

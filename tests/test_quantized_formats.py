@@ -30,8 +30,16 @@ from moeswarm.errors import ProtocolError
 import quantized_checkpoints as qc
 
 TOL = 1e-4
+# INT4: transformers (compressed-tensors) rounds each decoded weight q * scale to bf16, at most 2^-9
+# relative; the engine keeps it exact in float32. Through these 3-layer models that moved the logits
+# by 0.87 x 2^-9 x max|logit| (7.0e-3); 4x that leaves room and stays under what dropping the
+# quantisation altogether moves them (> 0.1, asserted below); a wrong scale or nibble moves them by
+# the logits' own size.
+BF16_EPS = 2.0**-9
+BF16_TOL_FACTOR = 4.0
 FORMATS = {  # format -> (oracle architecture, layout it is written from, writer)
-    "fp8": ("deepseek_v3", "per_expert", qc.write_fp8),
+    "fp8": ("deepseek_v3", "per_expert", qc.write_fp8),  # 8 x 16 blocks: several per matrix here
+    "fp8_128": ("deepseek_v3", "per_expert", lambda src, dst: qc.write_fp8(src, dst, block=(128, 128))),  # as published
     "mxfp4": ("gpt_oss", "packed", qc.write_mxfp4),
     "int4": ("deepseek_v3", "per_expert", qc.write_int4),
 }
@@ -69,8 +77,11 @@ def test_quantised_checkpoint_computes_what_transformers_computes_on_it(quantise
     cache = model.new_cache()
     prefill = model.forward(np.asarray([ref.prompt_ids]), cache)[0]
     decode = np.stack([model.forward(np.asarray([[t]]), cache)[0, -1] for t in ref.decode_tokens])
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
+    expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
+    diff = float(np.abs(np.concatenate([prefill, decode]) - expected).max())
+    bound = BF16_TOL_FACTOR * BF16_EPS * float(np.abs(expected).max()) if fmt == "int4" else TOL
+    print(f"{fmt}: max |logit diff| vs transformers {diff:.2e} (bound {bound:.2e})")
+    assert diff <= bound
     tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
     assert tokens == ref.greedy_tokens
     # every routed expert is still its stored bytes after generating: nothing was decoded in place
@@ -94,7 +105,7 @@ def _expected_parts(fmt: str, folder: Path, layer: int, expert: int) -> dict[str
         return out
     for name in ("gate", "up", "down"):
         p = f"model.layers.{layer}.mlp.experts.{expert}.{name}_proj."
-        if fmt == "fp8":
+        if fmt.startswith("fp8"):
             out[name] = (t[p + "weight"].view(torch.uint8).numpy(), t[p + "weight_scale_inv"].numpy())
         else:
             out[name] = (t[p + "weight_packed"].view(torch.uint8).numpy(),
@@ -117,9 +128,10 @@ def _documented_dequant(fmt: str, folder: Path, layer: int, expert: int) -> dict
         return {"gate": gu[0::2].numpy(), "up": gu[1::2].numpy(), "down": dn.numpy()}
     for name in ("gate", "up", "down"):
         p = f"model.layers.{layer}.mlp.experts.{expert}.{name}_proj."
-        if fmt == "fp8":  # DeepSeek-V3's weight_dequant: w * scale_inv of the 8 x 16 block it sits in
+        if fmt.startswith("fp8"):  # DeepSeek-V3's weight_dequant: w * scale_inv of the br x bc block it sits in
+            br, bc = json.loads((folder / "config.json").read_text())["quantization_config"]["weight_block_size"]
             w, s = t[p + "weight"].float(), t[p + "weight_scale_inv"]
-            out[name] = (w * s.repeat_interleave(8, 0).repeat_interleave(16, 1)).numpy()
+            out[name] = (w * s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[: w.shape[0], : w.shape[1]]).numpy()
         else:  # compressed-tensors' own unpacking, times the group's scale
             from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import os
+import select
 import socket
 import ssl
 import struct
@@ -184,10 +185,23 @@ def expensive(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- attack 7: held connections
 
 
+def _closed_by_victim(socks: list[socket.socket]) -> int:
+    closed = 0
+    for s in socks:
+        s.setblocking(False)
+        try:
+            closed += s.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            pass
+        except OSError:
+            closed += 1
+    return closed
+
+
 def hold(args: argparse.Namespace) -> None:
     """Open ``count`` TCP connections from ``source`` (from each of ``sources``, if given) that never
-    finish the TLS handshake, print HELD, hold them until stdin closes, and report how many the
-    victim had already closed."""
+    finish the TLS handshake, print HELD, and hold them until stdin closes (or sends an empty line);
+    each other line is answered with how many of them the victim has closed so far, and so is the end."""
     parts = urlsplit(args.endpoint)
     socks = []
     for source in (args.sources or args.source).split(","):
@@ -198,16 +212,10 @@ def hold(args: argparse.Namespace) -> None:
             except OSError:
                 break
     out({"opened": len(socks)})
-    sys.stdin.readline()  # the test measures the victim, then closes our stdin
-    closed = 0
+    while sys.stdin.readline().strip():  # the test measures the victim, then closes our stdin
+        out({"closed_by_victim": _closed_by_victim(socks)})
+    closed = _closed_by_victim(socks)
     for s in socks:
-        s.setblocking(False)
-        try:
-            closed += s.recv(1) == b""
-        except BlockingIOError:
-            pass
-        except OSError:
-            closed += 1
         s.close()
     out({"closed_by_victim": closed})
 
@@ -319,7 +327,9 @@ def relay_devices(args: argparse.Namespace) -> None:
 
 def relay_streams(args: argparse.Namespace) -> None:
     """Open ``per`` client streams to one device from each of ``sources``; print HELD, hold them
-    until stdin closes."""
+    until stdin closes (or sends an empty line). Each other line is answered with the indices (in
+    opening order) of the streams the relay has closed or written to so far: the device never
+    writes unasked, so those are the ones the relay let go."""
     socks, statuses = [], []
     for source in args.sources.split(","):
         for _ in range(args.per):
@@ -327,7 +337,9 @@ def relay_streams(args: argparse.Namespace) -> None:
             statuses.append(tls.status)  # type: ignore[attr-defined]
             socks.append(tls)
     out({"statuses": statuses})
-    sys.stdin.readline()
+    while sys.stdin.readline().strip():
+        readable = set(select.select(socks, [], [], 0)[0])
+        out({"closed": [i for i, s in enumerate(socks) if s in readable or s.pending()]})
     for s in socks:
         s.close()
     out({"released": len(socks)})
@@ -337,11 +349,11 @@ def relay_streams(args: argparse.Namespace) -> None:
 
 
 def dht_flood(args: argparse.Namespace) -> None:
-    """Join the victim's DHT and store ``writes`` signed records at it under one key: first one
-    record claiming every layer (valid under any layer key, if ranges are not bounded), then one
-    record per made-up model."""
+    """Join the victim's DHT and store ``writes`` signed records at it under one key: first
+    ``every_layer`` keys holding one record claiming every layer (valid under any layer key, if
+    ranges are not bounded), then one record per made-up model."""
     from moeswarm.net.p2p import P2PConfig, P2PNode
-    from moeswarm.protocol import announcement_key, sign_announcement
+    from moeswarm.protocol import announcement_key, peer_id_to_str, sign_announcement
 
     async def main() -> dict[str, Any]:
         identity = Identity.generate()
@@ -358,7 +370,7 @@ def dht_flood(args: argparse.Namespace) -> None:
 
             victim = ID.from_base58(args.bootstrap.rsplit("/", 1)[-1])
             every_layer = record("flood", (0, 2**32 - 1))
-            jobs = [(announcement_key("flood", i, identity.peer_id), every_layer) for i in range(args.writes // 2)]
+            jobs = [(announcement_key("flood", i, identity.peer_id), every_layer) for i in range(args.every_layer)]
             jobs += [(announcement_key(f"flood{i}", 0, identity.peer_id), record(f"flood{i}", (0, 0)))
                      for i in range(args.writes - len(jobs))]
             stored = 0
@@ -373,7 +385,7 @@ def dht_flood(args: argparse.Namespace) -> None:
                     return ok
 
                 stored += await node._call(put)
-            return {"writes": len(jobs), "stored": stored, "every_layer_stored": None,
+            return {"writes": len(jobs), "stored": stored, "peer_id": peer_id_to_str(identity.peer_id),
                     "seconds": round(time.monotonic() - t0, 1)}
 
     out(asyncio.run(main()))
@@ -505,6 +517,7 @@ def main() -> None:
     p = sub.add_parser("dht-flood")
     p.add_argument("bootstrap")
     p.add_argument("--writes", type=int, default=1500)
+    p.add_argument("--every-layer", type=int, default=750)
     p.set_defaults(fn=dht_flood)
     p = sub.add_parser("dht-sybils")
     p.add_argument("bootstrap")

@@ -1,6 +1,8 @@
 """A DHT server holding at most ``--max-values`` values (``--per-peer`` each), for test_attack_3.
 
-Prints ``READY {"multiaddr": ...}`` and serves until stdin closes. On a commit without per-peer
+Prints ``READY {"multiaddr": ...}`` and serves until stdin closes or sends an empty line. A line
+naming a peer ID is answered with ``{"values": ..., "held": ...}``: the values this store holds, all
+peers together, and those charged to that peer (the last segment of their keys). On a commit without per-peer
 quotas (the base 7895ee0) the same store size is set by patching py-libp2p's constant, so the
 attack meets the same store there.
 """
@@ -16,6 +18,10 @@ from moeswarm.net.p2p import P2PConfig, P2PNode
 from moeswarm.protocol import Identity
 
 
+def owner_of(key: bytes) -> str:
+    return key.rsplit(b"/", 1)[-1].decode("utf-8", "replace")
+
+
 async def main(max_values: int, per_peer: int) -> None:
     try:
         config = P2PConfig(max_values=max_values, max_values_per_peer=per_peer)  # type: ignore[call-arg]
@@ -26,7 +32,10 @@ async def main(max_values: int, per_peer: int) -> None:
         config = P2PConfig()
     async with P2PNode(Identity.generate(), config) as node:
         print("READY " + json.dumps({"multiaddr": node.multiaddrs[0], "peer_id": node.peer_id}), flush=True)
-        await asyncio.to_thread(sys.stdin.readline)
+        while peer := (await asyncio.to_thread(sys.stdin.readline)).strip():
+            store = dict(node._dht.value_store.store)  # a copy: libp2p's thread keeps serving
+            held = sum(owner_of(key) == peer for key in store)
+            print(json.dumps({"values": len(store), "held": held}), flush=True)
 
 
 if __name__ == "__main__":

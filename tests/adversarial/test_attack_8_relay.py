@@ -8,14 +8,18 @@ base commit 7895ee0: (1) the relay kept reading (it buffers a message up to 64 M
 16 KiB check) until its 10 s handshake timeout; (2) all 20 were admitted; (3) an honest client
 from 127.0.0.1 got 503. Now (1) the connection is dropped after 16 KiB, (2) the 17th device
 connection of one address gets 429, (3) the honest client gets its fair share (101) and the
-heaviest address loses its oldest stream.
+heaviest address loses its oldest stream: the attacker reports which of its streams the relay let
+go (negative control, run by hand: a relay closing the heaviest address's newest stream instead
+fails with [63]).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,19 @@ async def _hold_device(url: str, ca: str, ready: asyncio.Event, stop: asyncio.Ev
     await device.close()
 
 
+def let_go(streams: subprocess.Popen[str]) -> list[int]:
+    """The attacker's streams the relay has closed, once it has closed any (bounded wait)."""
+    assert streams.stdin is not None
+    deadline = time.monotonic() + 30
+    while True:
+        streams.stdin.write("closed?\n")
+        streams.stdin.flush()
+        closed: list[int] = first_line(streams)["closed"]
+        if closed or time.monotonic() > deadline:
+            return closed
+        time.sleep(0.05)
+
+
 def test_relay_admits_devices_fairly_and_drops_unauthenticated_floods(tmp_path: Path) -> None:
     certs = make_dev_certs(tmp_path / "certs")
     relay = start_daemon("relay", ["relay", "--listen", "127.0.0.1:0", "--cert", str(certs.cert),
@@ -62,7 +79,7 @@ def test_relay_admits_devices_fairly_and_drops_unauthenticated_floods(tmp_path: 
         devices = attack("relay-devices", url, "--ca", ca, "--count", "20")["statuses"]
         assert devices == [101] * 16 + [429] * 4, devices
 
-        async def main() -> int:
+        async def main() -> tuple[int, list[int]]:
             ready, stop, info = asyncio.Event(), asyncio.Event(), {}
             holder = asyncio.create_task(_hold_device(url, ca, ready, stop, info))
             await asyncio.wait_for(ready.wait(), 30)
@@ -78,12 +95,17 @@ def test_relay_admits_devices_fairly_and_drops_unauthenticated_floods(tmp_path: 
                         status = 101
                     except aiohttp.WSServerHandshakeError as e:
                         status = e.status
+                closed = await asyncio.to_thread(let_go, streams)
             finally:
                 await asyncio.to_thread(finish, streams)
                 stop.set()
                 await holder
-            return status
+            return status, closed
 
-        assert asyncio.run(main()) == 101  # the honest address gets a stream: fair share
+        status, closed = asyncio.run(main())
+        assert status == 101  # the honest address gets a stream: fair share
+        # paid for by exactly one attacker stream: the oldest of an address holding the most (all four
+        # hold 64; streams are numbered in opening order, 64 per address)
+        assert len(closed) == 1 and closed[0] % 64 == 0, closed
     finally:
         stop_daemon(relay)

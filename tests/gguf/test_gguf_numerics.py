@@ -12,6 +12,7 @@ from moeswarm.model import ARCHITECTURES, SamplingParams, generate, load_model
 from moeswarm.model._qkernels import packable
 from moeswarm.model.gguf import GGUF_ARCH, QuantizedTensor
 from moeswarm.model import load_weights
+from moeswarm.model.weights import Weights
 from moeswarm.model.transformer import Model
 
 from gguf_reference import LOGIT_TOL, dequantised
@@ -33,6 +34,14 @@ ACT_EPS = 1 / 254
 # experts quantized, 2.3-14.4 with every matrix (embeddings, attention, LM head) rounded.  16 leaves no room for
 # a wrong tensor or block layout at 8 bits (errors of the logits' own size, 30-250 units).
 QUANT_TOL_FACTOR = 16.0
+# The same, per stored weight, including the clipping of the largest positive value (Q4_0 / Q5_0 scale the
+# block by its largest-magnitude value d = m/-8 (-16), so a value of +amax lands on +8 (+16) and is clipped to
+# 7 (15): an error of one whole step) and the fp16 rounding of the scale (and of Q4_1/Q5_1's minimum), at most
+# 2 x 2^-11 x amax: each weight decoded from the file lies within WEIGHT_BOUND[type] x its block's amax of
+# the safetensors weight it was written from. A wrong weight (another expert's, a transposed or shifted
+# block) is off by the size of the weights themselves, ~ amax: far outside.
+WEIGHT_BOUND = {"Q8_0": 1 / 254 + 2 * 2.0**-11, "Q5_0": 1 / 16 + 2 * 2.0**-11, "Q5_1": 1 / 62 * 2 + 2 * 2.0**-11,
+                "Q4_0": 1 / 8 + 2 * 2.0**-11, "Q4_1": 1 / 30 * 2 + 2 * 2.0**-11}
 FP32_NOISE = 1e-5  # same weights, different memory layout: matmul rounding only (pitfall 9)
 N_RANDOM_PROMPTS = 15
 N_NEW = 8
@@ -58,6 +67,50 @@ def assert_within_precision(logits: np.ndarray, ref, weight_type: str, label: st
     assert np.isfinite(logits).all()
     assert diff <= bound, (label, diff, bound)
     return diff
+
+
+def worst_weight_error(source, stored, weight_type: str) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """Over every matrix stored as ``weight_type``: max |decoded - source| / (WEIGHT_BOUND x the block's
+    amax) (<= 1 when every weight is within its format's rounding), and how many matrices were checked."""
+    pairs = [(source.tensors[k], a) for k, a in stored.tensors.items()]
+    pairs += [(getattr(source.experts[L][e], p), getattr(x, p)) for L, layer in stored.experts.items()
+              for e, x in layer.items() for p in ("gate", "up", "down")]
+    worst, checked = 0.0, 0
+    for src, a in pairs:
+        if isinstance(a, QuantizedTensor) and a.qtype.name == weight_type:
+            blocks = np.asarray(src, np.float32).reshape(-1, 32)  # (blocks, 32): GGUF blocks run along rows
+            amax = np.abs(blocks).max(axis=1, keepdims=True)
+            err = np.abs(np.asarray(a, np.float32).reshape(-1, 32) - blocks)
+            worst, checked = max(worst, float((err / (WEIGHT_BOUND[weight_type] * np.maximum(amax, 1e-30))).max())), \
+                checked + 1
+    return worst, checked
+
+
+def assert_every_weight_within_its_rounding(path, folder, weight_type: str) -> Weights:  # type: ignore[no-untyped-def]
+    """The bound a wrong weight breaks, for block-quantized files (whose logit bound against transformers is
+    loose at 4-5 bits: 1.06 x max|logit| for Q4_0): every stored weight within its format's rounding of the
+    safetensors weight. Negative control on the same data: expert 0's matrices read in place of expert 1's."""
+    source, stored = load_weights(folder), load_weights(path)
+    worst, checked = worst_weight_error(source, stored, weight_type)
+    print(f"{weight_type}: {checked} matrices, worst stored weight {worst:.2f} x its bound")
+    assert checked and worst <= 1.0, (weight_type, worst, checked)
+    layer = next(iter(stored.experts.values()))
+    wrong = replace(stored, experts={next(iter(stored.experts)): {**layer, 1: layer[0]}})
+    assert worst_weight_error(source, wrong, weight_type)[0] > 2.0  # a wrong weight is caught
+    return stored
+
+
+def assert_exact_for_the_file(logits: np.ndarray, path, folder, ref,  # type: ignore[no-untyped-def]
+                              weight_type: str) -> None:
+    """Every weight within its rounding (above), and the engine's logits within LOGIT_TOL x max|logit| of
+    the file decoded by gguf-py and run in float32 (negative control: all-zero logits are not)."""
+    stored = assert_every_weight_within_its_rounding(path, folder, weight_type)
+    reference = run_logits(dequantised(stored), ref)
+    scale = float(np.abs(reference).max())
+    print(f"{weight_type}: engine vs file decoded by gguf-py {np.abs(logits - reference).max() / scale:.2e} x "
+          f"max|logit| (bound {LOGIT_TOL})")
+    assert np.abs(logits - reference).max() <= LOGIT_TOL * scale
+    assert np.abs(np.zeros_like(logits) - reference).max() > LOGIT_TOL * scale  # all-zero logits are caught
 
 
 def rounded(folder, dtype=np.float16) -> Model:  # type: ignore[no-untyped-def]
@@ -146,11 +199,14 @@ def test_q8_0_greedy_tokens_on_the_prompt_set(oracle_checkpoints, gguf_checkpoin
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_q4_0_experts_within_their_precision(oracle_checkpoints, gguf_checkpoints, arch: str) -> None:
-    _, ref = oracle_checkpoints.get(arch, "per_expert")
-    model = load_model(gguf_checkpoints.get(arch, "F16", "Q4_0"))
+    folder, ref = oracle_checkpoints.get(arch, "per_expert")
+    path = gguf_checkpoints.get(arch, "F16", "Q4_0")
+    model = load_model(path)
     gate = model.weights.experts[0][1].gate
     assert isinstance(gate, QuantizedTensor) and gate.nbytes == gate.size * 18 // 32  # 4.5 bits per weight
-    assert_within_precision(run_logits(model, ref), ref, "Q4_0", f"{arch} F16 + Q4_0 experts")
+    logits = run_logits(model, ref)
+    assert_within_precision(logits, ref, "Q4_0", f"{arch} F16 + Q4_0 experts")
+    assert_exact_for_the_file(logits, path, folder, ref, "Q4_0")
     assert len(list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=8)))) == 8
 
 
@@ -198,6 +254,9 @@ def test_every_writable_type_loads_and_runs(oracle_checkpoints, gguf_checkpoints
     logits = run_logits(load_model(path), ref)
     diff = assert_within_precision(logits, ref, weight_type, f"qwen3_moe all-{weight_type} ({path.stat().st_size} bytes)")
     assert (diff > 1e-4) == (weight_type != "F32")  # every matrix really is stored as weight_type
+    if weight_type.startswith("Q"):  # the bound above is loose at 4-5 bits (1.06 x max|logit| for Q4_0)
+        assert_every_weight_within_its_rounding(path, oracle_checkpoints.get("qwen3_moe", "per_expert")[0],
+                                                weight_type)
     if weight_type in ("F16", "BF16"):  # and nothing but that rounding: the file decoded by gguf-py, in float32
         # (block-quantized files against their decoding: test_gguf_kernels.py, through the int8 kernels)
         assert np.abs(logits - run_logits(dequantised(load_weights(path)), ref)).max() <= FP32_NOISE

@@ -341,9 +341,22 @@ def test_a_holder_that_refuses_fetches_is_called_instead(oracle_checkpoints, tmp
     write_expert_digests(load_weights(folder), own / DIGESTS_FILE, model_id="published with the model")
     with expert_nodes(str(folder), ["0-7"], extra_args=lambda i: ["--no-weight-fetches"]) as daemons:
 
+        refusals: list[object] = []  # what each fetch the backbone attempted ended with
+
         async def main() -> tuple[list[int], int, int, set, int]:  # type: ignore[type-arg]
             config = backbone_config(own, daemons[0].info["multiaddrs"][0], tiers="fetch")
             async with SwarmBackbone(config) as bb:
+                assert bb.tiers is not None
+                ensure = bb.tiers.ensure
+
+                async def watched(layer: int, expert: int, peer: bytes | None = None):  # type: ignore[no-untyped-def]
+                    try:
+                        return await ensure(layer, expert, peer)
+                    except Exception as e:
+                        refusals.append(getattr(e, "code", e))
+                        raise
+
+                bb.tiers.ensure = watched  # type: ignore[method-assign]
                 params = SamplingParams(max_new_tokens=len(ref.greedy_tokens))
                 tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
                 assert bb.executor is not None and bb.tiers is not None
@@ -355,6 +368,8 @@ def test_a_holder_that_refuses_fetches_is_called_instead(oracle_checkpoints, tmp
                                  "--url", daemons[0].info["status"]], capture_output=True, text=True, timeout=60)
     assert tokens == ref.greedy_tokens
     assert fetched_bytes == 0 and local_pairs == 0  # nothing came over as weights, nothing computed here
+    # fetches were attempted, and every one was refused by the node (not skipped by the planner)
+    assert refusals and set(refusals) == {ErrorCode.UNKNOWN_EXPERT}, refusals
     assert calls > 0 and served, (calls, served)  # every routed expert was called instead
     assert report.returncode == 0, report.stderr
     assert json.loads(report.stdout)[0]["serving"]["requests"] == calls

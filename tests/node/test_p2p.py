@@ -477,7 +477,7 @@ async def _no_peers(node: P2PNode) -> bool:
 
 # ------------------------------------------------------------------ finding 3: stale peers
 
-DIAL_TIMEOUT_S = 5.0  # a lookup that meets one stale peer takes at least this long
+DIAL_TIMEOUT_S = 5.0  # a lookup that meets one stale peer waits this long for the tarpit
 
 
 class Tarpit:
@@ -485,7 +485,7 @@ class Tarpit:
 
     def __init__(self) -> None:
         self.servers: list[asyncio.Server] = []
-        self.writers: list[asyncio.StreamWriter] = []
+        self.writers: list[asyncio.StreamWriter] = []  # one per dial that reached the tarpit
 
     async def hold(self, port: int) -> None:
         async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -537,13 +537,11 @@ def test_departed_client_peers_do_not_stall_lookups(workarounds: frozenset[str])
 
             assert await eventually(departed)
             for server in servers:
-                started = time.perf_counter()
-                with contextlib.suppress(Timeout):  # the stall itself is what we measure
+                with contextlib.suppress(Timeout):  # a stalled lookup gives up; the dials below say why
                     await server.get(announcement_key(MODEL, 2, Identity.generate().peer_id))
                     await server.find_providers(provider_key(MODEL, 2))
-                elapsed = time.perf_counter() - started
-                # meeting one stale peer costs a whole dial timeout: less means no stale peer was dialled
-                assert elapsed < DIAL_TIMEOUT_S, f"lookups took {elapsed:.1f} s"
+                await asyncio.sleep(0)  # let the tarpit's accept callbacks run
+                assert not tarpit.writers, f"{len(tarpit.writers)} dials reached a departed peer's address"
                 assert not client_ids & set(await server.routing_table())
             assert not any(in_tables)
         finally:

@@ -11,6 +11,14 @@ from typing import Any
 
 from browser_support import chromium_page
 
+SHOWN = ("state", "peer", "endpoint", "holding", "calls")
+
+
+def shown(page: Any) -> dict[str, str]:
+    """What a person reads on the page: the rendered text of its status fields (empty if hidden)."""
+    return {name: page.inner_text(f"#{name}") if page.is_visible(f"#{name}") else "" for name in SHOWN}
+
+
 READY_JS = "() => window.volunteer && (window.volunteer.state === 'volunteering' || window.volunteer.error)"
 
 
@@ -62,13 +70,14 @@ class BrowserDevice:
                     if self.expect_error:  # the page must fail: report what it says
                         if error is None:
                             raise AssertionError("the page did not fail")
-                        self._results.put((True, {"error": error, "state": page.evaluate("window.volunteer.state")}))
+                        self._results.put((True, {"error": error, "state": page.evaluate("window.volunteer.state"),
+                                               "shown": shown(page)}))
                     elif error:
                         raise AssertionError(error)
                     else:
-                        self._results.put((True, page.evaluate(
+                        self._results.put((True, {**page.evaluate(
                             "({peer_id: window.volunteer.identity.peerIdStr, endpoint: window.volunteer.device.endpoint,"
-                            " state: window.volunteer.state})")))
+                            " state: window.volunteer.state})"), "shown": shown(page)}))
                 except Exception as e:  # noqa: BLE001 - reported to the test's thread
                     self._results.put((False, e))
                     return

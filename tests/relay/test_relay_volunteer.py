@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -150,12 +151,23 @@ def test_relay_serves_the_volunteer_page_its_assets_and_shards(certs: Any, spawn
                  str(certs.key), "--no-dht")  # no --volunteer-shards: the page says so instead of failing obscurely
     with BrowserDevice("https" + bare.wait_ready()["url"][3:] + "/volunteer/", expect_error=True) as page:
         assert "offers no experts" in page.info["error"]
+        # what a person sees: the status line says it failed, and why
+        assert page.info["shown"]["state"].startswith("failed: ") and "offers no experts" in page.info["shown"]["state"]
     for outside in ("shards/../../../etc/passwd", "shards/%2e%2e/%2e%2e/__init__.py", "js/../../__init__.py",
                     "vendor/%2e%2e/%2e%2e/volunteer.py"):
         with pytest.raises(urllib.error.HTTPError) as e:
             get(f"{base}/volunteer/{outside}", certs.ca)
         e.value.close()
         assert e.value.code == 404, outside
+
+
+def assert_shown(shown: dict[str, str], peer_id: str, endpoint: str, model_id: str, experts: str) -> None:
+    """The page tells a person what the tab is doing: volunteering, as which device, reachable where,
+    holding which experts (rendered text, not JavaScript state)."""
+    assert shown["state"] == "volunteering", shown
+    assert shown["peer"] == peer_id and shown["endpoint"] == endpoint, shown
+    assert re.match(rf"{re.escape(model_id)}: layers \d+-\d+, experts {experts} \(\d+\.\d MiB, \w+\)$",
+                    shown["holding"]), shown
 
 
 def test_browser_device_passes_the_conformance_suite_and_its_receipts_verify(
@@ -168,6 +180,7 @@ def test_browser_device_passes_the_conformance_suite_and_its_receipts_verify(
     with BrowserDevice("https" + url[3:] + "/volunteer/") as device:
         endpoint = device.info["endpoint"]
         assert endpoint == f"relay+{url}/{device.info['peer_id']}"
+        assert_shown(device.info["shown"], device.info["peer_id"], endpoint, manifest.model_id, "1, 2")
         done = subprocess.run(  # the command line any implementer runs against a device
             [sys.executable, str(REPO / "tests/relay/conformance.py"), "device", endpoint, "--model-id",
              manifest.model_id, "--layer", "0", "--expert", "2", "--hidden", str(manifest.hidden_size),
@@ -176,7 +189,7 @@ def test_browser_device_passes_the_conformance_suite_and_its_receipts_verify(
         assert done.returncode == 0 and done.stdout.count("PASS") == 4, done.stdout + done.stderr + str(device.console)
         stats = device.call(lambda page: page.evaluate(
             "({calls: window.volunteer.device.stats.calls, receipts: window.volunteer.device.stats.receipts,"
-            " calls_shown: document.getElementById('calls').textContent})"))
+            " calls_shown: document.getElementById('calls').innerText})"))
         assert stats["calls"] == 1 and stats["calls_shown"] == "1"
         # the same identity after a reload: the key lives in IndexedDB
         again = device.call(lambda page: (page.reload(), page.wait_for_function(
@@ -219,6 +232,7 @@ def test_bridge_web_serves_the_page_for_a_private_swarm(certs: Any, spawn: Any, 
     with BrowserDevice(page_url) as device:
         endpoint = device.info["endpoint"]
         assert endpoint == f"relay+{url}/{device.info['peer_id']}"
+        assert_shown(device.info["shown"], device.info["peer_id"], endpoint, manifest.model_id, "1, 2")
         done = subprocess.run(
             [sys.executable, str(REPO / "tests/relay/conformance.py"), "device", endpoint, "--model-id",
              manifest.model_id, "--layer", "0", "--expert", "1", "--hidden", str(manifest.hidden_size),
@@ -226,8 +240,8 @@ def test_bridge_web_serves_the_page_for_a_private_swarm(certs: Any, spawn: Any, 
         assert done.returncode == 0 and done.stdout.count("PASS") == 4, done.stdout + done.stderr
         device.call(lambda page: page.click("#stop"))
         state = device.call(lambda page: (page.wait_for_function(
-            "() => window.volunteer.state === 'stopped'", timeout=30_000), page.evaluate("window.volunteer.state"))[1])
-        assert state == "stopped"
+            "() => window.volunteer.state === 'stopped'", timeout=30_000), page.inner_text("#state"))[1])
+        assert state == "stopped"  # as the page shows it
     port = int(url.rsplit(":", 1)[1])
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # the stop button ended the device's session at the relay
@@ -318,7 +332,8 @@ def test_bridge_web_with_experts_auto_gives_phones_the_markets_edge_block(certs:
                 "--web-key", str(certs.key))
     page_url = web.wait_ready(120)["url"]
     with BrowserDevice(page_url) as device:
-        holding = device.call(lambda page: page.text_content("#holding"))
+        holding = device.info["shown"]["holding"]
         served = device.call(lambda page: page.evaluate(
             "[window.volunteer.device.shards.moeLayers, window.volunteer.device.shards.served(0)]"))
     assert served == [[0, 1, 2, 3], [4, 5, 6, 7]], (served, holding)
+    assert re.match(r".+: layers 0-3, experts 4, 5, 6, 7 \(\d+\.\d MiB, \w+\)$", holding), holding  # as shown
