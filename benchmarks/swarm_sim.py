@@ -193,6 +193,32 @@ def shift(rng: np.random.Generator, truth: np.ndarray) -> np.ndarray:
     return out
 
 
+def idle_slots(swarm: Swarm, demand: mk.Demand, tier: int = 1) -> dict[str, int]:
+    """The ``tier``'s (default: home boxes') held experts that sit in idle blocks, as the market
+    sees them when one re-evaluates (``_released`` in ``moeswarm/market/_rebalance.py``: every
+    expert of the block another holder keeps, none lacks a replica: 0 at the cover, redundancy
+    and demand levels of its ``cell_values``), and how many boxes have which share idle (the
+    release needs ``release_share``, 30%)."""
+    out = {"held": 0, "idle": 0, "idle_under_20": 0, "idle_20_30": 0, "boxes_20_30": 0, "idle_30_up": 0, "boxes_30_up": 0}
+    for node in swarm.nodes.values():
+        if node.tier != tier or not node.rects:
+            continue
+        others = swarm.supply.changed(node.rects, node.v.throughput, -1)
+        k = mk.capacity_cells(swarm.grid, node.v, node.cfg)
+        v = mk.cell_values(swarm.grid, others, demand, node.v, node.cfg, capacity=k)
+        idle = (v.cover <= 0) & (v.redundancy <= 0) & (v.demand <= 0)
+        held = sum(r.cells for r in node.rects)
+        n_idle = sum(r.cells for r in node.rects if idle[r.slices].all())
+        share = n_idle / max(k, 1)  # as _released weighs it: of the box's memory in experts
+        out["held"] += held
+        out["idle"] += n_idle
+        band = "under_20" if share < 0.2 else "20_30" if share < swarm.rebalance.release_share else "30_up"
+        out[f"idle_{band}"] += n_idle
+        if band != "under_20":
+            out[f"boxes_{band}"] += 1
+    return out
+
+
 def tier_copies(grid: tuple[int, int], rects: np.ndarray, owner: np.ndarray, tier_of: np.ndarray) -> list[np.ndarray]:
     """For each tier, ``(L, E)`` copies of every expert its volunteers hold."""
     mine = [tier_of[owner] == t for t in range(len(sm.TIERS))]
@@ -220,7 +246,8 @@ def decode_table(swarm: Swarm, truth: np.ndarray, rng: np.random.Generator,
 
 
 def measure(swarm: Swarm, truth: np.ndarray, epoch: int, moved: int, cov_left: float, bound: bool,
-            prices: mk.PriceTable | None, demand: mk.Demand, rng: np.random.Generator) -> tuple[dict, mk.PriceTable]:
+            prices: mk.PriceTable | None, demand: mk.Demand, rng: np.random.Generator,
+            idle: bool = False) -> tuple[dict, mk.PriceTable]:
     rects, owner, rate, slots, tier_of, rtt = swarm.arrays()
     calls = truth * UTILIZATION * rate.sum()
     served, per_node = sm.dispatched(swarm.grid, calls, rects, owner, rate, rtt)  # the backbone's rule
@@ -258,11 +285,12 @@ def measure(swarm: Swarm, truth: np.ndarray, epoch: int, moved: int, cov_left: f
         "layers_per_node": float(np.mean([len({i for r in n.rects for i in range(r.r0, r.r1 + 1)})
                                           for n in swarm.nodes.values()])),  # expert-EFLOP x multiplier per hour, per tier
         "decode": decode_table(swarm, truth, rng, copies),
+        "idle_home": idle_slots(swarm, demand) if idle else None,
     }
     return row, table
 
 
-def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[dict]:
+def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False, idle: bool = False) -> list[dict]:
     rng = np.random.default_rng(seed)
     shape = sm.SHAPES[sc.shape]
     grid = shape.market()
@@ -328,7 +356,7 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
         if epoch:
             for nid in [i for i in list(swarm.nodes) if rng.random() < sc.eval_share]:
                 moved += swarm.reconsider(nid, demand, epoch)
-        row, prices = measure(swarm, truth, epoch, moved, cov_left, sc.bound, prices, demand, rng)
+        row, prices = measure(swarm, truth, epoch, moved, cov_left, sc.bound, prices, demand, rng, idle)
         rows.append(row)
         if not quiet:
             c = row["credits_eflop"]
@@ -336,8 +364,14 @@ def run(sc: Scenario, trace_s: float, seed: int, quiet: bool = False) -> list[di
             print(f"{epoch:>5} {row['nodes']:>6} {row['coverage_left']:>8.3%} {row['coverage']:>8.3%} "
                   f"{row['served']:>7.2%} {row['maxflow']:>7.2%} {row['bound']:>7.2%} {row['ratio']:>8.2f} {row['ideal_ratio']:>6.2f} "
                   f"{row['moved']:>6.2%} {row['decode']['home'][0]:>8.2f} | {row['decode']['home'][1]:>7.1f} "
-                  f"{c[0] / tot:>8.0%}/{c[1] / tot:.0%}/{c[2] / tot:.0%}")
+                  f"{c[0] / tot:>8.0%}/{c[1] / tot:.0%}/{c[2] / tot:.0%}" + (_idle_note(row["idle_home"]) if idle else ""))
     return rows
+
+
+def _idle_note(d: dict[str, int]) -> str:
+    return (f"  home slots idle {d['idle']:,} of {d['held']:,} ({d['idle'] / max(d['held'], 1):.0%}): "
+            f"{d['idle_under_20']:,} in boxes under 20% idle, {d['idle_20_30']:,} in {d['boxes_20_30']} boxes at "
+            f"20-30%, {d['idle_30_up']:,} in {d['boxes_30_up']} boxes at 30% or more")
 
 
 def steady(rows: list[dict], warmup: int) -> dict[str, float]:
@@ -398,7 +432,10 @@ def seed_table(label: str, runs: dict[int, list[dict]], warmup: int) -> tuple[st
 DHT_GET_S = 0.25  # py-libp2p get_value, 12 nodes on loopback (shared/spikes/libp2p); 0.52 s at 20 nodes
 ANNOUNCE_EVERY_S = 240.0  # AnnounceConfig.interval_s: each node re-puts its record and re-provides its layers
 DISCOVERY_EVERY_S = 10.0  # Discovery.interval_s: a backbone re-reads every holder's record
-RELAY_BPS = 311e6  # one relay forwards 311 MB/s per direction (benchmarks/relay.py, 16 devices)
+# one relay with its shipped defaults (100 MB/s per device and per client address) forwards 269 MB/s,
+# both directions counted: benchmarks/relay.py's "relay forwarded MB/s" at 16 devices, 2026-12-01
+# run on the idle machine (README, relay.py); 209 / 279 at 1 / 4 devices
+RELAY_BPS = 269e6
 KADEMLIA_K, KADEMLIA_ALPHA = 20, 3
 
 
@@ -410,7 +447,8 @@ def limits(rows: list[dict], shape: sm.Shape, sizes: tuple[int, ...] = (1_000, 1
     phone_share = calls[2] / max(calls.sum(), 1e-9)
     lines = ["| volunteers | records a backbone reads per discovery pass | one pass at 0.25 s per DHT get "
              "| DHT reads per second per backbone (every 10 s) | announcement: DHT writes per node per hour "
-             "(messages) | relay traffic (phones' calls) | relays at 311 MB/s |",
+             "(messages) | relay traffic (phones' calls, both directions) | relays at 269 MB/s (shipped defaults, both "
+             "directions) |",
              "|---|---|---|---|---|---|---|"]
     for n in sizes:
         scale = n / max(last["nodes"], 1)
@@ -418,7 +456,7 @@ def limits(rows: list[dict], shape: sm.Shape, sizes: tuple[int, ...] = (1_000, 1
         hops = math.log2(max(n, 2))
         writes = 3600 / ANNOUNCE_EVERY_S * (blocks + layers)  # put the record(s), provide every MoE layer held
         msgs = writes * (KADEMLIA_ALPHA * hops + KADEMLIA_K)
-        relay = calls[2] * scale * 2 * shape.call_bytes  # hidden state in and out per call
+        relay = calls[2] * scale * 2 * shape.call_bytes  # hidden state in and out per call: both directions
         lines.append(f"| {n:,} | {records:,.0f} | {records * DHT_GET_S / 60:,.0f} min "
                      f"| {(shape.layers + records) / DISCOVERY_EVERY_S:,.0f} | {writes:,.0f} ({msgs:,.0f}) "
                      f"| {relay / 1e6:,.0f} MB/s ({phone_share:.1%} of calls) | {math.ceil(relay / RELAY_BPS)} |")
@@ -490,6 +528,8 @@ def main() -> None:
                          "scenarios on the first (seed 0 tuned the release and move-cost parameters: not a default)")
     ap.add_argument("--seed", type=int, default=None, help="one seed for every scenario (same as --seeds N)")
     ap.add_argument("--png-dir", default="docs/swarm_sim", help="where the PNG plots go ('': no plots)")
+    ap.add_argument("--idle", action="store_true",
+                    help="also count the home boxes' idle slots every epoch (the market's own test; slower)")
     ap.add_argument("--only", default="", help="comma-separated scenario labels to run (default: all)")
     ap.add_argument("--hysteresis", type=float, default=mk.RebalanceConfig().hysteresis,
                     help="RebalanceConfig.hysteresis for every scenario")
@@ -534,7 +574,7 @@ def main() -> None:
         s_zipf = sm.zipf_matching(cv, sm.SHAPES[sc.shape].experts)
         for seed in seeds if sc.label == HEADLINE else seeds[:1]:
             t = time.perf_counter()
-            rows = run(sc, s_zipf, seed)
+            rows = run(sc, s_zipf, seed, idle=args.idle)
             print(f"({time.perf_counter() - t:.0f} s)")
             results.setdefault(sc.label, (sc, rows))
             if sc.label == HEADLINE:
