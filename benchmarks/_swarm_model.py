@@ -1,6 +1,6 @@
 """The pieces of ``swarm_sim.py``: model shapes, volunteer tiers, demand measured on the engine,
-calls served under the best routing of a placement (a maximum flow), the linear-programming upper
-bound, decode speed.
+calls served under the backbone's routing rule (``dispatched``) and under the best routing of a
+placement (``routed``, a maximum flow), the linear-programming upper bound, decode speed.
 
 Every function here is vectorised over experts and nodes (numpy arrays; no per-call objects).
 """
@@ -173,11 +173,10 @@ def routed(shape: mk.ModelShape, demand: np.ndarray, rects: np.ndarray, owner: n
     calls, calls/s served per node) under the routing that serves most with this placement: a
     maximum flow, calls -> expert -> holder (at most its rate) -> served.
 
-    That is what the backbone's load-aware routing tends to: a holder announces its load
-    (``load_permille``) and a saturated one gets fewer calls, so an expert's calls go to the
-    holders with headroom. (The earlier model here, multiplicative weights per holder, did not
-    settle: on one M3 placement it served 72% after 20 rounds, 66% after 40 and 56% after 200, as
-    a hub saturated by its only copies lost its weight on every expert it shares with slow holders.)
+    An upper bound on what any routing of the placement serves, the backbone's (``dispatched``)
+    included. (An earlier model of the routing, multiplicative weights per holder, did not settle:
+    on one M3 placement it served 72% after 20 rounds, 66% after 40 and 56% after 200, as a hub
+    saturated by its only copies lost its weight on every expert it shares with slow holders.)
     """
     n_nodes = len(cap)
     if len(rects) == 0:
