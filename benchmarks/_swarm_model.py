@@ -256,16 +256,18 @@ def dispatched(shape: mk.ModelShape, demand: np.ndarray, rects: np.ndarray, owne
         c, n = cell[order], node[order]
         start = np.r_[0, np.flatnonzero(np.diff(c)) + 1]
         rank = np.arange(len(c)) - np.repeat(start, np.diff(np.r_[start, len(c)]))
+        by_rank = np.argsort(rank, kind="stable")
+        levels = np.split(by_rank, np.flatnonzero(np.diff(rank[by_rank])) + 1)  # the pairs k-th in their cell's order
         accept = np.ones(n_nodes)
         for _ in range(SHARE_ROUNDS):
-            arrive, take = _cascade(flat, c, n, rank, accept)
+            arrive, take = _cascade(flat, c, n, levels, accept)
             arrivals = np.bincount(n, arrive, minlength=n_nodes)
             new = np.minimum(1.0, cap / np.maximum(arrivals, 1e-300))
             settled = np.max(np.abs(new - accept)) < 1e-12
             accept = 0.5 * (accept + new)  # damped: a holder's share and those ahead of it move together
             if settled:
                 break
-        arrive, take = _cascade(flat, c, n, rank, accept)
+        arrive, take = _cascade(flat, c, n, levels, accept)
         arrivals = np.bincount(n, arrive, minlength=n_nodes)
         now = loaded | (arrivals > cap * (1 + 1e-9))
         if np.array_equal(now, loaded):
@@ -275,14 +277,14 @@ def dispatched(shape: mk.ModelShape, demand: np.ndarray, rects: np.ndarray, owne
     return float(take.sum() / flat.sum()), per_node
 
 
-def _cascade(flat: np.ndarray, cell: np.ndarray, node: np.ndarray, rank: np.ndarray,
+def _cascade(flat: np.ndarray, cell: np.ndarray, node: np.ndarray, levels: list[np.ndarray],
              accept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each cell's calls down its holders in order (``rank``): holder ``n`` takes ``accept[n]`` of
-    what reaches it, the rest goes on. Returns (calls/s reaching, calls/s taken) per pair."""
+    """Each cell's calls down its holders in order (``levels[k]``: the pairs k-th in their cell):
+    holder ``n`` takes ``accept[n]`` of what reaches it, the rest goes on. Returns (calls/s
+    reaching, calls/s taken) per pair."""
     left = flat.copy()
     arrive, take = np.zeros(len(cell)), np.zeros(len(cell))
-    for k in range(int(rank.max()) + 1 if len(rank) else 0):
-        at = np.flatnonzero(rank == k)
+    for at in levels:
         arrive[at] = left[cell[at]]
         take[at] = arrive[at] * accept[node[at]]
         left[cell[at]] -= take[at]
