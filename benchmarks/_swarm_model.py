@@ -1,6 +1,6 @@
 """The pieces of ``swarm_sim.py``: model shapes, volunteer tiers, demand measured on the engine,
-calls served under the best routing of a placement (a maximum flow), the linear-programming upper
-bound, decode speed.
+calls served under the backbone's routing rule (``dispatched``) and under the best routing of a
+placement (``routed``, a maximum flow), the linear-programming upper bound, decode speed.
 
 Every function here is vectorised over experts and nodes (numpy arrays; no per-call objects).
 """
@@ -173,11 +173,10 @@ def routed(shape: mk.ModelShape, demand: np.ndarray, rects: np.ndarray, owner: n
     calls, calls/s served per node) under the routing that serves most with this placement: a
     maximum flow, calls -> expert -> holder (at most its rate) -> served.
 
-    That is what the backbone's load-aware routing tends to: a holder announces its load
-    (``load_permille``) and a saturated one gets fewer calls, so an expert's calls go to the
-    holders with headroom. (The earlier model here, multiplicative weights per holder, did not
-    settle: on one M3 placement it served 72% after 20 rounds, 66% after 40 and 56% after 200, as
-    a hub saturated by its only copies lost its weight on every expert it shares with slow holders.)
+    An upper bound on what any routing of the placement serves, the backbone's (``dispatched``)
+    included. (An earlier model of the routing, multiplicative weights per holder, did not settle:
+    on one M3 placement it served 72% after 20 rounds, 66% after 40 and 56% after 200, as a hub
+    saturated by its only copies lost its weight on every expert it shares with slow holders.)
     """
     n_nodes = len(cap)
     if len(rects) == 0:
@@ -208,6 +207,88 @@ def routed(shape: mk.ModelShape, demand: np.ndarray, rects: np.ndarray, owner: n
     flow = maximum_flow(graph, source, sink, method="dinic")
     per_node = np.asarray(flow.flow[1 + len(used):1 + len(used) + n_nodes, sink].todense()).reshape(-1) / scale
     return float(flow.flow_value / scale / flat.sum()), np.maximum(per_node, 0.0)
+
+
+def _pairs(shape: mk.ModelShape, rects: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(flat cell, node) of every expert each node holds, once each."""
+    E = shape.grid[1]
+    cells, holders = [], []
+    for (r0, r1, e0, e1), n in zip(rects.tolist(), owner.tolist()):
+        rr, ee = np.meshgrid(np.arange(r0, r1 + 1), np.arange(e0, e1 + 1), indexing="ij")
+        cells.append((rr * E + ee).reshape(-1))
+        holders.append(np.full(rr.size, n))
+    key = np.unique(np.concatenate(cells) * (int(owner.max()) + 1) + np.concatenate(holders))
+    return key // (int(owner.max()) + 1), key % (int(owner.max()) + 1)
+
+
+DISPATCH_ROUNDS = 12  # re-orderings by load (a holder's load only rises, so they settle within the node count)
+SHARE_ROUNDS = 300  # fixed-point rounds for the shares saturated holders accept
+
+
+def dispatched(shape: mk.ModelShape, demand: np.ndarray, rects: np.ndarray, owner: np.ndarray, cap: np.ndarray,
+               rtt: np.ndarray) -> tuple[float, np.ndarray]:
+    """Calls served under the backbone's own routing rule (``moeswarm.net.routing_table.plan_dispatch``
+    via ``RemoteExperts._call_holders``), as a steady flow: (served calls / all calls, calls/s per node).
+
+    The rule: each expert's calls go to the holder of lowest ``Holder.score()``, round trip x (1 +
+    load_permille / 1000), ties to the lower peer id (here: node index). A holder computes at most
+    its rate; more arriving fills its queue, so it announces load 1000 (the score doubles) and
+    refuses calls with ``OVERLOADED`` at random among its arrivals, i.e. it serves the same share
+    of every expert's calls sent to it; the backbone bans it for a while (``Holder.fail``) and its
+    calls go to the next holder in score order, and so on down the expert's holders; what the last
+    holder refuses is lost. Modelled: the round trip is the volunteer's (``Volunteer.rtt_s``); load
+    is 0 below the rate and 1000 once a holder has been seen saturated (its queue stays near full
+    while its arrivals sit at its rate; an order where it is idle again would give it the calls
+    back). Left out: a dispatch's preference for a holder already chosen for another expert of the
+    layer within 1.5x of the best score (``NEARLY_AS_GOOD``), queue time in the measured round
+    trip, probation (``Verifier.plan``: every holder trusted), the three attempts per dispatch (a
+    banned holder is skipped, not tried, so calls reach past the third holder).
+    """
+    n_nodes = len(cap)
+    flat = demand.reshape(-1).astype(np.float64)
+    if len(rects) == 0 or flat.sum() <= 0:
+        return 0.0, np.zeros(n_nodes)
+    cell, node = _pairs(shape, rects, owner)
+    loaded = np.zeros(n_nodes, dtype=bool)
+    for _ in range(DISPATCH_ROUNDS):
+        score = rtt * (1.0 + loaded)
+        order = np.lexsort((node, score[node], cell))  # by cell, then score, then peer
+        c, n = cell[order], node[order]
+        start = np.r_[0, np.flatnonzero(np.diff(c)) + 1]
+        rank = np.arange(len(c)) - np.repeat(start, np.diff(np.r_[start, len(c)]))
+        by_rank = np.argsort(rank, kind="stable")
+        levels = np.split(by_rank, np.flatnonzero(np.diff(rank[by_rank])) + 1)  # the pairs k-th in their cell's order
+        accept = np.ones(n_nodes)
+        for _ in range(SHARE_ROUNDS):
+            arrive, take = _cascade(flat, c, n, levels, accept)
+            arrivals = np.bincount(n, arrive, minlength=n_nodes)
+            new = np.minimum(1.0, cap / np.maximum(arrivals, 1e-300))
+            settled = np.max(np.abs(new - accept)) < 1e-12
+            accept = 0.5 * (accept + new)  # damped: a holder's share and those ahead of it move together
+            if settled:
+                break
+        arrive, take = _cascade(flat, c, n, levels, accept)
+        arrivals = np.bincount(n, arrive, minlength=n_nodes)
+        now = loaded | (arrivals > cap * (1 + 1e-9))
+        if np.array_equal(now, loaded):
+            break
+        loaded = now
+    per_node = np.bincount(n, take, minlength=n_nodes)
+    return float(take.sum() / flat.sum()), per_node
+
+
+def _cascade(flat: np.ndarray, cell: np.ndarray, node: np.ndarray, levels: list[np.ndarray],
+             accept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each cell's calls down its holders in order (``levels[k]``: the pairs k-th in their cell):
+    holder ``n`` takes ``accept[n]`` of what reaches it, the rest goes on. Returns (calls/s
+    reaching, calls/s taken) per pair."""
+    left = flat.copy()
+    arrive, take = np.zeros(len(cell)), np.zeros(len(cell))
+    for at in levels:
+        arrive[at] = left[cell[at]]
+        take[at] = arrive[at] * accept[node[at]]
+        left[cell[at]] -= take[at]
+    return arrive, take
 
 
 def served_bound(demand: np.ndarray, rate: np.ndarray, slots: np.ndarray, *, step: float = 1.05) -> float:

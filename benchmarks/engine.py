@@ -25,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +189,20 @@ def bench_hf_family(folder: Path, family: str, steps: int, prompt: np.ndarray) -
     return steps / (time.perf_counter() - t0)
 
 
+def alternate(rounds: int, ours: Callable[[], float], theirs: Callable[[], float]) -> tuple[float, float]:
+    """Medians of ``rounds`` runs of each engine, in alternating order (ours first in even rounds,
+    transformers first in odd ones), so neither always runs on a warm cache or after the other."""
+    a, b = [], []
+    for i in range(rounds):
+        if i % 2 == 0:
+            a.append(ours())
+            b.append(theirs())
+        else:
+            b.append(theirs())
+            a.append(ours())
+    return float(np.median(a)), float(np.median(b))
+
+
 def family_rows(root: Path, steps: int, rounds: int) -> list[tuple[str, str, float, float]]:
     """(family, GB, moeswarm tok/s, transformers tok/s): medians of ``rounds`` alternating runs."""
     rows = []
@@ -196,11 +211,9 @@ def family_rows(root: Path, steps: int, rounds: int) -> list[tuple[str, str, flo
         build_minimax_kimi(folder, family)
         gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
         prompt = np.random.default_rng(1).integers(3, _TEXT["vocab_size"], size=(1, 64))
-        ours, hf = [], []
-        for _ in range(rounds):  # alternate the engines so drift on a shared box hits both
-            ours.append(bench_ours(folder, 1, steps, prompt))
-            hf.append(bench_hf_family(folder, family, steps, prompt))
-        rows.append((family, f"{gb:.2f}", float(np.median(ours)), float(np.median(hf))))
+        ours, hf = alternate(rounds, lambda: bench_ours(folder, 1, steps, prompt),
+                             lambda: bench_hf_family(folder, family, steps, prompt))
+        rows.append((family, f"{gb:.2f}", ours, hf))
     return rows
 
 
@@ -217,7 +230,7 @@ def main() -> None:
     if args.only in ("all", "families"):
         fam = family_rows(root, args.steps, args.rounds)
         print(f"\ndecode tokens/s at batch 1, 1 thread each, {args.steps} steps after a 64-token prefill, "
-              f"median of {args.rounds} alternating runs")
+              f"median of {args.rounds} runs in alternating order (ours first, then transformers first, ...)")
         print("| family | GB | moeswarm | transformers eager | ratio |")
         print("|---|---|---|---|---|")
         for family, gb, ours, hf in fam:
@@ -232,25 +245,19 @@ def main() -> None:
         gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
         prompt = rng.integers(3, SIZES[size]["vocab_size"], size=(8, 16))
         for batch in (1, 8):
-            ours_runs, hf_runs = [], []
-            for _ in range(args.rounds):  # alternate the engines so drift on a shared box hits both
-                ours_runs.append(bench_ours(folder, batch, args.steps, prompt))
-                hf_runs.append(bench_hf(folder, batch, args.steps, prompt))
-            ours, hf = float(np.median(ours_runs)), float(np.median(hf_runs))
+            ours, hf = alternate(args.rounds, lambda: bench_ours(folder, batch, args.steps, prompt),
+                                 lambda: bench_hf(folder, batch, args.steps, prompt))
             rows.append((size, f"{gb:.2f}", batch, ours, hf, ours / hf))
     for arch in FAMILIES if args.only in ("all", "new") else ():
         folder = root / arch
         build_family(folder, arch)
         gb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
         prompt = rng.integers(3, _BASE["vocab_size"], size=(1, 16))
-        ours, hf = [], []
-        for _ in range(args.rounds):  # alternate the engines; report medians
-            ours.append(bench_ours(folder, 1, args.steps, prompt))
-            hf.append(bench_hf(folder, 1, args.steps, prompt, arch))
-        o, h = float(np.median(ours)), float(np.median(hf))
+        o, h = alternate(args.rounds, lambda: bench_ours(folder, 1, args.steps, prompt),
+                         lambda: bench_hf(folder, 1, args.steps, prompt, arch))
         rows.append((arch, f"{gb:.2f}", 1, o, h, o / h))
     print(f"\ndecode tokens/s, 1 thread each, {args.steps} steps after a 16-token prefill; "
-          f"median of {args.rounds} alternating runs")
+          f"median of {args.rounds} runs in alternating order (ours first, then transformers first, ...)")
     print("| model | GB | batch | moeswarm | transformers eager | ratio |")
     print("|---|---|---|---|---|---|")
     for size, gb, batch, ours, hf, ratio in rows:
