@@ -44,19 +44,34 @@ def _run_cli(args: list[str], timeout_s: float = 60.0) -> tuple[int | None, str,
     with open(os.devnull, "w") as devnull, tempfile.TemporaryFile("w+") as err:
         process = subprocess.Popen([sys.executable, "-m", "moeswarm.cli", *args], stdout=devnull, stderr=err,
                                    preexec_fn=limit, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-        deadline, status, usage = time.monotonic() + timeout_s, None, None
+        deadline, status, peak_kb = time.monotonic() + timeout_s, None, 0
         while time.monotonic() < deadline:
-            pid, raw, usage = os.wait4(process.pid, os.WNOHANG)
+            peak_kb = max(peak_kb, _high_water_kb(process.pid))
+            pid, raw, _ = os.wait4(process.pid, os.WNOHANG)
             if pid:
                 status = os.waitstatus_to_exitcode(raw)
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)
         else:
             process.kill()
-            _, _, usage = os.wait4(process.pid, 0)
+            os.wait4(process.pid, 0)
         process.returncode = status if status is not None else -9  # reaped here, not by Popen
         err.seek(0)
-        return status, err.read(), usage.ru_maxrss / 1024
+        return status, err.read(), peak_kb / 1024
+
+
+def _high_water_kb(pid: int) -> int:
+    """The process's peak resident memory so far (``VmHWM``), 0 once it has exited.  Not the
+    ``ru_maxrss`` of ``wait4``: Linux carries the pre-exec image's high-water mark over exec, and
+    that image is a fork of this pytest worker (hundreds of MiB with torch loaded)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def _folder_with(tmp_path: Path, **replace: bytes) -> Path:

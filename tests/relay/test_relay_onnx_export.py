@@ -58,7 +58,7 @@ def test_manifest_external_data_and_hashes(oracle_checkpoints: Any, tmp_path: Pa
     result = CliRunner().invoke(export_cli, ["--model", str(folder), "--layers", "0-2", "--experts", "4-9",
                                              "--out", str(tmp_path / "s"), "--dtype", "fp16"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["moe_layers"] == [0, 2]
+    assert json.loads(result.stdout)["moe_layers"] == [0, 2]  # the progress bar goes to stderr
     manifest = Manifest.read(tmp_path / "s")
     assert manifest.model_id == model_id_for(str(folder), cfg)  # what the nodes of this model announce
     assert (manifest.layers, manifest.experts, manifest.dtype) == ((0, 2), (4, 9), "fp16")
