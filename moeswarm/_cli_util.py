@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
-from .errors import SwarmError
+from .errors import ConfigError, SwarmError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -127,3 +127,13 @@ def console() -> Any:
 
 
 PIPED_WIDTH = 400  # columns of tables written to a pipe or file: wider than any row we print
+
+
+def host_port(text: str, option: str = "--listen", default_host: str | None = None) -> tuple[str, int]:
+    """A listening option's ``HOST:PORT`` -> (host without IPv6 brackets, port); ``:PORT`` means
+    ``default_host`` where one is given.  ``ConfigError`` naming ``option`` otherwise."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or (default_host or "")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{option} takes HOST:PORT, not {text!r}")
+    return host, int(port)

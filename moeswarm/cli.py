@@ -19,7 +19,7 @@ class LazyGroup(click.Group):
         "relay": "moeswarm.relay.cli:relay",
         "bridge": "moeswarm.mobile_bridge.cli:bridge",
         "export-onnx": "moeswarm.mobile_bridge.cli:export_onnx",
-        "market": "moeswarm.market.cli:market",
+        "market": "moeswarm.market_cli:market",
         "convert-gguf": "moeswarm.model.gguf_cli:convert_gguf",
         "expert-digests": "moeswarm.node.cli:expert_digests",
         "monitor": "moeswarm.monitor.cli:monitor",

@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import errno
 import json
+import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 from ._keys import load_key_file
@@ -176,3 +178,75 @@ def run_daemon(main: Coroutine[Any, Any, None]) -> None:
     except asyncio.CancelledError:
         pass
     say("stopped")
+
+
+# ---------------------------------------------------------------- run files: the daemons running here
+# Each daemon serving ``/status`` leaves a run file in ``$MOESWARM_HOME/run`` (default
+# ``~/.moeswarm/run``) naming that URL and its PID, removed when it stops; ``moeswarm node status``
+# and the monitor find the daemons of this machine through them.
+
+
+def run_dir() -> Path:
+    return Path(os.environ.get("MOESWARM_HOME") or Path.home() / ".moeswarm") / "run"
+
+
+@contextlib.contextmanager
+def run_file(role: str, peer_id: str, url: str) -> Iterator[Path]:
+    """Leave ``{role, peer_id, status, pid}`` in the run folder while the block runs."""
+    folder = run_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{role}-{peer_id}.json"
+    path.write_text(json.dumps({"role": role, "peer_id": peer_id, "status": url, "pid": os.getpid()}))
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running() -> list[dict[str, Any]]:
+    """Run files of processes still alive (stale files of crashed ones are removed)."""
+    out = []
+    folder = run_dir()
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            info = json.loads(path.read_text())
+            pid = int(info["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _alive(pid):
+            out.append(info)
+        else:
+            path.unlink(missing_ok=True)
+    return out
+
+
+def fetch_reports(urls: list[str], timeout: float = 5.0) -> list[dict[str, Any]]:
+    """``GET /status`` of each URL (default: every daemon running here); failures become
+    ``{"url", "error"}`` entries rather than exceptions."""
+    import urllib.error
+    import urllib.request
+
+    targets = urls or [info["status"] for info in running()]
+    out = []
+    for url in targets:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout) as response:
+                report = json.loads(response.read())
+            report["url"] = url
+        except urllib.error.HTTPError as e:
+            e.close()  # it holds the open response
+            report = {"url": url, "error": f"HTTP {e.code}: {e.reason}"}
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            report = {"url": url, "error": str(getattr(e, "reason", e))}
+        out.append(report)
+    return out

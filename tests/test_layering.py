@@ -5,7 +5,8 @@
   ``moeswarm.net`` and ``moeswarm.daemon``.
 - No module imports a module that imports it, directly or through others, counting every import
   (module level, inside functions, and under ``TYPE_CHECKING``).
-- The shared runtime (``moeswarm.net``) never imports the engine (``moeswarm.model``).
+- The shared runtime (``moeswarm.net``) never imports the engine (``moeswarm.model``), and the
+  monitor never imports the node, nor the market the daemons' plumbing.
 - Importing the edge device's bridge loads neither libp2p nor trio (tests/relay also runs one).
 """
 
@@ -60,6 +61,24 @@ def test_no_module_below_the_node_names_it() -> None:
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
              for package in BELOW_THE_NODE for p in sorted((PACKAGE / package).rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []
+
+
+def test_the_market_does_not_import_the_daemons_plumbing() -> None:
+    """``moeswarm.market`` is the pure core and its shells over any DHT; joining a swarm
+    (``moeswarm.daemon``) is for the command, ``moeswarm.market_cli``, beside the other commands."""
+    known = modules()
+    found = sorted(f"{name} -> {target}" for name, path in known.items() if name.startswith("moeswarm.market.")
+                   for target in imports_of(name, path, known) if target == "moeswarm.daemon")
+    assert found == []
+
+
+def test_the_monitor_does_not_import_the_node() -> None:
+    """The swarm map reads the swarm through ``moeswarm.net`` and ``moeswarm.daemon`` (run files of
+    this machine's daemons, the HTTP bounds), never through the volunteer's node or the backbone."""
+    known = modules()
+    found = sorted(f"{name} -> {target}" for name, path in known.items() if name.startswith("moeswarm.monitor")
+                   for target in imports_of(name, path, known) if target.startswith("moeswarm.node"))
     assert found == []
 
 

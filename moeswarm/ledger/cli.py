@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from moeswarm._cli_util import friendly_errors, http_limit_options, http_limits
+from moeswarm._cli_util import friendly_errors, host_port, http_limit_options, http_limits
 from moeswarm.errors import ConfigError
 from moeswarm.protocol import peer_id_from_str, peer_id_to_str
 
@@ -285,14 +285,6 @@ def check_proof_cmd(proof_file: Any, ledger_key: str | None, bootstrap: tuple[st
                f"{signed} epoch {proof.epoch}")
 
 
-def _parse_listen(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    try:
-        return host.strip("[]") or "127.0.0.1", int(port)
-    except ValueError:
-        raise ConfigError(f"--listen takes HOST:PORT, not {text!r}") from None
-
-
 def _model_spec(text: str) -> tuple[str, ModelShape]:
     model_id, _, shape = text.partition("=")
     parts = shape.split(":")
@@ -342,7 +334,7 @@ def serve(db: str, key_path: str | None, listen: str, epoch_seconds: int, models
     from ._evidence import LocalJudge
     from ._service import LedgerService, ServiceConfig, ready_info
 
-    host, port = _parse_listen(listen)
+    host, port = host_port(listen, default_host="127.0.0.1")
     check_listen(host, port, "--listen")
     shapes = [_model_spec(m) for m in models]
     weights = {}

@@ -5,7 +5,7 @@ Pure cores (no I/O): ``DemandCounter`` and the signed ``DemandReport`` merge (de
 ``target_replicas`` (replicas in proportion to demand x cost), ``assign`` (which experts a
 joining volunteer holds), ``rebalance`` / ``plan_move`` (moves
 with hysteresis that never uncover an expert). The thin shells: ``fetch_state`` reads a live
-DHT, ``state_from_json`` a state file, and ``moeswarm market`` (``moeswarm.market.cli``) shows
+DHT, ``state_from_json`` a state file, and ``moeswarm market`` (``moeswarm.market_cli``, beside the other commands: it joins the swarm through ``moeswarm.daemon``) shows
 coverage and prices.
 """
 

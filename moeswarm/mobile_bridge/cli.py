@@ -138,10 +138,10 @@ def bridge(relay_url: str, ca_file: str | None, shards_dir: str | None, layers: 
         raise ConfigError("give --shards DIR (an export-onnx folder), or --model DIR with --experts auto")
 
     if web_listen is not None:
-        from ..relay.cli import _host_port
+        from .._cli_util import host_port
         from ..web.serve import WebConfig, serve_web
 
-        host, port = _host_port(web_listen)
+        host, port = host_port(web_listen, "--web")
         check_listen(host, port, "--web")
 
         async def web_main() -> None:

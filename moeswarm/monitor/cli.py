@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from .._cli_util import friendly_errors, http_limit_options, http_limits
+from .._cli_util import friendly_errors, host_port, http_limit_options, http_limits
 
 
 @click.command()
@@ -47,14 +47,13 @@ def monitor(bootstrap: tuple[str, ...], models: tuple[str, ...], ledger_url: str
     Prints `READY {json}` (http, peer_id, models) on stdout once serving.
     """
     from ..daemon import check_listen, run_daemon
-    from ..node.cli import host_port
 
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(asctime)s %(name)s %(message)s")
     if relay_ca is not None:
         from ..relay import set_relay_ca
 
         set_relay_ca(relay_ca)
-    host, port = host_port(http)
+    host, port = host_port(http, "--http")
     check_listen(host, port, "--http")
     run_daemon(run_monitor(bootstrap, models, host, port, interval, ledger_url, http_limits=http_limits(limits),
                            allowed_hosts=allowed_hosts))

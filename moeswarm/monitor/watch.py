@@ -233,7 +233,7 @@ class SwarmWatch:
     def _read_local_status(self, peers: set[bytes]) -> None:
         """Daemons on this machine leave run files (as ``moeswarm node status`` finds them): their
         /status gives the calls they served and a link for the node table."""
-        from ..node.status import fetch_reports, running
+        from ..daemon import fetch_reports, running
 
         urls = {info["peer_id"]: info["status"] for info in running() if "peer_id" in info and "status" in info}
         wanted = {peer_id_to_str(p): p for p in peers}

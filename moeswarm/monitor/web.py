@@ -11,8 +11,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from ..net.http_guard import HttpLimits, guarded_runner, host_check
-from ..node.status import start_runner
+from ..net.http_guard import HttpLimits, guarded_runner, host_check, start_runner
 
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..errors import ConfigError
 from .addresses import address_key
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,20 @@ async def start_site(runner: web.AppRunner, host: str, port: int, limits: HttpLi
     site = GuardedSite(runner, host, port, limits, **kwargs)
     await site.start()
     return site
+
+
+async def start_runner(runner: web.AppRunner, host: str, port: int, what: str,
+                       limits: HttpLimits = HttpLimits()) -> int:
+    """Set ``runner`` (made by ``guarded_runner``) up and listen on ``host:port`` (0 picks a free
+    port) through these bounds -> the bound port; ``ConfigError``
+    ("cannot <what> on host:port") if the address cannot be had."""
+    await runner.setup()
+    try:
+        await start_site(runner, host, port, limits)
+    except OSError as e:
+        await runner.cleanup()
+        raise ConfigError(f"cannot {what} on {host}:{port}: {e}") from None
+    return int(runner.addresses[0][1])
 
 
 # ---- Host checks (DNS rebinding)

@@ -6,9 +6,8 @@ import logging
 
 import click
 
-from .._cli_util import friendly_errors, http_limit_options, http_limits
+from .._cli_util import friendly_errors, host_port, http_limit_options, http_limits
 from ..daemon import check_listen, run_daemon
-from ..errors import ConfigError
 
 
 def swarm_options(fn):  # type: ignore[no-untyped-def]
@@ -49,13 +48,6 @@ def swarm_config(model_dir: str, bootstrap: tuple[str, ...], host: str, announce
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(asctime)s %(name)s %(message)s")
     return SwarmConfig(model_dir, tuple(bootstrap), host, announce_host, p2p_port, client_mode, model_id,
                        identity_file)
-
-
-def host_port(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"expected HOST:PORT, not {text!r}")
-    return host, int(port)
 
 
 @click.command()
@@ -144,7 +136,7 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
     config = NodeConfig(swarm_config(**swarm), layers, experts, data_port, announce_port,  # type: ignore[arg-type]
                         memory_budget=budget, capacity_bytes=parse_size(capacity) if capacity else None,
                         device_class=device_class, max_blocks=max_blocks, rebalance_interval_s=rebalance_interval,
-                        status=None if status == "off" else host_port(status), probe_interval_s=probe_interval,
+                        status=None if status == "off" else host_port(status, "--status"), probe_interval_s=probe_interval,
                         serve_weights=not no_weight_fetches, require_funded=require_funded,
                         market_ledger=market_ledger, max_connections=max_connections,
                         max_conns_per_ip=max_conns_per_ip, max_conns_per_peer=max_conns_per_peer,
@@ -238,7 +230,7 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
     engine = EngineConfig(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_cache_bytes=parse_size(kv_cache),
                           max_waiting=max_waiting, speculative=speculative)
     limits = http_limits(swarm)  # popped: the rest are the swarm's options
-    config = BackboneConfig(swarm_config(**swarm), host_port(http), local_fallback, coverage_timeout,  # type: ignore[arg-type]
+    config = BackboneConfig(swarm_config(**swarm), host_port(http, "--http"), local_fallback, coverage_timeout,  # type: ignore[arg-type]
                             ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction,
                             tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval,
                             verify=VerifyConfig(verify_fraction, probation_calls, verify_by, spot_fraction=spot_check_fraction),

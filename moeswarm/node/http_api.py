@@ -438,7 +438,7 @@ async def serve_http(
     Handlers are cancelled when their client disconnects, which stops the generation.  Call
     ``await runner.cleanup()`` to stop.
     """
-    from .status import start_runner
+    from ..net.http_guard import start_runner
 
     runner = guarded_runner(make_app(service, config, status, host), config.limits, handler_cancellation=True)
     return runner, await start_runner(runner, host, port, "listen", config.limits)

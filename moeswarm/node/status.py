@@ -9,19 +9,16 @@ reads the run files of live processes (or the URLs it is given) and prints their
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from ..errors import ConfigError
-from ..net.http_guard import HttpLimits, guarded_runner, start_site
+from ..daemon import fetch_reports, run_dir, run_file, running  # noqa: F401 - this module's public names
+from ..net.http_guard import HttpLimits, guarded_runner, start_runner
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 Snapshot = Callable[[], dict[str, Any]]
@@ -40,10 +37,6 @@ def cache_snapshot(stats: Any) -> dict[str, float]:
     """A ``CacheStats`` (the memory budget's expert cache) as JSON."""
     return {"hits": stats.hits, "misses": stats.misses, "hit_rate": round(stats.hit_rate, 4),
             "prefetch_accuracy": round(stats.prefetch_accuracy, 4), "bytes_fetched": stats.bytes_fetched}
-
-
-def run_dir() -> Path:
-    return Path(os.environ.get("MOESWARM_HOME") or Path.home() / ".moeswarm") / "run"
 
 
 def _gauges(snap: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
@@ -128,82 +121,6 @@ async def serve_status(snapshot: Snapshot, host: str = "127.0.0.1", port: int = 
     runner = guarded_runner(app, limits)
     port = await start_runner(runner, host, port, "serve status", limits)
     return runner, f"http://{host}:{port}"
-
-
-async def start_runner(runner: web.AppRunner, host: str, port: int, what: str,
-                       limits: HttpLimits = HttpLimits()) -> int:
-    """Set ``runner`` (made by ``guarded_runner``) up and listen on ``host:port`` (0 picks a free
-    port) through the shared HTTP bounds (``net.http_guard``) -> the bound port; ``ConfigError``
-    ("cannot <what> on host:port") if the address cannot be had."""
-    await runner.setup()
-    try:
-        await start_site(runner, host, port, limits)
-    except OSError as e:
-        await runner.cleanup()
-        raise ConfigError(f"cannot {what} on {host}:{port}: {e}") from None
-    return int(runner.addresses[0][1])
-
-
-@contextlib.contextmanager
-def run_file(role: str, peer_id: str, url: str) -> Iterator[Path]:
-    """Leave ``{role, peer_id, status, pid}`` in the run folder while the block runs."""
-    folder = run_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{role}-{peer_id}.json"
-    path.write_text(json.dumps({"role": role, "peer_id": peer_id, "status": url, "pid": os.getpid()}))
-    try:
-        yield path
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def running() -> list[dict[str, Any]]:
-    """Run files of processes still alive (stale files of crashed ones are removed)."""
-    out = []
-    folder = run_dir()
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            info = json.loads(path.read_text())
-            pid = int(info["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if _alive(pid):
-            out.append(info)
-        else:
-            path.unlink(missing_ok=True)
-    return out
-
-
-def fetch_reports(urls: list[str], timeout: float = 5.0) -> list[dict[str, Any]]:
-    """``GET /status`` of each URL (default: every daemon running here); failures become
-    ``{"url", "error"}`` entries rather than exceptions."""
-    import urllib.error
-    import urllib.request
-
-    targets = urls or [info["status"] for info in running()]
-    out = []
-    for url in targets:
-        try:
-            with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout) as response:
-                report = json.loads(response.read())
-            report["url"] = url
-        except urllib.error.HTTPError as e:
-            e.close()  # it holds the open response
-            report = {"url": url, "error": f"HTTP {e.code}: {e.reason}"}
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            report = {"url": url, "error": str(getattr(e, "reason", e))}
-        out.append(report)
-    return out
 
 
 def _mb(n: Any) -> str:

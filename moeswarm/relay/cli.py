@@ -6,16 +6,8 @@ import logging
 
 import click
 
-from .._cli_util import friendly_errors
+from .._cli_util import friendly_errors, host_port
 from ..daemon import check_listen, run_daemon
-from ..errors import ConfigError
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"--listen takes HOST:PORT, not {text!r}")
-    return host.strip("[]"), int(port)
 
 
 @click.command()
@@ -93,7 +85,7 @@ def relay(listen: str, cert_file: str | None, key_file: str | None, public_url: 
     from .daemon import RelayDaemonConfig, run_relay
 
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), format="%(asctime)s %(name)s %(message)s")
-    host, port = _host_port(listen)
+    host, port = host_port(listen)
     limits = RelayLimits(
         max_devices=max_devices, max_streams=max_streams, max_streams_per_device=max_streams_per_device,
         max_streams_per_client=max_streams_per_client, max_devices_per_ip=max_devices_per_ip,

@@ -21,7 +21,7 @@ from moeswarm.market import (
     sign_report,
     validate_demand_record,
 )
-from moeswarm.market.cli import market, parse_size
+from moeswarm.market_cli import market, parse_size
 from moeswarm.protocol import Identity, announcement_key, encode, provider_key, sign_announcement
 
 SHAPE = ModelShape("org/m", (1, 2, 3), 4, 1_000_000)

@@ -14,11 +14,11 @@ from typing import Any
 
 import click
 
-from .._cli_util import friendly_errors
-from ..errors import ConfigError
-from ._assign import AssignConfig, Assignment, Volunteer, assign
-from ._price import PriceConfig
-from ._state import MarketState, state_from_json, summarize
+from ._cli_util import friendly_errors
+from .errors import ConfigError
+from .market._assign import AssignConfig, Assignment, Volunteer, assign
+from .market._price import PriceConfig
+from .market._state import MarketState, state_from_json, summarize
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -62,7 +62,7 @@ def show_state(state: MarketState, *, as_json: bool = False, suggestion: Assignm
 def _render(s: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from .._cli_util import console as rich_console
+    from ._cli_util import console as rich_console
 
     console = rich_console()
     console.print(f"[bold]{s['model_id']}[/]  epoch {s['epoch']}  coverage [bold]{100 * s['coverage']:.1f}%[/] "
@@ -102,12 +102,12 @@ def live_state(model_dir: str, bootstrap: tuple[str, ...], model_id: str | None 
     """The market read live from the swarm's DHT (joins as a DHT client for the duration)."""
     import asyncio
 
-    from ..daemon import SwarmConfig, p2p_node  # the shell may use the node's DHT
-    from ..model import load_config
-    from ..model.model_id import model_id_for
-    from ..protocol import Identity
-    from ._dht import fetch_state
-    from ._volunteer import model_shape
+    from .daemon import SwarmConfig, p2p_node  # joins the swarm as a DHT client
+    from .market._dht import fetch_state
+    from .market._volunteer import model_shape
+    from .model import load_config
+    from .model.model_id import model_id_for
+    from .protocol import Identity
 
     cfg = load_config(model_dir)
     shape = model_shape(model_dir, cfg, model_id or model_id_for(model_dir, cfg))
