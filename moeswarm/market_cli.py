@@ -8,7 +8,6 @@ The input is a state file (schema: ``moeswarm.market._state``). A live view read
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +18,6 @@ from .errors import ConfigError
 from .market._assign import AssignConfig, Assignment, Volunteer, assign
 from .market._price import PriceConfig
 from .market._state import MarketState, state_from_json, summarize
-
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size like ``8GB``, ``512MiB``, ``1.5e9``; ``ConfigError`` otherwise."""
-    m = _SIZE.fullmatch(text)
-    if m is None:
-        raise ConfigError(f"cannot read {text!r} as a size (e.g. 8GB, 512MiB)")
-    unit = (m.group(2) or "").lower().rstrip("b")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def load_state(path: str) -> MarketState:
@@ -155,6 +141,8 @@ def market(state_file: str | None, bootstrap: tuple[str, ...], model_dir: str | 
              else live_state(model_dir, bootstrap, ledger_url=ledger_url))  # type: ignore[arg-type]
     suggestion = None
     if suggest_memory is not None:
+        from .model.memory import parse_size  # one reading of sizes for every command
+
         volunteer = Volunteer(parse_size(suggest_memory), throughput,
                               "edge" if device_class == "edge" else "hub")
         suggestion = assign(state.shape, state.supply, state.demand, volunteer, AssignConfig())

@@ -43,8 +43,9 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
 
 
 def parse_size(text: str) -> int:
-    """``"8GB"``, ``"512MiB"``, ``"1.5g"`` -> bytes (GB = 10^9, GiB = 2^30)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    """``"8GB"``, ``"512MiB"``, ``"1.5g"``, ``"1.5e9"`` -> bytes (GB = 10^9, GiB = 2^30, a bare
+    unit letter binary, as Docker's and Java's ``8g``).  Every command's size options read this."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text, re.IGNORECASE)
     if m is None or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"not a size: {text!r} (e.g. 8GB, 512MiB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

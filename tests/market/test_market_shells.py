@@ -21,8 +21,15 @@ from moeswarm.market import (
     sign_report,
     validate_demand_record,
 )
-from moeswarm.market_cli import market, parse_size
-from moeswarm.protocol import Identity, announcement_key, encode, provider_key, sign_announcement
+from moeswarm.market_cli import market
+from moeswarm.model.memory import parse_size
+from moeswarm.protocol import (
+    Identity,
+    announcement_key,
+    encode,
+    provider_key,
+    sign_announcement,
+)
 
 SHAPE = ModelShape("org/m", (1, 2, 3), 4, 1_000_000)
 NOW = 1_700_000_000_000
@@ -153,6 +160,7 @@ def test_market_cli_shows_coverage_prices_and_a_suggestion(tmp_path: Path) -> No
 
 def test_parse_size() -> None:
     assert parse_size("8GB") == 8 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("1.5e9") == 1_500_000_000
-    assert parse_size("3 g") == 3 * 10**9
+    # a bare unit letter is binary, as --memory-budget 8g always read it (the market alone read 3 g as 3e9)
+    assert parse_size("3 g") == 3 * 2**30
     with pytest.raises(Exception):
         parse_size("lots")
