@@ -8,7 +8,10 @@ Qwen3-Next-80B-A3B config at real scale."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -16,9 +19,10 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from moeswarm.errors import CheckpointError
+from moeswarm.errors import CheckpointError, ConfigError
 from moeswarm.model import Model, ModelConfig, SamplingParams, Weights, generate, load_model, load_weights
 from moeswarm.model._config_qwen3_next import ARCHITECTURES as ARCHITECTURES_QWEN3_NEXT
+from moeswarm.model.speculative import generate_speculative
 
 LAYOUTS = ("per_expert", "packed")
 TOL = 1e-4
@@ -169,3 +173,38 @@ def test_published_config_parses_at_real_scale() -> None:
     assert replace(ModelConfig.from_hf({"model_type": "qwen3_next"}), raw={}, rope=cfg.rope,
                    eos_token_ids=(), bos_token_id=None, max_position_embeddings=0, dense_intermediate_size=0) == \
         replace(cfg, raw={}, eos_token_ids=(), bos_token_id=None, max_position_embeddings=0, dense_intermediate_size=0)
+
+
+def test_batch_rows_equal_single_rows(qwen3_next_checkpoints) -> None:
+    """Three rows at once (the grouped projections re-ordered per row) give each row's own logits."""
+    model = load_model(qwen3_next_checkpoints.get("packed")[0])
+    batch = np.random.default_rng(3).integers(3, model.config.vocab_size, size=(3, 20))
+
+    def run(rows: np.ndarray) -> np.ndarray:  # a prefill of 17 tokens, then 3 more (the states carried)
+        cache = model.new_cache()
+        return np.concatenate([model.forward(rows[:, :17], cache), model.forward(rows[:, 17:], cache)], axis=1)
+
+    together = run(batch)
+    for b in range(3):
+        assert np.abs(together[b] - run(batch[b : b + 1])[0]).max() <= TOL
+    assert np.abs(together[0] - together[1]).max() > MATTERS  # the rows differ
+
+
+def test_speculative_decoding_is_refused(qwen3_next_checkpoints) -> None:
+    folder, ref = qwen3_next_checkpoints.get("packed")
+    with pytest.raises(ConfigError, match="speculative decoding is not supported"):
+        list(generate_speculative(load_model(folder), ref.prompt_ids, SamplingParams(max_new_tokens=8), k=4))
+
+
+def test_generate_cli_gives_transformers_greedy_tokens(qwen3_next_checkpoints) -> None:
+    folder, ref = qwen3_next_checkpoints.get("per_expert")
+    expected = list(ref.greedy_tokens)
+    if 2 in expected:  # eos (id 2) ends generation
+        expected = expected[: expected.index(2) + 1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OPENBLAS_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "moeswarm.cli", "generate", "--model", str(folder), "--prompt-ids",
+         json.dumps(ref.prompt_ids), "--max-new-tokens", str(len(ref.greedy_tokens)), "--print-token-ids"],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == expected
