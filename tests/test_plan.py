@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from moeswarm.model.plan import GGML_BLOCKS, model_size
 
 CONFIGS = Path(__file__).resolve().parents[1] / "moeswarm" / "model" / "configs"
-SHIPPED = ("minimax-m3", "deepseek-v3.2", "kimi-k2.5", "glm-4.5")
+SHIPPED = ("minimax-m3", "deepseek-v3.2", "kimi-k2.5", "glm-4.5", "qwen3-next-80b-a3b")
 
 
 def plan_json(path: Path, *args: str) -> dict:  # type: ignore[type-arg]
@@ -137,3 +137,15 @@ def test_glm_4_5_prints_its_model_card_beside_the_count(tmp_path: Path) -> None:
         want, got = transformers_count(raw), plan_json(path)
         assert got["total_params"] == want["total"], model_type
         assert got["routed_experts"] == want["moe_layers"] * want["experts"], model_type
+
+
+def test_qwen3_next_prints_its_model_card_beside_the_count() -> None:
+    """Qwen/Qwen3-Next-80B-A3B-Instruct's card: 80B total, 3B active.  plan counts 79.7B (without
+    the multi-token-prediction layer) and 3.3B active without the embedding lookup and LM head;
+    36 of the 48 layers are gated DeltaNet (``full_attention_interval`` 4)."""
+    got = plan_json(CONFIGS / "qwen3-next-80b-a3b.json")
+    assert (got["layers"], got["moe_layers"], got["experts_per_layer"], got["top_k"]) == (48, 48, 512, 10)
+    text = subprocess.run([sys.executable, "-m", "moeswarm.cli", "plan", "--model", "qwen3-next-80b-a3b"],
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "79.7B total, 3.9B active per token (3.3B without embeddings and LM head)" in text
+    assert "model card      80B total, 3B active (Qwen/Qwen3-Next-80B-A3B-Instruct)" in text

@@ -1,6 +1,7 @@
-"""Qwen3.5-MoE's token mixers: gated DeltaNet linear attention and gated full attention.
+"""Qwen3.5-MoE's and Qwen3-Next's token mixers: gated DeltaNet linear attention and gated full attention.
 
-Read from transformers 5.24 (``models/qwen3_5_moe/modeling_qwen3_5_moe.py``).
+Read from transformers 5.24 (``models/qwen3_5_moe/modeling_qwen3_5_moe.py``, ``models/qwen3_next``;
+the two differ here only in how the DeltaNet input projections are stored, see ``_projections``).
 
 Gated DeltaNet (``layer_types[L] == "linear_attention"``): ``in_proj_qkv(x)`` goes through a
 depthwise causal convolution of width ``K`` and SiLU, then splits into q, k (``num_k_heads``) and
@@ -124,6 +125,28 @@ def _chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: n
     return out.reshape(B, h, n * size, -1)[:, :, :T], state
 
 
+def _projections(w: dict[str, np.ndarray | None], x: np.ndarray,
+                 cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x (B, T, H) -> q | k | v (B, T, C), z (B, T, h*dv), b and a (B, T, h).
+
+    Qwen3.5 stores the four projections apart.  Qwen3-Next stores two matrices grouped per key
+    head (``in_proj_qkvz``: per key head its q, k, then v and z of its value heads; ``in_proj_ba``:
+    per key head b then a of its value heads); the projected activations are re-ordered here, so
+    that the weights stay memory-mapped as stored."""
+    dn = cfg.deltanet
+    assert dn is not None
+    if w.get("qkvz") is None:
+        return tuple(linear(x, w[n]) for n in ("qkv", "z", "b", "a"))  # type: ignore[return-value,arg-type]
+    B, T, _ = x.shape
+    nk, dk, rep, dv = dn.num_k_heads, dn.k_head_dim, dn.num_v_heads // dn.num_k_heads, dn.v_head_dim
+    qkvz = linear(x, w["qkvz"]).reshape(B, T, nk, 2 * dk + 2 * rep * dv)  # type: ignore[arg-type]
+    ba = linear(x, w["ba"]).reshape(B, T, nk, 2 * rep)  # type: ignore[arg-type]
+    q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
+    v, z = qkvz[..., 2 * dk : 2 * dk + rep * dv], qkvz[..., 2 * dk + rep * dv :]
+    qkv = np.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
+    return qkv, z.reshape(B, T, -1), ba[..., :rep].reshape(B, T, -1), ba[..., rep:].reshape(B, T, -1)
+
+
 def deltanet(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig, cache: DeltaNetState) -> np.ndarray:
     """Gated DeltaNet.  x (B, T, H) -> (B, T, H)."""
     dn = cfg.deltanet
@@ -132,10 +155,10 @@ def deltanet(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig, c
         raise ConfigError("a Qwen3.5 model needs the cache of Model.new_cache()")
     B, T, _ = x.shape
     h, dk, dv = dn.num_v_heads, dn.k_head_dim, dn.v_head_dim
-    mixed = _conv(linear(x, w["qkv"]), f32(w["conv"]), cache)  # type: ignore[arg-type]  # (B, T, C)
-    z = linear(x, w["z"])  # type: ignore[arg-type]  # (B, T, h*dv)
-    beta = sigmoid(linear(x, w["b"]))  # type: ignore[arg-type]  # (B, T, h)
-    g = f32(w["A"]) * _softplus(linear(x, w["a"]) + f32(w["dt_bias"]))  # type: ignore[arg-type]  # A = -exp(A_log)
+    qkv, z, b, a = _projections(w, x, cfg)
+    mixed = _conv(qkv, f32(w["conv"]), cache)  # type: ignore[arg-type]  # (B, T, C)
+    beta = sigmoid(b)  # (B, T, h)
+    g = f32(w["A"]) * _softplus(a + f32(w["dt_bias"]))  # type: ignore[arg-type]  # A = -exp(A_log)
     rep = h // dn.num_k_heads
     q = mixed[..., : dn.key_dim].reshape(B, T, dn.num_k_heads, dk)
     k = mixed[..., dn.key_dim : 2 * dn.key_dim].reshape(B, T, dn.num_k_heads, dk)

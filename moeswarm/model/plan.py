@@ -34,7 +34,7 @@ PUBLISHED = {"FP8": QuantFormat("fp8_block", block=(128, 128), scale_bytes=4),
 FORMATS = ("BF16", *PUBLISHED, *GGML_BLOCKS)
 _DTYPE_FORMATS = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}  # a config's dtype, unquantised
 _QK_NORM = ("minimax_m3_vl_text", "minimax_m3_vl", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe",
-            "glm_moe_dsa")  # per-head q/k RMSNorm (unless the config says use_qk_norm; GLM-4.5's default is off)
+            "qwen3_next", "glm_moe_dsa")  # per-head q/k RMSNorm (unless the config says use_qk_norm; GLM-4.5's default is off)
 _NO_O_BIAS = ("glm4_moe",)  # attention_bias puts biases on q/k/v only
 _QK_NORM_FULL = ("minimax_m2", "olmoe", "flex_olmo")  # q/k RMSNorm over the whole projection
 
@@ -219,7 +219,8 @@ class ModelCard:
 
 # shipped config name -> its model card's figures (cards round, and may count the
 # multi-token-prediction layer, which plan leaves out)
-MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5")}
+MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
+               "qwen3-next-80b-a3b": ModelCard("80B", "3B", "Qwen/Qwen3-Next-80B-A3B-Instruct")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -122,14 +122,17 @@ def _indexer_shapes(cfg: ModelConfig, L: int) -> dict[str, tuple[int, ...]]:
 
 
 def _qwen3_5_attention_shapes(cfg: ModelConfig, L: int) -> dict[str, tuple[int, ...]]:
-    """Qwen3.5: gated DeltaNet on linear-attention layers, gated full attention on the others."""
+    """Qwen3.5 / Qwen3-Next: gated DeltaNet on linear-attention layers, gated full attention on the others."""
     dn, H, p = cfg.deltanet, cfg.hidden_size, f"{L}.attn."
     assert dn is not None
     if dn.layers[L]:
-        return {p + "qkv": (dn.conv_dim, H), p + "z": (dn.value_dim, H), p + "b": (dn.num_v_heads, H),
-                p + "a": (dn.num_v_heads, H), p + "conv": (dn.conv_dim, dn.conv_kernel),
-                p + "dt_bias": (dn.num_v_heads,), p + "A": (dn.num_v_heads,), p + "norm": (dn.v_head_dim,),
-                p + "out": (H, dn.value_dim)}
+        if cfg.arch == "qwen3_next":  # two matrices grouped per key head (see _attn_deltanet._projections)
+            inputs = {p + "qkvz": (dn.conv_dim + dn.value_dim, H), p + "ba": (2 * dn.num_v_heads, H)}
+        else:
+            inputs = {p + "qkv": (dn.conv_dim, H), p + "z": (dn.value_dim, H), p + "b": (dn.num_v_heads, H),
+                      p + "a": (dn.num_v_heads, H)}
+        return {**inputs, p + "conv": (dn.conv_dim, dn.conv_kernel), p + "dt_bias": (dn.num_v_heads,),
+                p + "A": (dn.num_v_heads,), p + "norm": (dn.v_head_dim,), p + "out": (H, dn.value_dim)}
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     s = {p + "q": (2 * nh * hd, H), p + "k": (nkv * hd, H), p + "v": (nkv * hd, H), p + "o": (H, nh * hd),
          p + "q_norm": (hd,), p + "k_norm": (hd,)}
