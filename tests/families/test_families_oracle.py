@@ -192,3 +192,19 @@ def test_hunyuan_published_config_spelling_gives_the_same_logits(family_checkpoi
     prefill, decode = run_engine(model, ref, chunk=5)
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL
     assert np.abs(decode - ref.decode_logits).max() <= TOL
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_plan_counts_the_parameters_transformers_builds(family_checkpoints, arch: str) -> None:
+    """``moeswarm plan``'s count from config.json (``model_size``) against the parameters of the model
+    transformers builds from the same config (ERNIE's tied embeddings and moe_statics bias, Hunyuan's
+    shared MLP and q/k norms, dots1's dense first layer and o_proj bias all count)."""
+    from moeswarm.model.plan import model_size
+
+    oracle = family_checkpoints.oracle
+    model = oracle.build_model(arch)
+    size = model_size(oracle.CONFIGS[arch]().to_dict())
+    assert size.total == sum(p.numel() for p in model.parameters())
+    experts = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert (size.moe_layers, size.num_experts) == (len(experts), experts[0].gate_up_proj.shape[0])
+    assert size.top_k == load_model(family_checkpoints.get(arch)[0]).config.top_k
