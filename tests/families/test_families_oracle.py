@@ -208,3 +208,21 @@ def test_plan_counts_the_parameters_transformers_builds(family_checkpoints, arch
     experts = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
     assert (size.moe_layers, size.num_experts) == (len(experts), experts[0].gate_up_proj.shape[0])
     assert size.top_k == load_model(family_checkpoints.get(arch)[0]).config.top_k
+
+
+@pytest.mark.parametrize(("arch", "aliases"), [
+    ("ernie4_5_moe", {"moe_num_experts": "num_experts", "moe_k": "num_experts_per_tok"}),
+    ("hunyuan_v1_moe", {"num_experts": "num_local_experts", "moe_topk": "num_experts_per_tok"}),
+])
+def test_attribute_map_spellings_read_the_same(family_checkpoints, tmp_path: Path, arch: str,
+                                               aliases: dict[str, str]) -> None:
+    """transformers' ``attribute_map`` lets a config.json say ``num_experts`` for ERNIE's ``moe_num_experts``
+    (and so on); the engine reads either spelling to the same configuration."""
+    folder, _ = family_checkpoints.get(arch)
+
+    def respell(raw: dict[str, Any]) -> None:
+        for name, alias in aliases.items():
+            raw[alias] = raw.pop(name)
+
+    edited = load_model(_copy_with_config(folder, tmp_path / "alias", respell)).config
+    assert replace(edited, raw={}, model_id="") == replace(load_model(folder).config, raw={}, model_id="")
