@@ -191,6 +191,9 @@ def gqa_attend(
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
     cos, sin = rope.tables(positions)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    if cfg.qk_norm == "head_after_rope":  # Hunyuan: per head, on the rotated q and k
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)  # type: ignore[arg-type]
     past = cache.length
     keys, values = cache.append(k, v)
     return _attend(q, keys, values, past, cfg.scale, window, w.get("sinks"))

@@ -99,7 +99,8 @@ class ModelConfig:
     attention: str = "gqa"  # "gqa" or "mla"
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: str | None = None  # None, "head" (per head, Qwen3) or "full" (whole projection, OLMoE)
+    qk_norm: str | None = None  # None, "head" (per head, Qwen3), "full" (whole projection, OLMoE),
+    # or "head_after_rope" (per head, on the rotated q/k: Hunyuan)
     sinks: bool = False  # gpt-oss learned per-head attention sinks
     clip_qkv: float | None = None  # OLMoE option: clamp q/k/v to +-clip
     attention_scale: float = 0.0  # softmax scale; 0 means head_dim**-0.5
@@ -115,6 +116,7 @@ class ModelConfig:
     dense_intermediate_size: int = 0  # width of non-MoE MLP layers
     router: str = "softmax_topk"  # "softmax_topk", "sigmoid_group" (DeepSeek-V3), "topk_softmax" (gpt-oss)
     norm_topk_prob: bool = False
+    choice_bias: bool = False  # softmax_topk: choose on probabilities + router_score_bias (ERNIE 4.5)
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1

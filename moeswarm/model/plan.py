@@ -34,7 +34,7 @@ PUBLISHED = {"FP8": QuantFormat("fp8_block", block=(128, 128), scale_bytes=4),
 FORMATS = ("BF16", *PUBLISHED, *GGML_BLOCKS)
 _DTYPE_FORMATS = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}  # a config's dtype, unquantised
 _QK_NORM = ("minimax_m3_vl_text", "minimax_m3_vl", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe",
-            "qwen3_next", "glm_moe_dsa")  # per-head q/k RMSNorm (unless the config says use_qk_norm; GLM-4.5's default is off)
+            "qwen3_next", "glm_moe_dsa", "dots1", "hunyuan_v1_moe")  # per-head q/k RMSNorm (unless the config says use_qk_norm; GLM-4.5's default is off)
 _NO_O_BIAS = ("glm4_moe",)  # attention_bias puts biases on q/k/v only
 _QK_NORM_FULL = ("minimax_m2", "olmoe", "flex_olmo")  # q/k RMSNorm over the whole projection
 
@@ -113,7 +113,17 @@ class ModelSize:
         return (4 if fmt == "FP32" else 2) * self.backbone
 
 
+def _one(value: Any) -> int:
+    """An int, or the first of a per-layer list (Hunyuan's ``num_experts`` / ``moe_topk``)."""
+    return int(value[0] if isinstance(value, list) else value)
+
+
 def _moe_layer_flags(t: dict[str, Any], n: int, experts: int) -> list[bool]:
+    if t.get("moe_layer_interval"):  # ERNIE 4.5
+        step, start, end = int(t["moe_layer_interval"]), int(t.get("moe_layer_start_index") or 0), int(
+            t.get("moe_layer_end_index", -1))
+        end = n - 1 if end == -1 else end
+        return [(i + 1) % step == 0 and start <= i <= end for i in range(n)]
     if t.get("mlp_layer_types"):
         return [kind == "sparse" for kind in t["mlp_layer_types"][:n]]
     if experts == 0:
@@ -172,12 +182,14 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
     t = raw.get("text_config") or raw
     t = {**t, "model_type": t.get("model_type") or raw.get("model_type")}
     H, n, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
-    E = int(_first(t, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0))
-    k = int(_first(t, "num_experts_per_tok", "moe_topk", "top_k", default=0))
+    E = _one(_first(t, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0))
+    k = _one(_first(t, "num_experts_per_tok", "moe_topk", "moe_k", "top_k", default=0))
     I_e = int(_first(t, "moe_intermediate_size", "intermediate_size"))
     I_d = int(_first(t, "dense_intermediate_size", "intermediate_size", default=0))  # needed only by dense layers
-    shared = int(t.get("n_shared_experts") or 0) * I_e or int(
+    shared = int(t.get("n_shared_experts") or t.get("moe_num_shared_experts") or 0) * I_e or int(
         _first(t, "shared_intermediate_size", "shared_expert_intermediate_size", default=0))
+    if t["model_type"] == "hunyuan_v1_moe":  # one shared MLP as wide as the experts
+        shared = I_e
     gpt_oss = t["model_type"] == "gpt_oss"
     moe = _moe_layer_flags(t, n, E)
     interval = t.get("full_attention_interval")
@@ -188,7 +200,8 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
     for L in range(n):
         total += _attention(t, H, layer_types[L]) + 2 * H  # + input and post-attention RMSNorm
         if moe[L]:
-            total += E * H + (E if gpt_oss else 0)  # router (+ its bias)
+            total += E * H + (E if gpt_oss or t["model_type"] == "ernie4_5_moe" else 0)  # router (+ its bias, a
+            # parameter in gpt-oss and ERNIE's moe_statics; DeepSeek-V3's e_score_correction_bias is a buffer)
             total += 3 * H * shared + (H if t.get("shared_expert_intermediate_size") else 0)  # (+ Qwen's gate)
         elif I_d:
             total += 3 * H * I_d

@@ -2,9 +2,11 @@
 
 Read from transformers 5.24's modeling files (see ``shared/spikes/moe/tensors/*_router.md``):
 
-* ``softmax_topk`` (Mixtral, Qwen2/3-MoE, OLMoE): softmax over all experts in fp32, top-k of the
-  probabilities, renormalised over the k when ``norm_topk_prob`` (Mixtral always).
-* ``sigmoid_group`` (DeepSeek-V3 noaux_tc): sigmoid scores; choice uses scores +
+* ``softmax_topk`` (Mixtral, Qwen2/3-MoE, OLMoE, Hunyuan): softmax over all experts in fp32, top-k of the
+  probabilities, renormalised over the k when ``norm_topk_prob`` (Mixtral always).  ERNIE 4.5 adds
+  an ``e_score_correction_bias`` to the probabilities for the choice only (``choice_bias``); the
+  weights stay the unbiased probabilities.
+* ``sigmoid_group`` (DeepSeek-V3 noaux_tc, GLM-4.5, dots1): sigmoid scores; choice uses scores +
   ``e_score_correction_bias``; each of ``n_group`` groups is scored by the sum of its top two;
   only the best ``topk_group`` groups compete; the weights are the *unbiased* scores at the
   chosen experts, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``.
@@ -50,7 +52,7 @@ def route(
     logits = router_logits(cfg, w, x, bias if cfg.router == "topk_softmax" else None)
     if cfg.router == "softmax_topk":
         probs = _softmax(logits)
-        ids = _topk(probs, k)
+        ids = _topk(probs + f32(score_bias) if cfg.choice_bias and score_bias is not None else probs, k)
         weights = np.take_along_axis(probs, ids, axis=-1)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)

@@ -87,7 +87,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 s[p + "attn.q_bias"], s[p + "attn.k_bias"], s[p + "attn.v_bias"] = (nh * hd,), (nkv * hd,), (nkv * hd,)
             if cfg.o_bias:
                 s[p + "attn.o_bias"] = (H,)
-            if cfg.qk_norm == "head":
+            if cfg.qk_norm in ("head", "head_after_rope"):
                 s[p + "attn.q_norm"] = s[p + "attn.k_norm"] = (hd,)
             elif cfg.qk_norm == "full":
                 s[p + "attn.q_norm"], s[p + "attn.k_norm"] = (nh * hd,), (nkv * hd,)
@@ -101,7 +101,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         s[p + "router"] = (cfg.num_experts, H)
         if cfg.router == "topk_softmax":
             s[p + "router_bias"] = (cfg.num_experts,)
-        if cfg.router == "sigmoid_group":
+        if cfg.router == "sigmoid_group" or cfg.choice_bias:
             s[p + "router_score_bias"] = (cfg.num_experts,)
         if cfg.shared_intermediate_size:
             inter = cfg.shared_intermediate_size
