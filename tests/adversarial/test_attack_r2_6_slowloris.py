@@ -1,7 +1,7 @@
 """Attack 6 of issue 32: slowloris on the aiohttp services (ledger, the backbone's OpenAI API, monitor).
 
 Each service runs in its own process (``http_victims.py``, the service's own serving code) with a
-header timeout of 1 s, an idle timeout of 60 s and 32 connections per address. An attacker process
+header timeout of 3 s, an idle timeout of 60 s and 32 connections per address. An attacker process
 opens 300 connections from 127.0.0.2 and on each sends the start of a request head that never
 ends. An honest client on 127.0.0.1 keeps one connection open across the attack and opens another
 during it.
@@ -29,12 +29,26 @@ from http_attack_support import KeptAlive, read_json_line, start_attacker, start
 pytestmark = [pytest.mark.timeout(180)]
 
 CAP = 32
+
+
+def settled_descriptors(pid: int, within_s: float = 10.0) -> int:
+    """The victim's descriptors once the accept storm is over (the same count three times in a row,
+    0.1 s apart): while it is still accepting, sockets it already refused with 429 are open for a
+    moment, so a count taken then says how fast it works through the backlog, not what it holds."""
+    seen: list[int] = []
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        seen = [*seen, descriptors(pid)][-3:]
+        if len(seen) == 3 and len(set(seen)) == 1:
+            break
+        time.sleep(0.1)
+    return seen[-1]
 HONEST_PATH = {"ledger": "/healthz", "api": "/v1/models", "monitor": "/api/v1/swarm"}
 
 
 @pytest.mark.parametrize("service", ["ledger", "api", "monitor"])
 def test_slow_heads_are_dropped_by_the_header_timeout_and_capped_per_address(service: str) -> None:
-    victim = start_victim(service, "--header-timeout", "1", "--idle-timeout", "60", "--max-conns-per-ip", str(CAP))
+    victim = start_victim(service, "--header-timeout", "3", "--idle-timeout", "60", "--max-conns-per-ip", str(CAP))
     path = HONEST_PATH[service]
     try:
         kept = KeptAlive(victim.url)
@@ -45,7 +59,7 @@ def test_slow_heads_are_dropped_by_the_header_timeout_and_capped_per_address(ser
                                       "--wait", "15")
             try:
                 assert read_json_line(attacker)["opened"] == 300  # the kernel accepts them all
-                held = max(descriptors(victim.process.pid) - before for _ in range(5) if not time.sleep(0.1))
+                held = settled_descriptors(victim.process.pid) - before
                 during = KeptAlive(victim.url)  # another address is served while the attack holds its share
                 try:
                     assert during.get(path)[0] == 200
