@@ -39,8 +39,7 @@ from moeswarm.model import SamplingParams, Tokenizer, generate, load_model
 from moeswarm.node.backbone import SwarmBackbone
 from moeswarm.node.config import BackboneConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420),
-              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]  # as test_lying_replica
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 LIAR = Path(__file__).resolve().parent / "attackers" / "patient_liar.py"
 PROMPTS = ["And it came to pass", "The king said unto them", "In the beginning", "And the LORD spake"]
@@ -50,6 +49,7 @@ POLICIES = (("wait", 8, "2-3"), ("rate", 50, "4-5"), ("unchecked", 8, "6-7"))
 
 @pytest.fixture(autouse=True)
 def _collect_this_tests_garbage():  # type: ignore[no-untyped-def]
+    """A socket this test left unclosed is found here, in this test's teardown, and fails it."""
     yield
     gc.collect()
 
