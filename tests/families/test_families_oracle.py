@@ -15,9 +15,17 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
+from engine_support import moved, run_engine
+from engine_support import variant as _variant
 
 from moeswarm.errors import CheckpointError
-from moeswarm.model import Model, ModelConfig, SamplingParams, Weights, generate, load_model, load_weights
+from moeswarm.model import (
+    ModelConfig,
+    SamplingParams,
+    Weights,
+    generate,
+    load_model,
+)
 from moeswarm.model._config_dots1_ernie import ARCHITECTURES as DOTS1_ERNIE
 from moeswarm.model._config_hunyuan import ARCHITECTURES as HUNYUAN
 
@@ -26,20 +34,6 @@ ARCHITECTURES = DOTS1_ERNIE + HUNYUAN
 LAYOUTS = ("per_expert", "packed")
 TOL = 1e-4
 MATTERS = 1e-2  # a mechanism switched off must move some logit by at least 100x the tolerance
-
-
-def run_engine(model: Model, ref: Any, chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    cache = model.new_cache()
-    ids = ref.prompt_ids
-    step = chunk or len(ids)
-    prefill = np.concatenate([model.forward(np.asarray([ids[i : i + step]]), cache)[0] for i in range(0, len(ids), step)])
-    decode = [model.forward(np.asarray([[t]]), cache)[0, -1] for t in ref.decode_tokens]
-    return prefill, np.stack(decode)
-
-
-def moved(model: Model, ref: Any) -> float:
-    prefill, decode = run_engine(model, ref)
-    return float(max(np.abs(prefill - ref.prefill_logits).max(), np.abs(decode - ref.decode_logits).max()))
 
 
 def test_the_families_are_registered() -> None:
@@ -59,14 +53,6 @@ def test_logits_and_greedy_tokens_match_transformers(family_checkpoints, arch: s
     assert np.abs(decode - ref.decode_logits).max() <= TOL
     tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
     assert tokens == ref.greedy_tokens
-
-
-def _variant(folder: Path, edit: Callable[[Weights], None] | None = None, **changes: Any) -> Model:
-    w = load_weights(folder)
-    w.config = replace(w.config, **changes)
-    if edit is not None:
-        edit(w)
-    return Model(w, backend="eager")
 
 
 def _drop(*suffixes: str) -> Callable[[Weights], None]:

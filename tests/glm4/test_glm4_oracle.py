@@ -14,18 +14,18 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
+from engine_support import moved, run_engine
+from engine_support import variant as _variant
 
 from moeswarm.errors import CheckpointError
 from moeswarm.model import (
     BACKENDS,
-    Model,
     ModelConfig,
     SamplingParams,
     Weights,
     generate,
     get_backend,
     load_model,
-    load_weights,
 )
 from moeswarm.model._config_glm4 import ARCHITECTURES as ARCHITECTURES_GLM4
 from moeswarm.model.routing import route
@@ -33,20 +33,6 @@ from moeswarm.model.routing import route
 LAYOUTS = ("per_expert", "packed")
 TOL = 1e-4
 MATTERS = 1e-2  # a mechanism switched off must move some logit by at least 100x the tolerance
-
-
-def run_engine(model: Model, ref: Any, chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    cache = model.new_cache()
-    ids = ref.prompt_ids
-    step = chunk or len(ids)
-    prefill = np.concatenate([model.forward(np.asarray([ids[i : i + step]]), cache)[0] for i in range(0, len(ids), step)])
-    decode = [model.forward(np.asarray([[t]]), cache)[0, -1] for t in ref.decode_tokens]
-    return prefill, np.stack(decode)
-
-
-def moved(model: Model, ref: Any) -> float:
-    prefill, decode = run_engine(model, ref)
-    return float(max(np.abs(prefill - ref.prefill_logits).max(), np.abs(decode - ref.decode_logits).max()))
 
 
 def test_both_families_are_registered() -> None:
@@ -82,14 +68,6 @@ def test_backends_agree(glm4_checkpoints, arch: str) -> None:
         for name, out in outs.items():
             assert np.abs(out - outs["eager"]).max() <= 1e-5, (tokens, name)
         assert np.abs(outs["eager"]).max() > 1e-2
-
-
-def _variant(folder: Path, edit: Callable[[Weights], None] | None = None, **changes: Any) -> Model:
-    w = load_weights(folder)
-    w.config = replace(w.config, **changes)
-    if edit is not None:
-        edit(w)
-    return Model(w, backend="eager")
 
 
 def _drop_attention_biases(w: Weights) -> None:

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_support import moved as _moved
+from engine_support import run_engine
+from engine_support import variant as _variant
 
 from moeswarm.model import (
     BACKENDS,
-    Model,
     SamplingParams,
     generate,
     get_backend,
     load_model,
-    load_weights,
 )
 from moeswarm.model._attn_lightning import select_blocks
 from moeswarm.model._config_minimax_kimi import (
@@ -31,15 +32,6 @@ from moeswarm.model.routing import route
 LAYOUTS = ("per_expert", "packed")
 TOL = 1e-4
 MATTERS = 1e-2  # a mechanism switched off must move some logit by at least 100x the tolerance
-
-
-def run_engine(model: Model, ref, chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
-    cache = model.new_cache()
-    ids = ref.prompt_ids
-    step = chunk or len(ids)
-    prefill = np.concatenate([model.forward(np.asarray([ids[i : i + step]]), cache)[0] for i in range(0, len(ids), step)])
-    decode = [model.forward(np.asarray([[t]]), cache)[0, -1] for t in ref.decode_tokens]
-    return prefill, np.stack(decode)
 
 
 def test_the_three_families_are_parsed() -> None:
@@ -75,17 +67,6 @@ def test_backends_agree(family_checkpoints, arch: str) -> None:
         for name, out in outs.items():
             assert np.abs(out - outs["eager"]).max() <= 1e-5, (tokens, name)
         assert np.abs(outs["eager"]).max() > 1e-2
-
-
-def _variant(folder: Path, **changes) -> Model:  # type: ignore[no-untyped-def]
-    w = load_weights(folder)
-    w.config = replace(w.config, **changes)
-    return Model(w, backend="eager")
-
-
-def _moved(model: Model, ref) -> float:  # type: ignore[no-untyped-def]
-    prefill, decode = run_engine(model, ref)
-    return float(max(np.abs(prefill - ref.prefill_logits).max(), np.abs(decode - ref.decode_logits).max()))
 
 
 def test_minimax_m3_indexer_really_drops_key_blocks(family_checkpoints) -> None:

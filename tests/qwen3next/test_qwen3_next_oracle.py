@@ -18,9 +18,17 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
+from engine_support import moved, run_engine
+from engine_support import variant as _variant
 
 from moeswarm.errors import CheckpointError, ConfigError
-from moeswarm.model import Model, ModelConfig, SamplingParams, Weights, generate, load_model, load_weights
+from moeswarm.model import (
+    ModelConfig,
+    SamplingParams,
+    Weights,
+    generate,
+    load_model,
+)
 from moeswarm.model._config_qwen3_next import ARCHITECTURES as ARCHITECTURES_QWEN3_NEXT
 from moeswarm.model.speculative import generate_speculative
 
@@ -28,20 +36,6 @@ LAYOUTS = ("per_expert", "packed")
 TOL = 1e-4
 MATTERS = 1e-2  # a mechanism switched off must move some logit by at least 100x the tolerance
 SHIPPED = Path(__file__).resolve().parents[2] / "moeswarm" / "model" / "configs" / "qwen3-next-80b-a3b.json"
-
-
-def run_engine(model: Model, ref: Any, chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    cache = model.new_cache()
-    ids = ref.prompt_ids
-    step = chunk or len(ids)
-    prefill = np.concatenate([model.forward(np.asarray([ids[i : i + step]]), cache)[0] for i in range(0, len(ids), step)])
-    decode = [model.forward(np.asarray([[t]]), cache)[0, -1] for t in ref.decode_tokens]
-    return prefill, np.stack(decode)
-
-
-def moved(model: Model, ref: Any) -> float:
-    prefill, decode = run_engine(model, ref)
-    return float(max(np.abs(prefill - ref.prefill_logits).max(), np.abs(decode - ref.decode_logits).max()))
 
 
 def test_the_family_is_registered() -> None:
@@ -68,14 +62,6 @@ def test_the_carried_linear_attention_state_matters(qwen3_next_checkpoints) -> N
     model = load_model(folder)
     fresh = model.forward(np.asarray([ref.prompt_ids[54:]]), model.new_cache())[0]
     assert np.abs(fresh - ref.prefill_logits[54:]).max() > 0.1
-
-
-def _variant(folder: Path, edit: Callable[[Weights], None] | None = None, **changes: Any) -> Model:
-    w = load_weights(folder)
-    w.config = replace(w.config, **changes)
-    if edit is not None:
-        edit(w)
-    return Model(w, backend="eager")
 
 
 def _ungrouped_projections(w: Weights) -> None:

@@ -1,0 +1,39 @@
+"""What the family oracle tests do with the engine: run a reference's prompt (whole or in chunks)
+and decode steps over the KV cache, measure how far a variant moves the logits, and load a
+checkpoint with its config changed (a mechanism switched off, for the negative controls)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moeswarm.model import Model, Weights, load_weights
+
+
+def run_engine(model: Model, ref: Any, chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(prefill logits [T, V], decode logits [n, V]) for ``ref``'s prompt and decode tokens."""
+    cache = model.new_cache()
+    ids = ref.prompt_ids
+    step = chunk or len(ids)
+    prefill = np.concatenate([model.forward(np.asarray([ids[i : i + step]]), cache)[0] for i in range(0, len(ids), step)])
+    decode = [model.forward(np.asarray([[t]]), cache)[0, -1] for t in ref.decode_tokens]
+    return prefill, np.stack(decode)
+
+
+def moved(model: Model, ref: Any) -> float:
+    """The largest distance of ``model``'s logits from the reference's, prefill and decode."""
+    prefill, decode = run_engine(model, ref)
+    return float(max(np.abs(prefill - ref.prefill_logits).max(), np.abs(decode - ref.decode_logits).max()))
+
+
+def variant(folder: Path, edit: Callable[[Weights], None] | None = None, **changes: Any) -> Model:
+    """The checkpoint at ``folder`` with ``changes`` to its config (and ``edit`` to its weights)."""
+    w = load_weights(folder)
+    w.config = replace(w.config, **changes)
+    if edit is not None:
+        edit(w)
+    return Model(w, backend="eager")
