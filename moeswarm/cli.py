@@ -25,6 +25,8 @@ class LazyGroup(click.Group):
         "monitor": "moeswarm.monitor.cli:monitor",
         "models": "moeswarm.monitor.cli:models",
         "plan": "moeswarm.model.plan_cli:plan",
+        "complete": "moeswarm.sdk.cli:complete",
+        "chat": "moeswarm.sdk.cli:chat",
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:

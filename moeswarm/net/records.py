@@ -5,7 +5,8 @@
 ``/moeswarm/v1/ledger/<ledger peer>/epoch/<n>``: a ledger's signed settlement root (``LedgerRoot``);
 ``/moeswarm/v1/<model>/evidence/<accused peer>``: a backbone's signed proof that a holder returned
 wrong outputs (``moeswarm.net.evidence``), never replaced once valid;
-``/moeswarm/v1/catalogue/<peer>``: the models a peer serves (``moeswarm.net.catalogue``).
+``/moeswarm/v1/catalogue/<peer>``: the models a peer serves (``moeswarm.net.catalogue``);
+``/moeswarm/v1/gateway/<peer>``: a gateway's API, models, load and price (``moeswarm.net.gateways``).
 Each is accepted only when signed by the peer its key names; a stored record is replaced only
 by a newer one from the same peer, and a settlement root never (an epoch is settled once).
 """
@@ -35,6 +36,7 @@ from ..protocol._limits import MAX_RECORD_BYTES
 from ..protocol._wire import Fields, bad, unpack  # the protocol's defensive decoder
 from .catalogue import is_catalogue_key, select_catalogue, validate_catalogue
 from .evidence import is_evidence_key, select_evidence, validate_evidence
+from .gateways import is_gateway_key, select_gateway, validate_gateway
 
 _DEMAND = re.compile(r"/moeswarm/v1/.+/demand/[1-9A-HJ-NP-Za-km-z]+")
 
@@ -53,6 +55,9 @@ def validate_any(key: str, value: bytes, stored: bytes | None = None) -> None:
         return
     if is_evidence_key(key):
         validate_evidence(key, value, stored)
+        return
+    if is_gateway_key(key):
+        validate_gateway(key, value, stored)
         return
     if not is_demand_key(key):
         validate_record(key, value, stored)
@@ -75,6 +80,8 @@ def select_any(key: str, values: Sequence[bytes]) -> int:
         return select_catalogue(key, values)
     if is_evidence_key(key):
         return select_evidence(key, values)
+    if is_gateway_key(key):
+        return select_gateway(key, values)
     if not is_demand_key(key):
         return select_record(key, values)
     best, best_seq, error = -1, -1, None

@@ -247,7 +247,11 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
                             api_key=config.api_key, limits=config.http_limits)
             runner, port = await serve_http(service, config.http[0], config.http[1], api, status=backbone.status)
             info["http"] = info["status"] = f"http://{config.http[0]}:{port}"
+        gateway = None
         try:
+            if config.gateway:
+                gateway = await _start_gateway(config, backbone, service, port)
+                info["gateway"] = gateway.config.url
             with contextlib.ExitStack() as files:
                 if runner is not None:
                     from .status import run_file
@@ -258,8 +262,25 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
                     else "serving (Ctrl-C to stop)")
                 await stop.wait()
         finally:
+            if gateway is not None:
+                await gateway.aclose()
             if runner is not None:
                 await runner.cleanup()
+
+
+async def _start_gateway(config: BackboneConfig, backbone: SwarmBackbone, service: Any, port: int) -> Any:
+    """Announce the API as a gateway (``--gateway``), refreshed until closed."""
+    from .gateway import GatewayAnnouncer, GatewayConfig, holder_rtts
+
+    assert config.http is not None
+    host = config.swarm.announce_host or config.http[0]
+    url = config.gateway_url or f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    announcer = GatewayAnnouncer(backbone.p2p, backbone.identity, backbone.model_id,
+                                 GatewayConfig(url, price_per_token=config.gateway_price),
+                                 config.engine.max_batch, lambda: service.stats().running, holder_rtts(backbone))
+    await announcer.start()
+    say(f"announced as a gateway: {url} at {config.gateway_price} credits per token")
+    return announcer
 
 
 def _drafter(config: BackboneConfig, cfg: Any) -> Any:

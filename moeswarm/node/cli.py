@@ -208,13 +208,22 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
                    "also read from MOESWARM_API_KEY).")
 @click.option("--max-tokens-cap", default=4096, show_default=True, type=click.IntRange(min=1),
               help="The HTTP API refuses requests for more new tokens than this.")
+@click.option("--gateway", is_flag=True,
+              help="Serve other people's requests: announce this API in the swarm (URL, model, free batch places, "
+                   "price, measured round trip to the holders), for `moeswarm complete`/`chat` and the SDK to find.")
+@click.option("--gateway-price", default=0, show_default=True, type=click.IntRange(min=0), metavar="CREDITS",
+              help="With --gateway: credits per generated token a person pays (their spending authorization "
+                   "signs this figure).")
+@click.option("--gateway-url", default=None, metavar="URL",
+              help="With --gateway: the API URL to announce (default: http://ANNOUNCE-HOST-or-HOST:PORT of --http).")
 @http_limit_options
 @friendly_errors
 def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_url: str | None,
              ledger_queue: str | None, audit_fraction: float, tiers: str, fetch_cache: str, probe_interval: float,
              verify_fraction: float, probation_calls: int, verify_by: str, spot_check_fraction: float, max_batch: int, prefill_chunk: int,
              kv_cache: str, max_waiting: int, speculative: int, draft_model: str | None, api_key: str | None,
-             max_tokens_cap: int, **swarm: object) -> None:
+             max_tokens_cap: int, gateway: bool, gateway_price: int, gateway_url: str | None,
+             **swarm: object) -> None:
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
 
     Serves /v1/models, /v1/completions and /v1/chat/completions, and /status and /metrics.
@@ -235,7 +244,8 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
                             tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval,
                             verify=VerifyConfig(verify_fraction, probation_calls, verify_by, spot_fraction=spot_check_fraction),
                             engine=engine, draft_model=draft_model, api_key=api_key, max_tokens_cap=max_tokens_cap,
-                            http_limits=limits)
+                            http_limits=limits, gateway=gateway, gateway_price=gateway_price,
+                            gateway_url=gateway_url)
     assert config.http is not None
     check_listen(*config.http, "--http")
     check_listen(config.swarm.host, config.swarm.p2p_port, "--p2p-port")

@@ -75,6 +75,9 @@ class BackboneConfig:
     api_key: str | None = None  # the HTTP API requires "Authorization: Bearer <api_key>" (needed off loopback)
     max_tokens_cap: int = 4096  # the HTTP API refuses requests for more new tokens than this
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # the HTTP API's header/idle timeouts, conns per address
+    gateway: bool = False  # serve other people's requests: announce the API in the swarm (moeswarm.node.gateway)
+    gateway_price: int = 0  # with gateway: credits per generated token a person pays (signed in their authorization)
+    gateway_url: str | None = None  # with gateway: the API URL announced (default: http://<announce host or host>:<port>)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.audit_fraction <= 1.0:
@@ -83,5 +86,7 @@ class BackboneConfig:
             raise ConfigError("audits are judged by the ledger: --audit-fraction needs --ledger")
         if self.draft_model is not None and not self.engine.speculative:
             raise ConfigError("--draft-model needs --speculative K (draft tokens per step)")
+        if self.gateway and self.http is None:
+            raise ConfigError("a gateway serves the HTTP API: --gateway needs --http")
         if self.tiers not in ("remote", "auto", "fetch"):
             raise ConfigError(f"--tiers is 'remote', 'auto' or 'fetch', not {self.tiers!r}")

@@ -12,7 +12,8 @@ for an unknown model or route, 413 for an oversized body, 503/502 when the swarm
 
 Extensions beyond OpenAI (its clients ignore them): ``"model"`` may be omitted; ``top_k``;
 ``ignore_eos``; ``"return_token_ids": true`` adds ``"token_ids"`` (the generated ids, a final
-stop token included) to every choice, streamed or not.  Fields we cannot honour (``n`` > 1,
+stop token included) to every choice, streamed or not, and ``"prompt_token_ids"`` (the prompt as the
+server tokenized it) to the first choice that carries tokens.  Fields we cannot honour (``n`` > 1,
 ``logprobs``, penalties, ``echo``, tools, ...) are rejected with 400 rather than ignored.
 """
 
@@ -251,6 +252,8 @@ async def _respond(request: web.Request, req: _Request, *, chat: bool) -> web.St
     if not req.stream:
         done = await service.complete(req.prompt_ids, req.params, req.stop, ignore_eos=req.ignore_eos)
         choice = _choice(req, chat=chat, text=done.text, finish=done.finish_reason, ids=done.token_ids)
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = list(req.prompt_ids)
         return web.json_response({**envelope, "choices": [choice], "usage": _usage(done.prompt_tokens, done.completion_tokens)})
     async with contextlib.aclosing(service.stream(req.prompt_ids, req.params, req.stop, ignore_eos=req.ignore_eos)) as chunks:
         first = await anext(chunks)  # a failure before any output still gets a proper status
@@ -262,11 +265,14 @@ async def _events(
 ) -> AsyncGenerator[dict[str, Any], None]:
     if chat:
         yield {**envelope, "choices": [_choice(req, chat=True, text="", finish=None, ids=(), first=True)]}
-    completion_tokens, chunk = 0, first
+    completion_tokens, chunk, sent = 0, first, False
     while True:
         completion_tokens += len(chunk.token_ids)
         if chunk.text or (req.return_token_ids and chunk.token_ids):
-            yield {**envelope, "choices": [_choice(req, chat=chat, text=chunk.text, finish=None, ids=chunk.token_ids)]}
+            choice = _choice(req, chat=chat, text=chunk.text, finish=None, ids=chunk.token_ids)
+            if req.return_token_ids and not sent:  # the prompt as tokens, once: a client resumes from it
+                choice["prompt_token_ids"], sent = list(req.prompt_ids), True
+            yield {**envelope, "choices": [choice]}
         if chunk.finish_reason is not None:
             yield {**envelope, "choices": [_choice(req, chat=chat, text=None, finish=chunk.finish_reason, ids=())]}
             break
