@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from sqlalchemy import Connection, and_, bindparam, exists, func, insert, literal_column, select, union_all, update
 
-from moeswarm.errors import ConfigError
+from moeswarm.errors import ConfigError, ProtocolError
 from moeswarm.protocol import canonical, peer_id_to_str, public_key_from_peer_id, verify
 
 from ._chain import MAX_STORED_INT
@@ -205,7 +205,8 @@ def count_grants(conn: Connection) -> int:
 def accounts_problem(conn: Connection, ledger: bytes) -> str | None:
     """What is wrong with the grants and accounts, or None: every grant signed by ``ledger`` over
     its row, and every balance equal to what the grants, the entries and the settlements make it
-    (granted - paid as client + earned as a paid server + refunds of withheld servers' receipts)."""
+    (granted - paid as client + earned as a paid server + refunds of withheld servers' receipts
+    - charged by gateways + charged as a gateway)."""
     expected: dict[bytes, int] = {}
     for g in conn.execute(select(Grant).order_by(Grant.id)).all():  # .all(): no cursor left open on return
         if not grant_verifies(ledger, g.record, g.sig) or g.record != grant_body(
@@ -221,6 +222,14 @@ def accounts_problem(conn: Connection, ledger: bytes) -> str | None:
         if epoch in settled:
             payee = client if (int(epoch), server) in withheld else server
             expected[payee] = expected.get(payee, 0) + amount
+    from ._authorizations import charge_deltas  # gateway charges: moves between two accounts
+
+    try:
+        charges = charge_deltas(conn)
+    except ProtocolError as e:
+        return str(e)
+    for peer, delta in charges.items():
+        expected[peer] = expected.get(peer, 0) + delta
     held = {bytes(p): int(b) for p, b in conn.execute(select(Account.peer, Account.balance)).all()}
     for peer in sorted(set(expected) | set(held)):
         if held.get(peer, 0) != expected.get(peer, 0):

@@ -148,3 +148,20 @@ class Grant(Base):
     created_ms: Mapped[int] = mapped_column(BigInteger)
 
     __table_args__ = (Index("ix_ledger_grants_peer", "peer"),)
+
+
+class GatewayCharge(Base):
+    """What a gateway has charged under one spending authorization (``_authorizations.py``): the
+    authorization and the latest usage acknowledgement, both signed by the person, are authoritative."""
+
+    __tablename__ = "ledger_gateway_charges"
+    authorization_id: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
+    person: Mapped[bytes] = mapped_column(LargeBinary(38))  # the account that pays
+    gateway: Mapped[bytes] = mapped_column(LargeBinary(38))  # the account paid
+    authorization: Mapped[bytes] = mapped_column(LargeBinary)  # SpendingAuthorization.encode()
+    usage: Mapped[bytes] = mapped_column(LargeBinary)  # the latest UsageAck.encode()
+    tokens: Mapped[int] = mapped_column(BigInteger)  # tokens it acknowledges
+    charged: Mapped[int] = mapped_column(BigInteger)  # credits moved in all: tokens x price_per_token
+    updated_ms: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (Index("ix_ledger_gateway_charges_person", "person"),)

@@ -90,6 +90,7 @@ class LedgerService:
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.add_routes([
             web.post("/v1/receipts", self._receipts),
+            web.post("/v1/gateway-charges", self._gateway_charge),
             web.get("/v1/accounts/{peer}", self._account),
             web.post("/v1/standing", self._standing),
             web.get("/v1/standing", self._top_standing),
@@ -143,6 +144,28 @@ class LedgerService:
             return _error(500, str(e))
         head = max((r.position or 0 for r in results), default=0)
         return web.json_response({"results": [r.to_json() for r in results], "head": head})
+
+    async def _gateway_charge(self, request: web.Request) -> web.Response:
+        """msgpack ``{authorization: bin, usage: bin}`` -> JSON ``{status, charged, moved, message}``
+        (``_authorizations.py``); 200 for every outcome, the status says which."""
+        from ._authorizations import charge
+
+        body = await read_body(request, 4096)  # two records of at most 1 KiB each
+        try:
+            fields = unpack(body, DecodeLimits(max_depth=1, max_array=0, max_map=2, max_str=32, max_bin=1024))
+        except ProtocolError as e:
+            return _error(400, f"body must be msgpack {{authorization: bin, usage: bin}}: {e}")
+        auth = fields.get("authorization") if isinstance(fields, dict) else None
+        usage = fields.get("usage") if isinstance(fields, dict) else None
+        if not (isinstance(auth, bytes) and isinstance(usage, bytes)):
+            return _error(400, "body must be msgpack {authorization: bin, usage: bin}")
+        try:
+            result = await asyncio.to_thread(charge, self.ledger, auth, usage)
+        except NetworkError as e:
+            return _error(503, str(e))
+        except LedgerCorrupt as e:
+            return _error(500, str(e))
+        return web.json_response(result.to_json())
 
     async def _account(self, request: web.Request) -> web.Response:
         try:

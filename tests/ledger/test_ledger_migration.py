@@ -66,12 +66,12 @@ def test_upgrade_keeps_every_receipt_and_link(db_url: str, ledger_key: Identity)
     receipts = peers.receipts(10)
     before = _old_ledger(db_url, ledger_key, receipts)
     clock = Clock(T0 + 2 * EPOCH_MS + 5)
-    with Ledger(StoreConfig(db_url), ledger_key, clock=clock) as led:  # opening upgrades to 0002
+    with Ledger(StoreConfig(db_url), ledger_key, clock=clock) as led:  # opening upgrades through 0002 to 0003 (gateway charges)
         with led.read() as conn:
             version = conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
             rows = conn.execute(select(Entry.position, Entry.receipt_id, Entry.entry_hash, Entry.amount)
                                 .order_by(Entry.position)).all()
-        assert version == "0002"
+        assert version == "0003"
         assert [(r.position, r.receipt_id, r.entry_hash) for r in rows] == before  # every receipt, every link
         assert {r.amount for r in rows} == {0}  # the old ledger minted their credit; none moves now
         report = verify_chain(led)
