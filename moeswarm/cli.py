@@ -89,6 +89,10 @@ def _default_model() -> str:
               help="With --swarm: submit the countersigned receipts of the experts served to this ledger.")
 @click.option("--audit-fraction", default=0.0, show_default=True, type=click.FloatRange(0, 1), metavar="F",
               help="With --swarm and --ledger: have the ledger re-execute this share of expert calls.")
+@click.option("--identity", "identity_file", default=None, type=click.Path(dir_okay=False),
+              help="With --swarm: your key file (created if missing); the receipts of the expert calls are "
+                   "countersigned with it, so with --ledger they are paid from its account. Default: a new "
+                   "key each run (whose receipts a ledger refuses as unfunded).")
 @click.option("--speculative", default=0, type=click.IntRange(0, 32), metavar="K",
               help="Greedy only: verify up to K prompt-lookup draft tokens per forward pass (same output, "
                    "fewer round trips through the swarm). 0 = off.")
@@ -103,8 +107,8 @@ def _default_model() -> str:
 def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, max_new_tokens: int, backend: str,
              temperature: float, top_p: float, top_k: int, seed: int | None, print_token_ids: bool,
              swarm: tuple[str, ...], local_fallback: bool, relay_ca: str | None, show_experts: bool, ledger_url: str | None,
-             audit_fraction: float, speculative: int, memory_budget: str | None, stats: bool,
-             coverage_timeout: float) -> None:
+             audit_fraction: float, identity_file: str | None, speculative: int, memory_budget: str | None,
+             stats: bool, coverage_timeout: float) -> None:
     """Generate text from a checkpoint, streaming it to stdout: in this process, or with --swarm."""
     from .model import load_model
 
@@ -121,7 +125,7 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
 
             set_relay_ca(relay_ca)
 
-        config = BackboneConfig(SwarmConfig(model_dir, bootstrap=swarm, client_mode=True),
+        config = BackboneConfig(SwarmConfig(model_dir, bootstrap=swarm, client_mode=True, identity_file=identity_file),
                                 local_fallback=local_fallback, ledger_url=ledger_url, audit_fraction=audit_fraction,
                                 coverage_timeout_s=coverage_timeout)
 

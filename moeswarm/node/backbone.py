@@ -241,10 +241,17 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
         info: dict[str, Any] = {"peer_id": backbone.identity.peer_id_str,
                                 "multiaddrs": public_multiaddrs(backbone.p2p.multiaddrs, config.swarm),
                                 "model_id": backbone.model_id}
-        runner = None
+        runner, gate = None, None
+        if config.gateway and config.gateway_price > 0:
+            from .gateway import SpendingGate
+
+            assert config.ledger_url is not None
+            gate = SpendingGate(backbone.identity, backbone.model_id, config.gateway_price, config.ledger_url,
+                                max_tokens_default=min(4096, config.max_tokens_cap))
         if config.http is not None:
             api = ApiConfig(max_tokens_cap=config.max_tokens_cap, chat_max_tokens=min(4096, config.max_tokens_cap),
-                            api_key=config.api_key, limits=config.http_limits)
+                            api_key=config.api_key, limits=config.http_limits,
+                            middlewares=(gate.middleware(),) if gate is not None else ())
             runner, port = await serve_http(service, config.http[0], config.http[1], api, status=backbone.status)
             info["http"] = info["status"] = f"http://{config.http[0]}:{port}"
         gateway = None
@@ -266,6 +273,8 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
                 await gateway.aclose()
             if runner is not None:
                 await runner.cleanup()
+            if gate is not None:
+                await gate.aclose()
 
 
 async def _start_gateway(config: BackboneConfig, backbone: SwarmBackbone, service: Any, port: int) -> Any:

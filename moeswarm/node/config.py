@@ -88,5 +88,8 @@ class BackboneConfig:
             raise ConfigError("--draft-model needs --speculative K (draft tokens per step)")
         if self.gateway and self.http is None:
             raise ConfigError("a gateway serves the HTTP API: --gateway needs --http")
+        if self.gateway_price and not (self.gateway and self.ledger_url):
+            raise ConfigError("a priced gateway charges people through a ledger: --gateway-price needs --gateway "
+                              "and --ledger")
         if self.tiers not in ("remote", "auto", "fetch"):
             raise ConfigError(f"--tiers is 'remote', 'auto' or 'fetch', not {self.tiers!r}")

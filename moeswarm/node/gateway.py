@@ -91,3 +91,104 @@ def holder_rtts(backbone: Any) -> Callable[[], list[float]]:
         return [est.rtt_s for est in links.values()]
 
     return rtts
+
+
+class SpendingGate:
+    """A priced gateway's door (``--gateway-price`` > 0 with ``--ledger``): every generation request
+    carries the person's spending authorization for this gateway, model and announced price, and
+    an acknowledgement of every token streamed to them under it before (``moeswarm.sdk.spending``);
+    a request for more tokens than the authorization has left is refused. Each acknowledgement
+    goes to the ledger as a charge (``POST /v1/gateway-charges``), which moves the credits. A person
+    who stops acknowledging gets nothing more: the gateway risks one request's tokens at most."""
+
+    def __init__(self, identity: Any, model_id: str, price_per_token: int, ledger_url: str,
+                 max_tokens_default: int) -> None:
+        self.identity, self.model_id, self.price = identity, model_id, price_per_token
+        self.ledger_url, self.max_tokens_default = ledger_url.rstrip("/"), max_tokens_default
+        self.streamed: dict[bytes, int] = {}  # tokens streamed, by authorization id
+        self.acked: dict[bytes, int] = {}  # tokens acknowledged, by authorization id
+        self.charges: list[dict[str, Any]] = []  # the ledger's answers, newest last (status page, tests)
+        self._session: Any = None
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def middleware(self) -> Any:
+        from aiohttp import web
+
+        from .http_api import METER, ApiError
+
+        @web.middleware
+        async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
+            paid = request.method == "POST" and request.path in ("/v1/completions", "/v1/chat/completions")
+            if request.path == "/v1/gateway/usage" and request.method == "POST":
+                auth, acked = await self._admit(request, ApiError)
+                return web.json_response({"acknowledged": acked})
+            if not paid:
+                return await handler(request)
+            auth, acked = await self._admit(request, ApiError)
+            if acked < self.streamed.get(auth.id, 0):
+                raise ApiError(402, f"acknowledge the {self.streamed[auth.id]} tokens streamed under this "
+                               f"authorization first ({acked} acknowledged)", code="unacknowledged_tokens")
+            body = await request.json() if request.can_read_body else {}
+            wanted = body.get("max_tokens") if isinstance(body, dict) else None
+            wanted = wanted if isinstance(wanted, int) else self.max_tokens_default
+            left = auth.max_credits // max(self.price, 1) - self.streamed.get(auth.id, 0)
+            if wanted > left:
+                raise ApiError(402, f"the authorization pays for {left} more tokens, the request asks for {wanted}",
+                               code="authorization_exhausted")
+
+            def meter(n: int) -> None:
+                self.streamed[auth.id] = self.streamed.get(auth.id, 0) + n
+
+            request[METER] = meter
+            return await handler(request)
+
+        return gate
+
+    async def _admit(self, request: Any, error: Any) -> tuple[Any, int]:
+        """The request's checked authorization, and the tokens acknowledged under it (its usage sent on)."""
+        from ..errors import ProtocolError
+        from ..protocol._spending import SpendingAuthorization, UsageAck, check_spending
+        from ..sdk.spending import AUTHORIZATION_HEADER, USAGE_HEADER, unb64
+
+        raw = request.headers.get(AUTHORIZATION_HEADER)
+        if raw is None:
+            raise error(402, f"this gateway charges {self.price} credits per token: send a spending authorization "
+                        f"({AUTHORIZATION_HEADER})", code="payment_required")
+        try:
+            auth = SpendingAuthorization.decode(unb64(raw))
+            usage = USAGE_HEADER in request.headers and UsageAck.decode(unb64(request.headers[USAGE_HEADER])) or None
+            check_spending(auth, usage)
+        except (ProtocolError, ValueError) as e:
+            raise error(402, f"bad spending authorization: {e}", code="bad_authorization") from None
+        if auth.gateway != self.identity.peer_id or auth.model_id != self.model_id or auth.price_per_token != self.price:
+            raise error(402, "the authorization is for another gateway, model or price", code="bad_authorization")
+        if auth.expires_ms <= time.time() * 1000:
+            raise error(402, "the authorization has expired", code="bad_authorization")
+        if usage is not None and usage.tokens > self.acked.get(auth.id, 0):
+            status = await self._charge(auth, usage)
+            if status not in ("charged", "duplicate"):  # unpaid: serve nothing more under it
+                raise error(402, f"the ledger did not take the charge ({status})", code="charge_refused")
+            self.acked[auth.id] = usage.tokens
+        return auth, self.acked.get(auth.id, 0)
+
+    async def _charge(self, auth: Any, usage: Any) -> str:
+        """The ledger's status for this charge (``unreachable`` when it did not answer)."""
+        import aiohttp
+
+        from ..protocol import canonical
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        try:
+            async with self._session.post(self.ledger_url + "/v1/gateway-charges",
+                                          data=canonical({"authorization": auth.encode(), "usage": usage.encode()}),
+                                          headers={"Content-Type": "application/msgpack"}) as response:
+                answer = await response.json()
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+            log.warning("the ledger did not take a charge: %s", e)
+            return "unreachable"
+        self.charges.append(answer)
+        return str(answer.get("status")) if isinstance(answer, dict) else "unreadable"

@@ -48,6 +48,7 @@ class ApiConfig:
     api_key: str | None = None  # every route but /healthz, /status, /metrics needs "Authorization: Bearer <api_key>"
     allowed_hosts: tuple[str, ...] = ()  # Host/Origin names accepted besides the bound address (a proxy's name)
     limits: HttpLimits = HttpLimits()  # header/body/idle timeouts and connections per address
+    middlewares: tuple[Any, ...] = ()  # run after the guard, before the handlers (a paid gateway's SpendingGate)
 
 
 SERVICE = web.AppKey("service", GenerationService)
@@ -246,22 +247,30 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
+METER = "moeswarm.meter"
+"""A request's token meter (``request[METER](n)`` per n tokens sent), set by a paid gateway's middleware."""
+
+
 async def _respond(request: web.Request, req: _Request, *, chat: bool) -> web.StreamResponse:
     service = request.app[SERVICE]
     envelope = _envelope(service, chat=chat, stream=req.stream)
+    meter = request.get(METER)
     if not req.stream:
         done = await service.complete(req.prompt_ids, req.params, req.stop, ignore_eos=req.ignore_eos)
+        if meter is not None:
+            meter(len(done.token_ids))
         choice = _choice(req, chat=chat, text=done.text, finish=done.finish_reason, ids=done.token_ids)
         if req.return_token_ids:
             choice["prompt_token_ids"] = list(req.prompt_ids)
         return web.json_response({**envelope, "choices": [choice], "usage": _usage(done.prompt_tokens, done.completion_tokens)})
     async with contextlib.aclosing(service.stream(req.prompt_ids, req.params, req.stop, ignore_eos=req.ignore_eos)) as chunks:
         first = await anext(chunks)  # a failure before any output still gets a proper status
-        return await _sse(request, _events(first, chunks, req, envelope, chat=chat))
+        return await _sse(request, _events(first, chunks, req, envelope, chat=chat, meter=meter))
 
 
 async def _events(
-    first: Chunk, chunks: AsyncIterator[Chunk], req: _Request, envelope: dict[str, Any], *, chat: bool
+    first: Chunk, chunks: AsyncIterator[Chunk], req: _Request, envelope: dict[str, Any], *, chat: bool,
+    meter: Callable[[int], None] | None = None,
 ) -> AsyncGenerator[dict[str, Any], None]:
     if chat:
         yield {**envelope, "choices": [_choice(req, chat=True, text="", finish=None, ids=(), first=True)]}
@@ -273,6 +282,8 @@ async def _events(
             if req.return_token_ids and not sent:  # the prompt as tokens, once: a client resumes from it
                 choice["prompt_token_ids"], sent = list(req.prompt_ids), True
             yield {**envelope, "choices": [choice]}
+            if meter is not None:  # counted once handed to the connection
+                meter(len(chunk.token_ids))
         if chunk.finish_reason is not None:
             yield {**envelope, "choices": [_choice(req, chat=chat, text=None, finish=chunk.finish_reason, ids=())]}
             break
@@ -419,7 +430,7 @@ def make_app(service: GenerationService, config: ApiConfig = ApiConfig(),
                           "(--api-key), or bind it to 127.0.0.1")
     if config.api_key is not None and not config.api_key.strip():
         raise ConfigError("the API key is empty")
-    app = web.Application(middlewares=[_errors, _guard], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[_errors, _guard, *config.middlewares], client_max_size=config.max_body_bytes)
     app[SERVICE] = service
     app[CONFIG] = config
     app[BIND_HOST] = bind_host
