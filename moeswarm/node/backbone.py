@@ -252,7 +252,11 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
             api = ApiConfig(max_tokens_cap=config.max_tokens_cap, chat_max_tokens=min(4096, config.max_tokens_cap),
                             api_key=config.api_key, limits=config.http_limits,
                             middlewares=(gate.middleware(),) if gate is not None else ())
-            runner, port = await serve_http(service, config.http[0], config.http[1], api, status=backbone.status)
+            def status() -> dict[str, Any]:
+                engine = service.engine  # draft tokens proposed and accepted (speculative decoding)
+                return {**backbone.status(), "speculative": {"drafted": engine.drafted, "accepted": engine.accepted}}
+
+            runner, port = await serve_http(service, config.http[0], config.http[1], api, status=status)
             info["http"] = info["status"] = f"http://{config.http[0]}:{port}"
         gateway = None
         try:
