@@ -50,6 +50,7 @@ from _links import _free_port, delayed_swarm  # benchmarks/_links.py
 
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import Daemon, start_daemon, stop_daemon
+from moeswarm.errors import SwarmError
 
 RANGES = ["0-3", "4-7"]
 PROMPT = "And it came to pass"
@@ -94,7 +95,7 @@ def stream(url: str, tokens: int, timeout: float = 300.0) -> Stream:
 def mtp_supported() -> bool:
     """Whether this build's backbone takes ``--draft mtp``."""
     out = subprocess.run([sys.executable, "-m", "moeswarm.cli", "backbone", "--help"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, check=False)
     return "--draft" in out.stdout and "mtp" in out.stdout
 
 
@@ -176,7 +177,7 @@ def main() -> None:
                 mtp_daemon, mtp_url = stack.enter_context(
                     gateway(hub_boot, person_delay, ["--draft", "mtp", "--speculative", str(a.speculative)], "gw-mtp"))
                 urls["gateway + MTP"] = mtp_url
-            except Exception as e:  # a build with --draft mtp but a demo without MTP layers, say
+            except (SwarmError, OSError) as e:  # --draft mtp, but a demo without MTP layers, say
                 mtp_note = f"not available on this build ({str(e).splitlines()[0][:120]})"
         for url in urls.values():
             stream(url, 4)  # warm up: connections, link probes, first pages

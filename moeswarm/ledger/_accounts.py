@@ -222,7 +222,7 @@ def accounts_problem(conn: Connection, ledger: bytes) -> str | None:
         if epoch in settled:
             payee = client if (int(epoch), server) in withheld else server
             expected[payee] = expected.get(payee, 0) + amount
-    from ._authorizations import charge_deltas  # gateway charges: moves between two accounts
+    from ._charges import charge_deltas  # gateway charges: moves between two accounts
 
     try:
         charges = charge_deltas(conn)

@@ -18,45 +18,17 @@ gateway's, and remembers the new total per authorization (``ledger_gateway_charg
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import insert, select, update
 
-from moeswarm.errors import ProtocolError
 from moeswarm.protocol import peer_id_to_str
-from moeswarm.protocol._spending import SpendingAuthorization, UsageAck, check_spending
 
 from ._accounts import apply_deltas, balances_of
+from ._charges import CHARGED, ChargeResult, decode_charge
 from ._models import GatewayCharge
 
-CHARGED: Final = "charged"
-OUTCOMES: Final = (CHARGED, "duplicate", "malformed", "bad_signature", "authorization_expired",
-                   "exceeds_authorization", "insufficient_funds")
-
-
-@dataclass(frozen=True)
-class ChargeResult:
-    status: str  # one of OUTCOMES
-    charged: int = 0  # credits this authorization has moved in all, after this charge
-    moved: int = 0  # credits this charge moved
-    message: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"status": self.status, "charged": self.charged, "moved": self.moved, "message": self.message}
-
-
-def decode_charge(authorization: bytes, usage: bytes) -> tuple[SpendingAuthorization, UsageAck] | ChargeResult:
-    """The checked pair, or why it is refused (no database, no lock)."""
-    try:
-        auth, ack = SpendingAuthorization.decode(authorization), UsageAck.decode(usage)
-    except ProtocolError as e:
-        return ChargeResult("malformed", message=str(e))
-    try:
-        check_spending(auth, ack)
-    except ProtocolError as e:
-        return ChargeResult("bad_signature", message=str(e))
-    return auth, ack
+__all__ = ["charge"]
 
 
 def charge(ledger: Any, authorization: bytes, usage: bytes) -> ChargeResult:
@@ -84,26 +56,10 @@ def charge(ledger: Any, authorization: bytes, usage: bytes) -> ChargeResult:
             return ChargeResult("insufficient_funds", charged=before,
                                 message=f"{peer_id_to_str(auth.person)} cannot pay {moved} credits")
         apply_deltas(conn, {auth.person: -moved, auth.gateway: moved}, now)
-        values = dict(charged=credits, tokens=ack.tokens, usage=ack.encode(), updated_ms=now)
+        values = {"charged": credits, "tokens": ack.tokens, "usage": ack.encode(), "updated_ms": now}
         if row is None:
             conn.execute(insert(GatewayCharge).values(authorization_id=auth.id, person=auth.person,
                                                       gateway=auth.gateway, authorization=auth.encode(), **values))
         else:
             conn.execute(update(GatewayCharge).where(GatewayCharge.authorization_id == auth.id).values(**values))
     return ChargeResult(CHARGED, charged=credits, moved=moved)
-
-
-def charge_deltas(conn: Connection) -> dict[bytes, int]:
-    """What every charge moved, per account (for ``accounts_problem``); each row is checked against
-    the signed acknowledgement and authorization it stores."""
-    out: dict[bytes, int] = {}
-    for row in conn.execute(select(GatewayCharge)).all():
-        checked = decode_charge(bytes(row.authorization), bytes(row.usage))
-        if isinstance(checked, ChargeResult):
-            raise ProtocolError(f"gateway charge {bytes(row.authorization_id).hex()}: {checked.status}")
-        auth, ack = checked
-        if auth.id != bytes(row.authorization_id) or ack.tokens * auth.price_per_token != int(row.charged):
-            raise ProtocolError(f"gateway charge {bytes(row.authorization_id).hex()} does not match its records")
-        out[auth.person] = out.get(auth.person, 0) - int(row.charged)
-        out[auth.gateway] = out.get(auth.gateway, 0) + int(row.charged)
-    return out

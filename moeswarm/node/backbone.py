@@ -251,7 +251,8 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
         if config.http is not None:
             api = ApiConfig(max_tokens_cap=config.max_tokens_cap, chat_max_tokens=min(4096, config.max_tokens_cap),
                             api_key=config.api_key, limits=config.http_limits,
-                            middlewares=(gate.middleware(),) if gate is not None else ())
+                            middlewares=(gate.middleware(),) if gate is not None else (), public=config.gateway,
+                            allowed_hosts=_url_hosts(config.gateway_url))
             def status() -> dict[str, Any]:
                 engine = service.engine  # draft tokens proposed and accepted (speculative decoding)
                 return {**backbone.status(), "speculative": {"drafted": engine.drafted, "accepted": engine.accepted}}
@@ -279,6 +280,14 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
                 await runner.cleanup()
             if gate is not None:
                 await gate.aclose()
+
+
+def _url_hosts(url: str | None) -> tuple[str, ...]:
+    """The host name of a gateway's announced URL: clients send it in Host."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname if url else None
+    return (host,) if host else ()
 
 
 async def _start_gateway(config: BackboneConfig, backbone: SwarmBackbone, service: Any, port: int) -> Any:

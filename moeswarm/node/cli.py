@@ -210,7 +210,9 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
               help="The HTTP API refuses requests for more new tokens than this.")
 @click.option("--gateway", is_flag=True,
               help="Serve other people's requests: announce this API in the swarm (URL, model, free batch places, "
-                   "price, measured round trip to the holders), for `moeswarm complete`/`chat` and the SDK to find.")
+                   "price, measured round trip to the holders), for `moeswarm complete`/`chat` and the SDK to find. "
+                   "A gateway serves anyone without --api-key, also off loopback (with --gateway-price, only "
+                   "people whose spending authorization pays).")
 @click.option("--gateway-price", default=0, show_default=True, type=click.IntRange(min=0), metavar="CREDITS",
               help="With --gateway: credits per generated token a person pays (their spending authorization "
                    "signs this figure).")

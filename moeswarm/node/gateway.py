@@ -20,7 +20,12 @@ from typing import Any
 
 from .._tasks import cancel_and_wait
 from ..errors import SwarmError
-from ..net.gateways import GATEWAY_PROVIDER_KEY, GatewayRecord, gateway_key, sign_gateway
+from ..net.gateways import (
+    GATEWAY_PROVIDER_KEY,
+    GatewayRecord,
+    gateway_key,
+    sign_gateway,
+)
 
 log = logging.getLogger(__name__)
 

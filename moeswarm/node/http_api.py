@@ -49,6 +49,7 @@ class ApiConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host/Origin names accepted besides the bound address (a proxy's name)
     limits: HttpLimits = HttpLimits()  # header/body/idle timeouts and connections per address
     middlewares: tuple[Any, ...] = ()  # run after the guard, before the handlers (a paid gateway's SpendingGate)
+    public: bool = False  # a gateway: serves anyone without an API key, also off loopback (paid ones charge)
 
 
 SERVICE = web.AppKey("service", GenerationService)
@@ -425,7 +426,7 @@ def make_app(service: GenerationService, config: ApiConfig = ApiConfig(),
     """The aiohttp application serving ``service`` with OpenAI's API (and, given ``status``, the
     daemon's ``/status`` and ``/metrics``: ``moeswarm.node.status``). ``bind_host`` is the address
     it listens on: Host and Origin headers must name it (or ``config.allowed_hosts``)."""
-    if config.api_key is None and not is_loopback(bind_host):
+    if config.api_key is None and not is_loopback(bind_host) and not config.public:
         raise ConfigError(f"the HTTP API on {bind_host} is reachable from other machines: give it an API key "
                           "(--api-key), or bind it to 127.0.0.1")
     if config.api_key is not None and not config.api_key.strip():

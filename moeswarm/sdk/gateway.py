@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import BadResponse, ConfigError, SwarmError, Timeout, Unreachable
+from ..errors import BadResponse, ConfigError, Timeout, Unreachable
 from ..net.gateways import GatewayRecord, read_gateways
 
 PING_TRIES = 3

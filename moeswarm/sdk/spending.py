@@ -18,7 +18,11 @@ from typing import Any
 
 from ..net.gateways import GatewayRecord
 from ..protocol import Identity
-from ..protocol._spending import SpendingAuthorization, acknowledge_usage, authorize_spending
+from ..protocol._spending import (
+    SpendingAuthorization,
+    acknowledge_usage,
+    authorize_spending,
+)
 
 AUTHORIZATION_HEADER = "X-Moeswarm-Authorization"
 USAGE_HEADER = "X-Moeswarm-Usage"
@@ -77,7 +81,7 @@ class Authorizer:
         """Acknowledge what the current gateway streamed (best effort: a gateway that is gone is not paid)."""
         if self.current is None:
             return
-        record, auth = self.current
+        record, _ = self.current
         headers = self.headers(record)
         if USAGE_HEADER not in headers:
             return
