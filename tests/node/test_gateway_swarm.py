@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,23 @@ def test_client_finds_two_gateways_streams_from_the_nearer_and_survives_its_sigk
         switches = [line for line in err.splitlines() if line.startswith("gateway ")]
         assert switches == [f"gateway {far.info['peer_id']} {far_url}"]
         assert json.loads(out.splitlines()[-1]) == _reference()
+
+        # `moeswarm chat` through the one gateway left: the dead one is measured unreachable and skipped
+        question = "Who led Israel out of Egypt?"
+        chat = subprocess.run([sys.executable, "-m", "moeswarm.cli", "chat", "--swarm", boot, "--model",
+                               str(CHECKPOINT / "config.json"), "--max-new-tokens", "12"], input=question + "\n",
+                              capture_output=True, text=True, timeout=120, check=False,
+                              env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+        assert chat.returncode == 0, chat.stderr
+        assert [line for line in chat.stderr.splitlines() if line.startswith("gateway ")] == [
+            f"gateway {far.info['peer_id']} {far_url}"]
+        body = json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": 12,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(far.info["http"] + "/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            direct = json.loads(response.read())["choices"][0]["message"]["content"]
+        assert direct and chat.stdout == direct + "\n"
     finally:
         for d in reversed(daemons):
             stop_daemon(d)
