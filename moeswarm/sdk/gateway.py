@@ -27,6 +27,11 @@ from ..net.gateways import GatewayRecord, read_gateways
 PING_TRIES = 3
 
 
+class PaymentRequired(ConfigError):
+    """A gateway answered 402: it charges, and this client sent no authorization it accepts; the
+    client goes on to the next gateway."""
+
+
 async def find_gateways_async(bootstrap: Sequence[str], model_id: str | None, *, wait_s: float = 10.0,
                               interval_s: float = 0.5) -> list[GatewayRecord]:
     """Gateways serving ``model_id`` (any model: None), read through a DHT client joined via ``bootstrap``;
@@ -161,14 +166,14 @@ class GatewayClient:
                         yield piece, ids
                 out.prompt_ids = prompt_ids or []
                 return
-            except (Unreachable, Timeout, BadResponse):
+            except (Unreachable, Timeout, BadResponse, PaymentRequired):
                 dead.add(record.peer_id)
                 if out.token_ids and prompt_ids is None:
                     raise  # tokens came but not the prompt's: cannot resume exactly
                 if len(out.token_ids) >= max_new_tokens:
                     out.prompt_ids = prompt_ids or []
                     return
-        raise Unreachable(f"every gateway failed ({len(dead)} tried)")
+        raise Unreachable(f"every gateway failed or wants payment ({len(dead)} tried)")
 
     def _events(self, record: GatewayRecord, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         headers = {"Content-Type": "application/json", **self.authorize(record)}
@@ -178,6 +183,8 @@ class GatewayClient:
             response = conn.getresponse()
             if response.status >= 400:
                 data = response.read()
+                if response.status == 402:  # priced, and this client does not pay it (or no longer)
+                    raise PaymentRequired(f"the gateway {record.url} wants payment: {data[:300].decode(errors='replace')}")
                 if 400 <= response.status < 500:
                     raise ConfigError(f"the gateway {record.url} refused the request (HTTP {response.status}): "
                                       f"{data[:300].decode(errors='replace')}")
@@ -227,5 +234,5 @@ def model_id_of(model: str) -> str:
     return model
 
 
-__all__ = ["Candidate", "GatewayClient", "Generation", "find_gateways", "find_gateways_async", "measure_rtt",
-           "model_id_of", "rank"]
+__all__ = ["Candidate", "GatewayClient", "Generation", "PaymentRequired", "find_gateways", "find_gateways_async",
+           "measure_rtt", "model_id_of", "rank"]

@@ -89,6 +89,9 @@ def test_a_person_pays_a_gateway_its_announced_price_for_the_tokens_received(tmp
         tokens = len(json.loads(done.stdout.splitlines()[-1]))
         assert tokens > 0
         assert _wait_balance(ledger.url, ids[person], 1000 - PRICE * tokens) == 1000 - PRICE * tokens
+        unpaid = _cli("moeswarm.cli", "complete", "--swarm", boot, "--model", model_id, "--prompt", "In the beginning",
+                      "--max-new-tokens", "4")  # no --identity: the only gateway wants payment
+        assert unpaid.returncode != 0 and "every gateway failed or wants payment (1 tried)" in unpaid.stderr
         # the gateway got the fee (its own expert calls' receipts are paid from its account into escrow)
         attack = subprocess.run([sys.executable, str(ATTACKERS / "denying_client.py"), gateway.info["http"],
                                  gateway.info["peer_id"], model_id, str(PRICE), denier.read_bytes().hex()],
