@@ -113,6 +113,10 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
     from .model import load_model
 
     model_dir = model_dir or _default_model()
+    if identity_file is not None and not swarm:
+        from .errors import ConfigError
+
+        raise ConfigError("--identity countersigns the swarm's receipts: it needs --swarm")
     if swarm:
         import asyncio
 

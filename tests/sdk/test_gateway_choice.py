@@ -54,3 +54,14 @@ def test_the_dht_stores_a_gateway_record_under_its_own_key_and_prefers_the_newer
         validate_any(gateway_key(Identity.generate().peer_id), new.encode())
     assert info.value.code == 9
     assert select_any(key, [old.encode(), new.encode()]) == 1
+
+
+def test_generate_identity_needs_swarm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from click.testing import CliRunner
+
+    from moeswarm.cli import main
+
+    done = CliRunner().invoke(main, ["generate", "--identity", str(tmp_path / "me.key"), "--max-new-tokens", "1"])
+    assert done.exit_code != 0
+    assert "--identity countersigns the swarm's receipts: it needs --swarm" in done.output
+    assert not (tmp_path / "me.key").exists()
