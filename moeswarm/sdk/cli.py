@@ -91,11 +91,11 @@ def complete(swarm: tuple[str, ...], model: str, temperature: float, top_p: floa
                                  max_new_tokens)
     result = Generation([], [], "", [], None)
     try:
-        for piece, _ in client.stream(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                      top_k=top_k, seed=seed, result=result):
+        for piece, new_ids in client.stream(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                            top_k=top_k, seed=seed, result=result):
             click.echo(piece, nl=False)
             if authorizer is not None:
-                authorizer.received(len(_))
+                authorizer.received(len(new_ids))
     finally:
         if authorizer is not None:
             authorizer.close()
