@@ -4,12 +4,14 @@ the very tokens the single-process engine gives (greedy)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -40,6 +42,21 @@ def _reference() -> list[int]:
     ids = Tokenizer.from_folder(CHECKPOINT, model.config.bos_token_id).encode(PROMPT)
     return list(generate(model, ids, SamplingParams(max_new_tokens=NEW_TOKENS,
                                                      stop_token_ids=model.config.eos_token_ids)))
+
+
+async def _gateways_once_gone(boot: str, gone: str, timeout_s: float = 30.0) -> set[str]:
+    """The peers of the gateway records the swarm holds, read (one DHT client) until ``gone`` is not among them."""
+    from moeswarm.daemon import SwarmConfig, p2p_node
+    from moeswarm.net.gateways import read_gateways
+    from moeswarm.protocol import Identity
+
+    async with p2p_node(Identity.generate(), SwarmConfig("", bootstrap=(boot,), client_mode=True)) as p2p:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = {r.peer for r in await read_gateways(p2p)}
+            if gone not in seen or time.monotonic() > deadline:
+                return seen
+            await asyncio.sleep(0.2)
 
 
 def test_client_finds_two_gateways_streams_from_the_nearer_and_survives_its_sigkill(
@@ -103,6 +120,11 @@ def test_client_finds_two_gateways_streams_from_the_nearer_and_survives_its_sigk
         with urllib.request.urlopen(request, timeout=60) as response:
             direct = json.loads(response.read())["choices"][0]["message"]["content"]
         assert direct and chat.stdout == direct + "\n"
+
+        # a gateway stopped cleanly withdraws its record (one that expires at once); a killed one's stays
+        # until it expires (60 s), and clients skip it as unreachable
+        stop_daemon(far)
+        assert asyncio.run(_gateways_once_gone(boot, far.info["peer_id"])) == {near.info["peer_id"]}
     finally:
         for d in reversed(daemons):
             stop_daemon(d)
