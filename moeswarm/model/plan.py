@@ -177,10 +177,23 @@ def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
     return p + norms
 
 
+def _llama4_text(t: dict[str, Any], n: int) -> dict[str, Any]:
+    """Llama 4's fields in the names ``model_size`` reads: MoE layers from ``moe_layers`` (or every
+    ``interleave_moe_layer_step``-th), dense layers ``intermediate_size_mlp`` wide, one shared expert
+    as wide as a routed one, and a q/k norm without weights (nothing to count)."""
+    step = int(t.get("interleave_moe_layer_step") or 1)
+    moe = set(t["moe_layers"] if t.get("moe_layers") is not None else range(step - 1, n, step))
+    return {**t, "mlp_layer_types": ["sparse" if i in moe else "dense" for i in range(n)], "use_qk_norm": False,
+            "dense_intermediate_size": t.get("intermediate_size_mlp", 16384),
+            "shared_intermediate_size": t.get("intermediate_size", 8192)}
+
+
 def model_size(raw: dict[str, Any]) -> ModelSize:
     """Count a config.json's parameters (``KeyError`` names a field it lacks)."""
     t = raw.get("text_config") or raw
     t = {**t, "model_type": t.get("model_type") or raw.get("model_type")}
+    if t["model_type"] in ("llama4", "llama4_text"):
+        t = _llama4_text(t, int(t["num_hidden_layers"]))
     H, n, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
     E = _one(_first(t, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0))
     k = _one(_first(t, "num_experts_per_tok", "moe_topk", "moe_k", "top_k", default=0))
@@ -233,7 +246,9 @@ class ModelCard:
 # shipped config name -> its model card's figures (cards round, and may count the
 # multi-token-prediction layer, which plan leaves out)
 MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
-               "qwen3-next-80b-a3b": ModelCard("80B", "3B", "Qwen/Qwen3-Next-80B-A3B-Instruct")}
+               "qwen3-next-80b-a3b": ModelCard("80B", "3B", "Qwen/Qwen3-Next-80B-A3B-Instruct"),
+               "llama-4-scout": ModelCard("109B", "17B", "meta-llama/Llama-4-Scout-17B-16E-Instruct"),
+               "llama-4-maverick": ModelCard("400B", "17B", "meta-llama/Llama-4-Maverick-17B-128E-Instruct")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

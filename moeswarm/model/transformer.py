@@ -39,6 +39,17 @@ class ExpertExecutor(Protocol):
         ...
 
 
+class AttentionKind(Protocol):
+    def __call__(self, w: dict[str, np.ndarray | None], h: np.ndarray, cfg: ModelConfig, rope: Rope, cache: object,
+                 positions: np.ndarray, layer: int) -> np.ndarray:
+        """Layer ``layer``'s token mixing: h (B, T, H) -> (B, T, H), over its ``cache``."""
+        ...
+
+
+# attention kinds a family's module adds (``ModelConfig.attention`` -> function), e.g. Llama 4's
+ATTENTION_KINDS: dict[str, AttentionKind] = {}
+
+
 class _Done:
     def __init__(self, value: np.ndarray) -> None:
         self._value = value
@@ -93,6 +104,16 @@ class LocalExperts:
 
     def end_step(self) -> None:
         pass
+
+
+class _Summed:
+    """The (T*k, H) outputs of ``Model._submit_scaled`` summed back to (T, H)."""
+
+    def __init__(self, handle: ExpertHandle, tokens: int, k: int) -> None:
+        self._handle, self._tokens, self._k = handle, tokens, k
+
+    def result(self) -> np.ndarray:
+        return self._handle.result().reshape(self._tokens, self._k, -1).sum(axis=1, dtype=np.float32)
 
 
 class RouteObserver(Protocol):
@@ -164,6 +185,8 @@ class Model:
         """The attention kinds beyond GQA and MLA: DSA (DeepSeek-V3.2, GLM-5), Qwen3.5's DeltaNet +
         gated attention.  h (B, T, H) -> (B, T, H)."""
         cfg = self.config
+        if cfg.attention in ATTENTION_KINDS:
+            return ATTENTION_KINDS[cfg.attention](self._attn[L], h, cfg, self.rope, layer_cache, positions, L)
         if cfg.attention == "dsa":
             return dsa_attention(self._attn[L], h, cfg, self.rope, layer_cache, positions, L, step)  # type: ignore[arg-type]
         if cfg.attention == "qwen3_5":
@@ -182,7 +205,8 @@ class Model:
         ids, weights = route(cfg, h, w[f"{L}.router"], w.get(f"{L}.router_bias"), w.get(f"{L}.router_score_bias"))
         for observe in self.observers:
             observe(L, ids)
-        handle = self.experts.submit(L, h, ids, weights)
+        handle = self._submit_scaled(L, h, ids, weights) if cfg.expert_input_scaled else self.experts.submit(
+            L, h, ids, weights)
         if not self.overlap_shared:
             handle.result()
         shared = None
@@ -192,3 +216,11 @@ class Model:
                 shared = sigmoid(h @ f32(w[f"{L}.shared_gate"]).T) * shared
         out = handle.result()
         return out if shared is None else out + shared
+
+    def _submit_scaled(self, L: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> ExpertHandle:
+        """Llama 4: each chosen expert computes on ``weight * x``; outputs add unweighted.  Sent as
+        one row per (token, choice) with weight 1, so any executor (a swarm's too) computes it."""
+        T, k = ids.shape
+        rows = (h[:, None, :] * weights[:, :, None]).reshape(T * k, -1)  # (T*k, H)
+        handle = self.experts.submit(L, rows, ids.reshape(T * k, 1), np.ones((T * k, 1), np.float32))
+        return _Summed(handle, T, k)
