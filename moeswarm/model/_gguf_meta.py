@@ -112,6 +112,10 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_expert_group_used_count(cfg.topk_group)
     if cfg.arch == "minimax_m2":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if cfg.arch in ("llama4", "llama4_text"):  # llama.cpp fixes the chunk size, NoPE step and temperature
+        w.add_interleave_moe_layer_step(cfg.moe_layers.index(True) + 1 if True in cfg.moe_layers else cfg.num_layers)
+        if not any(cfg.family.chunked):
+            w.add_sliding_window(0)
     _dsa_deltanet_hparams(w, cfg)
     windows = {x for x in cfg.sliding_windows if x is not None}
     if windows:
@@ -210,6 +214,8 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
                    n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)))
         raw["rope_parameters"]["partial_rotary_factor"] = int(get(R.DIMENSION_COUNT, head_dim // 2)) / head_dim
+    elif arch == "llama4_text":
+        _llama4_config(raw, get, tensors, experts, expert_ff)
     elif arch == "gpt_oss":
         window = get(A.SLIDING_WINDOW, None)
         raw.update(sliding_window=int(window) if window else None, attention_bias=has("attn_q.bias"))
@@ -287,3 +293,21 @@ def _dsa_deltanet_config(raw: dict[str, Any], get: Any, tensors: set[str], n: in
                linear_value_head_dim=int(get(S.INNER_SIZE)) // value_heads,
                shared_expert_intermediate_size=int(get(L.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)))
     raw["rope_parameters"]["partial_rotary_factor"] = int(get(Keys.Rope.DIMENSION_COUNT)) / int(raw["head_dim"])
+
+
+# ---------------------------------------------------------------- Llama 4 (llama4)
+
+
+def _llama4_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: int, expert_ff: int) -> None:
+    """Llama 4's config.json fields from llama.cpp's keys.  llama.cpp stores no chunk size, NoPE
+    interval, temperature or q/k-norm switch: it fixes them (8192, every 4th layer NoPE, floor 8192
+    and scale 0.1; q/k norm unless 128 experts, i.e. Maverick), and so does this reading."""
+    if "rope_freqs.weight" in tensors:
+        raise ValueError("llama.cpp's rope_freqs tensor (Llama 4 Scout's llama3 RoPE scaling) is not read")
+    chunked = get(Keys.Attention.SLIDING_WINDOW, None) != 0
+    raw.update(num_local_experts=experts, intermediate_size=expert_ff,
+               intermediate_size_mlp=int(get(Keys.LLM.FEED_FORWARD_LENGTH)),
+               interleave_moe_layer_step=int(get(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP, 1)),
+               attention_bias=any(t.endswith(".attn_q.bias") for t in tensors), use_qk_norm=experts != 128,
+               attention_chunk_size=8192 if chunked else None, floor_scale=8192, attn_scale=0.1,
+               attn_temperature_tuning=True, no_rope_layer_interval=4 if chunked else raw["num_hidden_layers"])

@@ -308,3 +308,24 @@ NAME_MAP["glm4_moe"] = (
             ("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.gate.e_score_correction_bias"))
     + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
 )
+
+
+# ---------------------------------------------------------------- Llama 4 (llama4)
+# As llama.cpp's convert_hf_to_gguf.py (Llama4Model) writes it: no q/k row permutation (Llama 4's
+# RoPE already pairs adjacent dimensions, as llama.cpp's does), the packed experts as
+# ffn_{gate,up,down}_exps, the router as ffn_gate_inp, the shared expert as ffn_*_shexp, the dense
+# layers as ffn_*.  The hf names are those gguf-py's TensorNameMap knows (the experts after
+# llama.cpp splits ``gate_up_proj``).  Not written: llama.cpp's ``rope_freqs`` tensor, which carries
+# the llama3 RoPE scaling of Llama 4 Scout to llama.cpp (moeswarm reads it from the embedded config).
+_F = "model.layers.{L}.feed_forward."
+GGUF_ARCH["llama4_text"] = GGUF_ARCH["llama4"] = "llama4"  # llama4_text first: llama.cpp's files read as text-only
+NAME_MAP["llama4_text"] = NAME_MAP["llama4"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _O_BIAS
+    + _rows(("{L}.router", "blk.{L}.ffn_gate_inp.weight", _F + "router.weight"))
+    + tuple(NameRow(f"{{L}}.experts.{{E}}.{p}", f"blk.{{L}}.ffn_{p}_exps.weight", _F + f"experts.{p}_proj.weight")
+            for p in ("gate", "up", "down"))
+    + tuple(NameRow(f"{{L}}.shared.{p}", f"blk.{{L}}.ffn_{p}_shexp.weight", _F + f"shared_expert.{p}_proj.weight")
+            for p in ("gate", "up", "down"))
+    + tuple(NameRow(f"{{L}}.mlp.{p}", f"blk.{{L}}.ffn_{p}.weight", _F + f"{p}_proj.weight")
+            for p in ("gate", "up", "down"))
+)
