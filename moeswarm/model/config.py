@@ -162,6 +162,8 @@ class ModelConfig:
     # Llama 4 (issue 34; see _config_llama4.py)
     expert_input_scaled: bool = False  # experts take x * weight and their outputs add unweighted
     family: Any = None  # a family's own frozen settings, read by the attention kind it registers
+    # Mistral 4: (beta, length): after RoPE, q at position p *= 1 + beta * log(1 + floor(p / length))
+    q_position_scale: tuple[float, int] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -248,7 +248,8 @@ class ModelCard:
 MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "qwen3-next-80b-a3b": ModelCard("80B", "3B", "Qwen/Qwen3-Next-80B-A3B-Instruct"),
                "llama-4-scout": ModelCard("109B", "17B", "meta-llama/Llama-4-Scout-17B-16E-Instruct"),
-               "llama-4-maverick": ModelCard("400B", "17B", "meta-llama/Llama-4-Maverick-17B-128E-Instruct")}
+               "llama-4-maverick": ModelCard("400B", "17B", "meta-llama/Llama-4-Maverick-17B-128E-Instruct"),
+               "mistral-small-4": ModelCard("119B", "6B", "mistralai/Mistral-Small-4-119B-2603")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
