@@ -164,6 +164,11 @@ class ModelConfig:
     family: Any = None  # a family's own frozen settings, read by the attention kind it registers
     # Mistral 4: (beta, length): after RoPE, q at position p *= 1 + beta * log(1 + floor(p / length))
     q_position_scale: tuple[float, int] | None = None
+    # Granite MoE: embeddings *= embedding_multiplier; each block's output *= residual_multiplier
+    # before the residual add; logits /= logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -298,7 +298,8 @@ MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "llama-4-scout": ModelCard("109B", "17B", "meta-llama/Llama-4-Scout-17B-16E-Instruct"),
                "llama-4-maverick": ModelCard("400B", "17B", "meta-llama/Llama-4-Maverick-17B-128E-Instruct"),
                "mistral-small-4": ModelCard("119B", "6B", "mistralai/Mistral-Small-4-119B-2603"),
-               "deepseek-v4-flash": ModelCard("284B", "13B", "deepseek-ai/DeepSeek-V4-Flash")}
+               "deepseek-v4-flash": ModelCard("284B", "13B", "deepseek-ai/DeepSeek-V4-Flash"),
+               "granite-3.0-3b-a800m": ModelCard("3.3B", "800M", "ibm-granite/granite-3.0-3b-a800m-instruct")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

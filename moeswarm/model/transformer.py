@@ -106,6 +106,18 @@ class LocalExperts:
         pass
 
 
+def residual(cfg: ModelConfig, h: np.ndarray) -> np.ndarray:
+    """A block's output as it joins the residual stream (Granite scales it by ``residual_multiplier``)."""
+    return h if cfg.residual_multiplier == 1.0 else h * np.float32(cfg.residual_multiplier)
+
+
+def scaled_logits(cfg: ModelConfig, logits: np.ndarray) -> np.ndarray:
+    """float32 logits, divided by Granite's ``logits_scaling``."""
+    if cfg.logits_scaling != 1.0:
+        logits = logits / np.float32(cfg.logits_scaling)
+    return logits.astype(np.float32, copy=False)
+
+
 class _Summed:
     """The (T*k, H) outputs of ``Model._submit_scaled`` summed back to (T, H)."""
 
@@ -158,6 +170,8 @@ class Model:
         past = cache.length
         positions = np.arange(past, past + T)
         x = f32(w["embed"][ids])  # (B, T, H)
+        if cfg.embedding_multiplier != 1.0:  # Granite
+            x = x * np.float32(cfg.embedding_multiplier)
         step: dict[str, np.ndarray] = {}  # what one layer hands the next within this pass (DSA top-k)
         for L in range(cfg.num_layers):
             h = rms_norm(x, w[f"{L}.attn_norm"], cfg.rms_norm_eps)
@@ -169,16 +183,16 @@ class Model:
                 h = gqa(self._attn[L], h, cfg, self.rope, cache.layers[L], positions, cfg.sliding_windows[L])
             else:
                 h = self._mix_tokens(L, h, cache.layers[L], positions, step)
-            x = x + h
+            x = x + residual(cfg, h)
             for observe_state in self.state_observers:
                 observe_state(L, x.reshape(B * T, -1))
             h = rms_norm(x, w[f"{L}.mlp_norm"], cfg.rms_norm_eps).reshape(B * T, -1)
-            x = x + self._mlp(L, h).reshape(B, T, -1)
+            x = x + residual(cfg, self._mlp(L, h).reshape(B, T, -1))
         self.experts.end_step()
         if last_only:
             x = x[:, -1:]
         x = rms_norm(x, w["final_norm"], cfg.rms_norm_eps)
-        return mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1).astype(np.float32, copy=False)
+        return scaled_logits(cfg, mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1))
 
     def _mix_tokens(self, L: int, h: np.ndarray, layer_cache: object, positions: np.ndarray,
                     step: dict[str, np.ndarray]) -> np.ndarray:

@@ -99,7 +99,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             s[p + "mlp.down"] = (H, inter)
             continue
         s[p + "router"] = (cfg.num_experts, H)
-        if cfg.router == "topk_softmax":
+        if cfg.router == "topk_softmax" and cfg.expert_bias:  # gpt-oss's router has a bias; Granite's has none
             s[p + "router_bias"] = (cfg.num_experts,)
         if cfg.router == "sigmoid_group" or cfg.choice_bias:
             s[p + "router_score_bias"] = (cfg.num_experts,)
