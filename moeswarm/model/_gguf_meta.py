@@ -112,6 +112,11 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_expert_group_used_count(cfg.topk_group)
     if cfg.arch == "minimax_m2":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if cfg.arch in ("granitemoe", "granitemoeshared"):  # Granite's four scalars
+        w.add_attention_scale(cfg.scale)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     if cfg.arch in ("llama4", "llama4_text"):  # llama.cpp fixes the chunk size, NoPE step and temperature
         w.add_interleave_moe_layer_step(cfg.moe_layers.index(True) + 1 if True in cfg.moe_layers else cfg.num_layers)
         if not any(cfg.family.chunked):
@@ -176,7 +181,7 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
     def has(suffix: str) -> bool:
         return any(t.endswith("." + suffix) for t in tensors)
 
-    if arch in ("mixtral", "gpt_oss"):
+    if arch in ("mixtral", "gpt_oss", "granitemoe"):
         raw.update(num_local_experts=experts, intermediate_size=expert_ff)
     else:
         raw.update(num_experts=experts, moe_intermediate_size=expert_ff,
@@ -214,6 +219,12 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
                    n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)))
         raw["rope_parameters"]["partial_rotary_factor"] = int(get(R.DIMENSION_COUNT, head_dim // 2)) / head_dim
+    elif arch == "granitemoe":
+        shared = int(get(L.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0))
+        raw.update(model_type="granitemoeshared" if shared else "granitemoe", shared_intermediate_size=shared,
+                   attention_bias=has("attn_q.bias"), attention_multiplier=_f32(get(A.SCALE)),
+                   embedding_multiplier=_f32(get(L.EMBEDDING_SCALE)), residual_multiplier=_f32(get(L.RESIDUAL_SCALE)),
+                   logits_scaling=_f32(get(L.LOGIT_SCALE)))
     elif arch == "llama4_text":
         _llama4_config(raw, get, tensors, experts, expert_ff)
     elif arch == "gpt_oss":

@@ -329,3 +329,24 @@ NAME_MAP["llama4_text"] = NAME_MAP["llama4"] = (
     + tuple(NameRow(f"{{L}}.mlp.{p}", f"blk.{{L}}.ffn_{p}.weight", _F + f"{p}_proj.weight")
             for p in ("gate", "up", "down"))
 )
+
+
+# ---------------------------------------------------------------- Granite MoE (granitemoe)
+# As llama.cpp's convert_hf_to_gguf.py (GraniteMoeModel, a LlamaModel) writes it: q/k rows (and
+# biases) permuted to adjacent rotary pairs, ``input_linear`` split into ffn_gate_exps / ffn_up_exps
+# (llama.cpp names those two itself: gguf-py's TensorNameMap has no entry for input_linear), the shared
+# MLP's likewise into ffn_{gate,up}_shexp.
+_GB = _P + "block_sparse_moe."
+_BIAS_PERMUTE = {"{L}.attn.q_bias": "heads", "{L}.attn.k_bias": "kv_heads"}
+GGUF_ARCH["granitemoe"] = GGUF_ARCH["granitemoeshared"] = "granitemoe"
+NAME_MAP["granitemoe"] = NAME_MAP["granitemoeshared"] = (
+    _BACKBONE + _FFN_NORM + _permuted(_GQA) + _O_BIAS
+    + tuple(NameRow(r.canonical, r.gguf, r.hf, _BIAS_PERMUTE.get(r.canonical)) for r in _QKV_BIAS)
+    + _rows(("{L}.router", "blk.{L}.ffn_gate_inp.weight", _GB + "router.layer.weight"),
+            ("{L}.experts.{E}.gate", "blk.{L}.ffn_gate_exps.weight", _GB + "input_linear.weight"),
+            ("{L}.experts.{E}.up", "blk.{L}.ffn_up_exps.weight", _GB + "input_linear.weight"),
+            ("{L}.experts.{E}.down", "blk.{L}.ffn_down_exps.weight", _GB + "output_linear.weight"),
+            ("{L}.shared.gate", "blk.{L}.ffn_gate_shexp.weight", _P + "shared_mlp.input_linear.weight"),
+            ("{L}.shared.up", "blk.{L}.ffn_up_shexp.weight", _P + "shared_mlp.input_linear.weight"),
+            ("{L}.shared.down", "blk.{L}.ffn_down_shexp.weight", _P + "shared_mlp.output_linear.weight"))
+)
