@@ -103,15 +103,19 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.shared_intermediate_size:
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe"):
+    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe", "mistral4"):
         w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
         w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX if cfg.router == "softmax_group"
+                                 else gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
     if cfg.arch == "minimax_m2":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if cfg.q_position_scale is not None:  # Mistral 4's llama_4_scaling_beta over its length
+        w.add_attn_temperature_scale(cfg.q_position_scale[0])
+        w.add_attn_temperature_length(cfg.q_position_scale[1])
     if cfg.arch in ("granitemoe", "granitemoeshared"):  # Granite's four scalars
         w.add_attention_scale(cfg.scale)
         w.add_embedding_scale(cfg.embedding_multiplier)
@@ -194,7 +198,7 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
     elif arch == "olmoe":
         clip = get(A.CLAMP_KQV, None)
         raw.update(attention_bias=has("attn_q.bias"), clip_qkv=_f32(clip) if clip else None)
-    elif arch == "deepseek_v3":
+    elif arch in ("deepseek_v3", "mistral4"):
         rope_dim = int(get(R.DIMENSION_COUNT))
         q_lora = get(A.Q_LORA_RANK, None)
         raw.update(n_routed_experts=experts, qk_rope_head_dim=rope_dim,
@@ -205,6 +209,11 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
                    n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)),
                    rope_interleave=True, head_dim=None)
+        beta = get(A.TEMPERATURE_SCALE, None)
+        if arch == "mistral4" and beta is not None:
+            raw["rope_parameters"]["llama_4_scaling_beta"] = _f32(beta)
+            if raw["rope_parameters"]["rope_type"] == "default":  # the length is YaRN's original context
+                raw["rope_parameters"]["original_max_position_embeddings"] = int(get(A.TEMPERATURE_LENGTH))
     elif arch == "minimax_m2":
         head_dim = int(raw["head_dim"] or raw["hidden_size"] // heads)
         raw.update(num_local_experts=experts, intermediate_size=expert_ff, head_dim=head_dim)

@@ -350,3 +350,10 @@ NAME_MAP["granitemoe"] = NAME_MAP["granitemoeshared"] = (
             ("{L}.shared.up", "blk.{L}.ffn_up_shexp.weight", _P + "shared_mlp.input_linear.weight"),
             ("{L}.shared.down", "blk.{L}.ffn_down_shexp.weight", _P + "shared_mlp.output_linear.weight"))
 )
+
+
+# ---------------------------------------------------------------- Mistral Small 4 (mistral4)
+# DeepSeek-V3's names (llama.cpp's mistral4 is its deepseek2 graph with a softmax gate and the
+# position-scaled query); ``kv_b_proj`` kept whole as ``attn_kv_b``, as for deepseek2.
+GGUF_ARCH["mistral4"] = "mistral4"
+NAME_MAP["mistral4"] = NAME_MAP["deepseek_v3"]
