@@ -169,6 +169,7 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    norm: str = "rms"  # block and final norms: "rms", or "layer" (LayerNorm without bias, eps 1e-5: DBRX)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

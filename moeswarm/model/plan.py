@@ -232,6 +232,15 @@ def _hyper_connections(t: dict[str, Any], H: int, n: int) -> int:
     return n * 2 * per + m * m * H + m + 1
 
 
+def _dbrx_text(t: dict[str, Any]) -> dict[str, Any]:
+    """DBRX's nested ``attn_config`` / ``ffn_config`` in the names ``model_size`` reads (its LayerNorms
+    without bias have as many parameters as RMSNorms)."""
+    attn, ffn = t.get("attn_config") or {}, t.get("ffn_config") or {}
+    return {**t, "hidden_size": t["d_model"], "num_hidden_layers": t["n_layers"], "num_attention_heads": t["n_heads"],
+            "num_key_value_heads": attn.get("kv_n_heads", 1), "num_local_experts": ffn.get("moe_num_experts", 4),
+            "num_experts_per_tok": ffn.get("moe_top_k", 1), "intermediate_size": ffn.get("ffn_hidden_size", 3584)}
+
+
 def model_size(raw: dict[str, Any]) -> ModelSize:
     """Count a config.json's parameters (``KeyError`` names a field it lacks)."""
     t = raw.get("text_config") or raw
@@ -240,6 +249,8 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
         t = _llama4_text(t, int(t["num_hidden_layers"]))
     if t["model_type"] == "deepseek_v4":
         t = _deepseek_v4_text(t, int(t["num_hidden_layers"]))
+    if t["model_type"] == "dbrx":
+        t = _dbrx_text(t)
     H, n, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
     E = _one(_first(t, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0))
     k = _one(_first(t, "num_experts_per_tok", "moe_topk", "moe_k", "top_k", default=0))
@@ -299,7 +310,8 @@ MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "llama-4-maverick": ModelCard("400B", "17B", "meta-llama/Llama-4-Maverick-17B-128E-Instruct"),
                "mistral-small-4": ModelCard("119B", "6B", "mistralai/Mistral-Small-4-119B-2603"),
                "deepseek-v4-flash": ModelCard("284B", "13B", "deepseek-ai/DeepSeek-V4-Flash"),
-               "granite-3.0-3b-a800m": ModelCard("3.3B", "800M", "ibm-granite/granite-3.0-3b-a800m-instruct")}
+               "granite-3.0-3b-a800m": ModelCard("3.3B", "800M", "ibm-granite/granite-3.0-3b-a800m-instruct"),
+               "dbrx": ModelCard("132B", "36B", "databricks/dbrx-instruct")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -106,6 +106,14 @@ class LocalExperts:
         pass
 
 
+def block_norm(cfg: ModelConfig, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The norm before each block and the final one: RMSNorm, or DBRX's LayerNorm without bias."""
+    if cfg.norm != "layer":
+        return rms_norm(x, w, cfg.rms_norm_eps)
+    x = x - x.mean(axis=-1, keepdims=True)
+    return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps)) * f32(w)
+
+
 def residual(cfg: ModelConfig, h: np.ndarray) -> np.ndarray:
     """A block's output as it joins the residual stream (Granite scales it by ``residual_multiplier``)."""
     return h if cfg.residual_multiplier == 1.0 else h * np.float32(cfg.residual_multiplier)
@@ -174,7 +182,7 @@ class Model:
             x = x * np.float32(cfg.embedding_multiplier)
         step: dict[str, np.ndarray] = {}  # what one layer hands the next within this pass (DSA top-k)
         for L in range(cfg.num_layers):
-            h = rms_norm(x, w[f"{L}.attn_norm"], cfg.rms_norm_eps)
+            h = block_norm(cfg, x, w[f"{L}.attn_norm"])
             if cfg.attention == "mla":
                 h = mla(self._attn[L], h, cfg, self.rope, cache.layers[L], positions)
             elif cfg.sparse_layers and cfg.sparse_layers[L]:  # MiniMax M3 lightning indexer
@@ -186,12 +194,12 @@ class Model:
             x = x + residual(cfg, h)
             for observe_state in self.state_observers:
                 observe_state(L, x.reshape(B * T, -1))
-            h = rms_norm(x, w[f"{L}.mlp_norm"], cfg.rms_norm_eps).reshape(B * T, -1)
+            h = block_norm(cfg, x, w[f"{L}.mlp_norm"]).reshape(B * T, -1)
             x = x + residual(cfg, self._mlp(L, h).reshape(B, T, -1))
         self.experts.end_step()
         if last_only:
             x = x[:, -1:]
-        x = rms_norm(x, w["final_norm"], cfg.rms_norm_eps)
+        x = block_norm(cfg, x, w["final_norm"])
         return scaled_logits(cfg, mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1))
 
     def _mix_tokens(self, L: int, h: np.ndarray, layer_cache: object, positions: np.ndarray,

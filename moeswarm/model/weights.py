@@ -177,7 +177,7 @@ def load_safetensors(
     keys = open_folder(folder)
     if cfg.quant is not None:  # (codes, scale) pairs -> one StoredTensor each, kept in the stored format
         keys = combine_stored(keys, cfg.quant)
-    conv = convert(cfg.arch, keys, keep=keep_expert, num_layers=cfg.num_layers)
+    conv = convert(cfg.arch, keys, keep=keep_expert, num_layers=cfg.num_layers, num_experts=cfg.num_experts)
     w = Weights(cfg, folder, {}, conv.sources)
 
     def check(name: str, shape: tuple[int, ...]) -> np.ndarray:
