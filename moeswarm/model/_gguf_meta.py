@@ -103,15 +103,28 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.shared_intermediate_size:
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe"):
+    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe", "mistral4"):
         w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
         w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX if cfg.router == "softmax_group"
+                                 else gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
     if cfg.arch == "minimax_m2":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if cfg.q_position_scale is not None:  # Mistral 4's llama_4_scaling_beta over its length
+        w.add_attn_temperature_scale(cfg.q_position_scale[0])
+        w.add_attn_temperature_length(cfg.q_position_scale[1])
+    if cfg.arch in ("granitemoe", "granitemoeshared"):  # Granite's four scalars
+        w.add_attention_scale(cfg.scale)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+    if cfg.arch in ("llama4", "llama4_text"):  # llama.cpp fixes the chunk size, NoPE step and temperature
+        w.add_interleave_moe_layer_step(cfg.moe_layers.index(True) + 1 if True in cfg.moe_layers else cfg.num_layers)
+        if not any(cfg.family.chunked):
+            w.add_sliding_window(0)
     _dsa_deltanet_hparams(w, cfg)
     windows = {x for x in cfg.sliding_windows if x is not None}
     if windows:
@@ -172,7 +185,7 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
     def has(suffix: str) -> bool:
         return any(t.endswith("." + suffix) for t in tensors)
 
-    if arch in ("mixtral", "gpt_oss"):
+    if arch in ("mixtral", "gpt_oss", "granitemoe"):
         raw.update(num_local_experts=experts, intermediate_size=expert_ff)
     else:
         raw.update(num_experts=experts, moe_intermediate_size=expert_ff,
@@ -185,7 +198,7 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
     elif arch == "olmoe":
         clip = get(A.CLAMP_KQV, None)
         raw.update(attention_bias=has("attn_q.bias"), clip_qkv=_f32(clip) if clip else None)
-    elif arch == "deepseek_v3":
+    elif arch in ("deepseek_v3", "mistral4"):
         rope_dim = int(get(R.DIMENSION_COUNT))
         q_lora = get(A.Q_LORA_RANK, None)
         raw.update(n_routed_experts=experts, qk_rope_head_dim=rope_dim,
@@ -196,6 +209,11 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
                    n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)),
                    rope_interleave=True, head_dim=None)
+        beta = get(A.TEMPERATURE_SCALE, None)
+        if arch == "mistral4" and beta is not None:
+            raw["rope_parameters"]["llama_4_scaling_beta"] = _f32(beta)
+            if raw["rope_parameters"]["rope_type"] == "default":  # the length is YaRN's original context
+                raw["rope_parameters"]["original_max_position_embeddings"] = int(get(A.TEMPERATURE_LENGTH))
     elif arch == "minimax_m2":
         head_dim = int(raw["head_dim"] or raw["hidden_size"] // heads)
         raw.update(num_local_experts=experts, intermediate_size=expert_ff, head_dim=head_dim)
@@ -210,6 +228,14 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
                    n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)))
         raw["rope_parameters"]["partial_rotary_factor"] = int(get(R.DIMENSION_COUNT, head_dim // 2)) / head_dim
+    elif arch == "granitemoe":
+        shared = int(get(L.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0))
+        raw.update(model_type="granitemoeshared" if shared else "granitemoe", shared_intermediate_size=shared,
+                   attention_bias=has("attn_q.bias"), attention_multiplier=_f32(get(A.SCALE)),
+                   embedding_multiplier=_f32(get(L.EMBEDDING_SCALE)), residual_multiplier=_f32(get(L.RESIDUAL_SCALE)),
+                   logits_scaling=_f32(get(L.LOGIT_SCALE)))
+    elif arch == "llama4_text":
+        _llama4_config(raw, get, tensors, experts, expert_ff)
     elif arch == "gpt_oss":
         window = get(A.SLIDING_WINDOW, None)
         raw.update(sliding_window=int(window) if window else None, attention_bias=has("attn_q.bias"))
@@ -287,3 +313,21 @@ def _dsa_deltanet_config(raw: dict[str, Any], get: Any, tensors: set[str], n: in
                linear_value_head_dim=int(get(S.INNER_SIZE)) // value_heads,
                shared_expert_intermediate_size=int(get(L.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)))
     raw["rope_parameters"]["partial_rotary_factor"] = int(get(Keys.Rope.DIMENSION_COUNT)) / int(raw["head_dim"])
+
+
+# ---------------------------------------------------------------- Llama 4 (llama4)
+
+
+def _llama4_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: int, expert_ff: int) -> None:
+    """Llama 4's config.json fields from llama.cpp's keys.  llama.cpp stores no chunk size, NoPE
+    interval, temperature or q/k-norm switch: it fixes them (8192, every 4th layer NoPE, floor 8192
+    and scale 0.1; q/k norm unless 128 experts, i.e. Maverick), and so does this reading."""
+    if "rope_freqs.weight" in tensors:
+        raise ValueError("llama.cpp's rope_freqs tensor (Llama 4 Scout's llama3 RoPE scaling) is not read")
+    chunked = get(Keys.Attention.SLIDING_WINDOW, None) != 0
+    raw.update(num_local_experts=experts, intermediate_size=expert_ff,
+               intermediate_size_mlp=int(get(Keys.LLM.FEED_FORWARD_LENGTH)),
+               interleave_moe_layer_step=int(get(Keys.LLM.INTERLEAVE_MOE_LAYER_STEP, 1)),
+               attention_bias=any(t.endswith(".attn_q.bias") for t in tensors), use_qk_norm=experts != 128,
+               attention_chunk_size=8192 if chunked else None, floor_scale=8192, attn_scale=0.1,
+               attn_temperature_tuning=True, no_rope_layer_interval=4 if chunked else raw["num_hidden_layers"])

@@ -308,3 +308,52 @@ NAME_MAP["glm4_moe"] = (
             ("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.gate.e_score_correction_bias"))
     + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
 )
+
+
+# ---------------------------------------------------------------- Llama 4 (llama4)
+# As llama.cpp's convert_hf_to_gguf.py (Llama4Model) writes it: no q/k row permutation (Llama 4's
+# RoPE already pairs adjacent dimensions, as llama.cpp's does), the packed experts as
+# ffn_{gate,up,down}_exps, the router as ffn_gate_inp, the shared expert as ffn_*_shexp, the dense
+# layers as ffn_*.  The hf names are those gguf-py's TensorNameMap knows (the experts after
+# llama.cpp splits ``gate_up_proj``).  Not written: llama.cpp's ``rope_freqs`` tensor, which carries
+# the llama3 RoPE scaling of Llama 4 Scout to llama.cpp (moeswarm reads it from the embedded config).
+_F = "model.layers.{L}.feed_forward."
+GGUF_ARCH["llama4_text"] = GGUF_ARCH["llama4"] = "llama4"  # llama4_text first: llama.cpp's files read as text-only
+NAME_MAP["llama4_text"] = NAME_MAP["llama4"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _O_BIAS
+    + _rows(("{L}.router", "blk.{L}.ffn_gate_inp.weight", _F + "router.weight"))
+    + tuple(NameRow(f"{{L}}.experts.{{E}}.{p}", f"blk.{{L}}.ffn_{p}_exps.weight", _F + f"experts.{p}_proj.weight")
+            for p in ("gate", "up", "down"))
+    + tuple(NameRow(f"{{L}}.shared.{p}", f"blk.{{L}}.ffn_{p}_shexp.weight", _F + f"shared_expert.{p}_proj.weight")
+            for p in ("gate", "up", "down"))
+    + tuple(NameRow(f"{{L}}.mlp.{p}", f"blk.{{L}}.ffn_{p}.weight", _F + f"{p}_proj.weight")
+            for p in ("gate", "up", "down"))
+)
+
+
+# ---------------------------------------------------------------- Granite MoE (granitemoe)
+# As llama.cpp's convert_hf_to_gguf.py (GraniteMoeModel, a LlamaModel) writes it: q/k rows (and
+# biases) permuted to adjacent rotary pairs, ``input_linear`` split into ffn_gate_exps / ffn_up_exps
+# (llama.cpp names those two itself: gguf-py's TensorNameMap has no entry for input_linear), the shared
+# MLP's likewise into ffn_{gate,up}_shexp.
+_GB = _P + "block_sparse_moe."
+_BIAS_PERMUTE = {"{L}.attn.q_bias": "heads", "{L}.attn.k_bias": "kv_heads"}
+GGUF_ARCH["granitemoe"] = GGUF_ARCH["granitemoeshared"] = "granitemoe"
+NAME_MAP["granitemoe"] = NAME_MAP["granitemoeshared"] = (
+    _BACKBONE + _FFN_NORM + _permuted(_GQA) + _O_BIAS
+    + tuple(NameRow(r.canonical, r.gguf, r.hf, _BIAS_PERMUTE.get(r.canonical)) for r in _QKV_BIAS)
+    + _rows(("{L}.router", "blk.{L}.ffn_gate_inp.weight", _GB + "router.layer.weight"),
+            ("{L}.experts.{E}.gate", "blk.{L}.ffn_gate_exps.weight", _GB + "input_linear.weight"),
+            ("{L}.experts.{E}.up", "blk.{L}.ffn_up_exps.weight", _GB + "input_linear.weight"),
+            ("{L}.experts.{E}.down", "blk.{L}.ffn_down_exps.weight", _GB + "output_linear.weight"),
+            ("{L}.shared.gate", "blk.{L}.ffn_gate_shexp.weight", _P + "shared_mlp.input_linear.weight"),
+            ("{L}.shared.up", "blk.{L}.ffn_up_shexp.weight", _P + "shared_mlp.input_linear.weight"),
+            ("{L}.shared.down", "blk.{L}.ffn_down_shexp.weight", _P + "shared_mlp.output_linear.weight"))
+)
+
+
+# ---------------------------------------------------------------- Mistral Small 4 (mistral4)
+# DeepSeek-V3's names (llama.cpp's mistral4 is its deepseek2 graph with a softmax gate and the
+# position-scaled query); ``kv_b_proj`` kept whole as ``attn_kv_b``, as for deepseek2.
+GGUF_ARCH["mistral4"] = "mistral4"
+NAME_MAP["mistral4"] = NAME_MAP["deepseek_v3"]

@@ -230,6 +230,10 @@ def mla_qkv(
     k_nope, value = kv_full[..., :nope], kv_full[..., nope:]
     key = np.concatenate([k_nope, np.broadcast_to(k_rot, (B, nh, T, rd))], axis=-1)
     query = np.concatenate([q_pass, q_rot], axis=-1)
+    if cfg.q_position_scale is not None:  # Mistral 4
+        beta, length = cfg.q_position_scale
+        scale = 1 + np.float32(beta) * np.log(1 + np.floor(positions.astype(np.float32) / np.float32(length)))
+        query = query * scale.astype(np.float32)[None, None, :, None]
     past = cache.length
     keys, values = cache.append(key, value)
     return query, keys, values, past, q_resid

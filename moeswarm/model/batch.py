@@ -31,10 +31,10 @@ from ..errors import ConfigError
 from ._attn_deltanet import DeltaNetState
 from ._attn_dsa import DsaLayerCache
 from ._attn_lightning import new_layer_cache
-from .attention import LayerCache, gqa_attend, gqa_qkv, linear, mla, rms_norm
+from .attention import LayerCache, gqa_attend, gqa_qkv, linear, mla
 from .config import ModelConfig
 from .experts import f32, mm
-from .transformer import Model
+from .transformer import Model, block_norm, residual, scaled_logits
 
 
 @dataclass(frozen=True)
@@ -229,17 +229,19 @@ def forward_batch(model: Model, steps: Sequence[Step]) -> None:
     ends = np.cumsum(lens)
     starts = ends - lens
     x = f32(w["embed"][np.concatenate([np.asarray(s.ids, np.int64) for s in steps])])  # (N, H)
+    if cfg.embedding_multiplier != 1.0:  # Granite
+        x = x * np.float32(cfg.embedding_multiplier)
     positions = [np.arange(s.cache.length, s.cache.length + n) for s, n in zip(steps, lens)]
     for L in range(cfg.num_layers):
-        h = rms_norm(x, w[f"{L}.attn_norm"], cfg.rms_norm_eps)
-        x = x + _attention(model, L, h, steps, starts, ends, positions)
+        h = block_norm(cfg, x, w[f"{L}.attn_norm"])
+        x = x + residual(cfg, _attention(model, L, h, steps, starts, ends, positions))
         for observe_state in model.state_observers:
             observe_state(L, x)
-        x = x + model._mlp(L, rms_norm(x, w[f"{L}.mlp_norm"], cfg.rms_norm_eps))
+        x = x + residual(cfg, model._mlp(L, block_norm(cfg, x, w[f"{L}.mlp_norm"])))
     model.experts.end_step()
     rows = np.concatenate([np.arange(a, b) if s.all_logits else np.asarray([b - 1])
                            for s, a, b in zip(steps, starts, ends)])
-    logits = mm(rms_norm(x[rows], w["final_norm"], cfg.rms_norm_eps), w["lm_head"]).astype(np.float32, copy=False)
+    logits = scaled_logits(cfg, mm(block_norm(cfg, x[rows], w["final_norm"]), w["lm_head"]))
     at = 0
     for s, n in zip(steps, lens):
         k = n if s.all_logits else 1

@@ -39,6 +39,8 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     interleaved: bool = False  # DeepSeek pairs (x0, x1), (x2, x3) instead of halves
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_position / this are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_position / this are kept
 
     def inv_freq(self) -> tuple[np.ndarray, float]:
         """Inverse frequencies ``(dim/2,)`` float32 and the cos/sin scale, as transformers computes them."""
@@ -46,6 +48,8 @@ class RopeConfig:
         pos_freqs = np.power(np.float32(self.theta), exponents, dtype=np.float32)
         if self.kind == "default":
             return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
+        if self.kind == "llama3":
+            return self._llama3(np.float32(1.0) / pos_freqs), 1.0
         if self.kind != "yarn":
             raise CheckpointError(f"unsupported rope type {self.kind!r}")
 
@@ -76,6 +80,17 @@ class RopeConfig:
         inv_inter = np.float32(1.0) / (np.float32(self.factor) * pos_freqs)
         inv = inv_inter * (1 - extrapolation) + inv_extra * extrapolation
         return inv.astype(np.float32), float(attention)
+
+    def _llama3(self, inv: np.ndarray) -> np.ndarray:
+        """Llama 3.1 / Llama 4 ``llama3`` scaling (transformers' ``_compute_llama3_parameters``)."""
+        old, factor = np.float32(self.original_max_position), np.float32(self.factor)
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > old / np.float32(self.low_freq_factor), inv / factor, inv)
+        smooth = (old / wavelen - np.float32(self.low_freq_factor)) / np.float32(
+            self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / np.float32(self.high_freq_factor)) & ~(wavelen > old / np.float32(self.low_freq_factor))
+        return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -144,6 +159,17 @@ class ModelConfig:
     index_topk_blocks: int = 0  # blocks each query keeps (best max-pooled indexer score)
     index_local_blocks: int = 0  # blocks ending at the query's own block, always kept
     quant: QuantFormat | None = None  # how quantised weights are stored (quantization_config), None: plain floats
+    # Llama 4 (issue 34; see _config_llama4.py)
+    expert_input_scaled: bool = False  # experts take x * weight and their outputs add unweighted
+    family: Any = None  # a family's own frozen settings, read by the attention kind it registers
+    # Mistral 4: (beta, length): after RoPE, q at position p *= 1 + beta * log(1 + floor(p / length))
+    q_position_scale: tuple[float, int] | None = None
+    # Granite MoE: embeddings *= embedding_multiplier; each block's output *= residual_multiplier
+    # before the residual add; logits /= logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    norm: str = "rms"  # block and final norms: "rms", or "layer" (LayerNorm without bias, eps 1e-5: DBRX)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

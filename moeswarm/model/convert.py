@@ -224,8 +224,11 @@ def convert(
     *,
     keep: Callable[[int, int], bool] | None = None,
     num_layers: int | None = None,
+    num_experts: int | None = None,
 ) -> Converted:
-    """One pass over the checkpoint keys.  ``keep(layer, expert)`` drops experts a node does not hold."""
+    """One pass over the checkpoint keys.  ``keep(layer, expert)`` drops experts a node does not hold.
+    ``num_experts``, if given, reaches the ops as the field ``n`` (DBRX stores a layer's experts as one
+    flat ``[E * I, H]`` tensor, which only the expert count splits)."""
     rules = [(r, r.compiled()) for r in RULES[arch]]
     out = Converted({}, {}, [])
     for key, (file, inner) in keys.items():
@@ -234,6 +237,8 @@ def convert(
             if m is None:
                 continue
             groups = m.groupdict()
+            if num_experts is not None:
+                groups.setdefault("n", str(num_experts))
             if num_layers is not None and "L" in groups and int(groups["L"]) >= num_layers:
                 break  # e.g. DeepSeek-V3's multi-token-prediction layer, unused for generation
             if keep is not None and "E" in groups and not keep(int(groups["L"]), int(groups["E"])):

@@ -8,7 +8,8 @@ format, the working set per token and what a swarm or a memory budget implies.  
 
 Counted exactly: embeddings, LM head, attention (GQA with per-head QK norm and Qwen3.5's output
 gate, MLA, gated DeltaNet linear attention; DeepSeek's DSA indexer and MiniMax M3's lightning
-indexer where the config has them), dense MLPs, routers,
+indexer where the config has them; DeepSeek-V4's compressed attention, indexer and
+hyper-connections; Llama 4's interleaved dense and MoE layers), dense MLPs, routers,
 shared and routed experts, RMSNorms.  Not counted: multi-token-prediction layers (not used to generate).
 """
 
@@ -148,6 +149,8 @@ def _linear_attention(t: dict[str, Any], H: int) -> int:
 
 
 def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
+    if t.get("model_type") == "deepseek_v4":
+        return _deepseek_v4_attention(t, H, layer_type)
     if layer_type == "linear_attention":
         return _linear_attention(t, H)
     nh = int(t["num_attention_heads"])
@@ -177,10 +180,77 @@ def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
     return p + norms
 
 
+def _llama4_text(t: dict[str, Any], n: int) -> dict[str, Any]:
+    """Llama 4's fields in the names ``model_size`` reads: MoE layers from ``moe_layers`` (or every
+    ``interleave_moe_layer_step``-th), dense layers ``intermediate_size_mlp`` wide, one shared expert
+    as wide as a routed one, and a q/k norm without weights (nothing to count)."""
+    step = int(t.get("interleave_moe_layer_step") or 1)
+    moe = set(t["moe_layers"] if t.get("moe_layers") is not None else range(step - 1, n, step))
+    return {**t, "mlp_layer_types": ["sparse" if i in moe else "dense" for i in range(n)], "use_qk_norm": False,
+            "dense_intermediate_size": t.get("intermediate_size_mlp", 16384),
+            "shared_intermediate_size": t.get("intermediate_size", 8192)}
+
+
+_V4_LEGACY_LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def _deepseek_v4_text(t: dict[str, Any], n: int) -> dict[str, Any]:
+    """DeepSeek-V4's layers in the names ``model_size`` reads (as ``DeepseekV4Config`` derives them,
+    also from the legacy ``compress_ratios`` / ``num_hash_layers``): every MLP is MoE (hash-routed
+    or learned), attention per ``layer_types``."""
+    types = t.get("layer_types")
+    if types is None and t.get("compress_ratios") is not None:
+        types = [_V4_LEGACY_LAYER_TYPES[int(r)] for r in t["compress_ratios"]]
+    if types is None:
+        types = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+    return {**t, "layer_types": list(types[:n]), "mlp_layer_types": ["sparse"] * n,
+            "n_shared_experts": t.get("n_shared_experts", 1)}
+
+
+def _deepseek_v4_attention(t: dict[str, Any], H: int, layer_type: str) -> int:
+    """One DeepSeek-V4 attention: low-rank q (+ norm), one shared KV head (+ norm), grouped low-rank
+    output, sinks; a compressor on CSA / HCA layers (CSA's with its lightning indexer)."""
+    nh, hd, qr = int(t["num_attention_heads"]), int(t.get("head_dim") or 512), int(t.get("q_lora_rank") or 1024)
+    groups, olr = int(t.get("o_groups") or 8), int(t.get("o_lora_rank") or 1024)
+    p = H * qr + qr + qr * nh * hd + H * hd + hd + olr * nh * hd + groups * olr * H + nh
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **(t.get("compress_rates") or {})}
+    if layer_type == "heavily_compressed_attention":
+        p += 2 * H * hd + rates[layer_type] * hd + hd
+    elif layer_type == "compressed_sparse_attention":
+        inh, ihd = int(t.get("index_n_heads") or 64), int(t.get("index_head_dim") or 128)
+        rate = rates[layer_type]
+        p += 4 * H * hd + rate * 2 * hd + hd  # two overlapping series, 2 * head_dim wide
+        p += 4 * H * ihd + rate * 2 * ihd + ihd + qr * inh * ihd + H * inh  # the indexer's own compressor, q, weights
+    return p
+
+
+def _hyper_connections(t: dict[str, Any], H: int, n: int) -> int:
+    """DeepSeek-V4's hyper-connections: two per layer (attention, MLP) and the head's."""
+    m = int(t.get("hc_mult") or 4)
+    per = (2 + m) * m * (m * H + 1) + 3
+    return n * 2 * per + m * m * H + m + 1
+
+
+def _dbrx_text(t: dict[str, Any]) -> dict[str, Any]:
+    """DBRX's nested ``attn_config`` / ``ffn_config`` in the names ``model_size`` reads (its LayerNorms
+    without bias have as many parameters as RMSNorms)."""
+    attn, ffn = t.get("attn_config") or {}, t.get("ffn_config") or {}
+    return {**t, "hidden_size": t["d_model"], "num_hidden_layers": t["n_layers"], "num_attention_heads": t["n_heads"],
+            "num_key_value_heads": attn.get("kv_n_heads", 1), "num_local_experts": ffn.get("moe_num_experts", 4),
+            "num_experts_per_tok": ffn.get("moe_top_k", 1), "intermediate_size": ffn.get("ffn_hidden_size", 3584)}
+
+
 def model_size(raw: dict[str, Any]) -> ModelSize:
     """Count a config.json's parameters (``KeyError`` names a field it lacks)."""
     t = raw.get("text_config") or raw
     t = {**t, "model_type": t.get("model_type") or raw.get("model_type")}
+    if t["model_type"] in ("llama4", "llama4_text"):
+        t = _llama4_text(t, int(t["num_hidden_layers"]))
+    if t["model_type"] == "deepseek_v4":
+        t = _deepseek_v4_text(t, int(t["num_hidden_layers"]))
+    if t["model_type"] == "dbrx":
+        t = _dbrx_text(t)
     H, n, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
     E = _one(_first(t, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0))
     k = _one(_first(t, "num_experts_per_tok", "moe_topk", "moe_k", "top_k", default=0))
@@ -213,6 +283,8 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
     tied = bool(t.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
     embeddings = V * H * (1 if tied else 2)
     total += embeddings + H  # + the final norm
+    if t["model_type"] == "deepseek_v4":
+        total += _hyper_connections(t, H, n)
     name = str(raw.get("model_type") or t["model_type"])
     if raw.get("text_config"):
         name += f" (text model: {t['model_type']})"
@@ -233,7 +305,13 @@ class ModelCard:
 # shipped config name -> its model card's figures (cards round, and may count the
 # multi-token-prediction layer, which plan leaves out)
 MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
-               "qwen3-next-80b-a3b": ModelCard("80B", "3B", "Qwen/Qwen3-Next-80B-A3B-Instruct")}
+               "qwen3-next-80b-a3b": ModelCard("80B", "3B", "Qwen/Qwen3-Next-80B-A3B-Instruct"),
+               "llama-4-scout": ModelCard("109B", "17B", "meta-llama/Llama-4-Scout-17B-16E-Instruct"),
+               "llama-4-maverick": ModelCard("400B", "17B", "meta-llama/Llama-4-Maverick-17B-128E-Instruct"),
+               "mistral-small-4": ModelCard("119B", "6B", "mistralai/Mistral-Small-4-119B-2603"),
+               "deepseek-v4-flash": ModelCard("284B", "13B", "deepseek-ai/DeepSeek-V4-Flash"),
+               "granite-3.0-3b-a800m": ModelCard("3.3B", "800M", "ibm-granite/granite-3.0-3b-a800m-instruct"),
+               "dbrx": ModelCard("132B", "36B", "databricks/dbrx-instruct")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

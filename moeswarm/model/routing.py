@@ -11,6 +11,9 @@ Read from transformers 5.24's modeling files (see ``shared/spikes/moe/tensors/*_
   only the best ``topk_group`` groups compete; the weights are the *unbiased* scores at the
   chosen experts, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``.
 * ``topk_softmax`` (gpt-oss): logits with a bias, top-k on the logits, softmax over only those k.
+* ``softmax_group`` (Mistral 4): ``sigmoid_group`` over softmax scores, without a correction bias.
+* ``topk_sigmoid`` (Llama 4): top-k on the logits, each chosen expert weighted by the sigmoid of its
+  logit (Llama 4 scales the expert's *input* by it: ``ModelConfig.expert_input_scaled``).
 """
 
 from __future__ import annotations
@@ -59,8 +62,11 @@ def route(
     elif cfg.router == "topk_softmax":
         ids = _topk(logits, k)
         weights = _softmax(np.take_along_axis(logits, ids, axis=-1))
-    elif cfg.router == "sigmoid_group":
-        scores = sigmoid(logits)
+    elif cfg.router == "topk_sigmoid":
+        ids = _topk(logits, k)
+        weights = sigmoid(np.take_along_axis(logits, ids, axis=-1))
+    elif cfg.router in ("sigmoid_group", "softmax_group"):
+        scores = sigmoid(logits) if cfg.router == "sigmoid_group" else _softmax(logits)
         choice = scores + (f32(score_bias) if score_bias is not None else 0)
         T, E = choice.shape
         groups = choice.reshape(T, cfg.n_group, E // cfg.n_group)

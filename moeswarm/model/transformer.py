@@ -39,6 +39,17 @@ class ExpertExecutor(Protocol):
         ...
 
 
+class AttentionKind(Protocol):
+    def __call__(self, w: dict[str, np.ndarray | None], h: np.ndarray, cfg: ModelConfig, rope: Rope, cache: object,
+                 positions: np.ndarray, layer: int) -> np.ndarray:
+        """Layer ``layer``'s token mixing: h (B, T, H) -> (B, T, H), over its ``cache``."""
+        ...
+
+
+# attention kinds a family's module adds (``ModelConfig.attention`` -> function), e.g. Llama 4's
+ATTENTION_KINDS: dict[str, AttentionKind] = {}
+
+
 class _Done:
     def __init__(self, value: np.ndarray) -> None:
         self._value = value
@@ -95,6 +106,36 @@ class LocalExperts:
         pass
 
 
+def block_norm(cfg: ModelConfig, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The norm before each block and the final one: RMSNorm, or DBRX's LayerNorm without bias."""
+    if cfg.norm != "layer":
+        return rms_norm(x, w, cfg.rms_norm_eps)
+    x = x - x.mean(axis=-1, keepdims=True)
+    return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps)) * f32(w)
+
+
+def residual(cfg: ModelConfig, h: np.ndarray) -> np.ndarray:
+    """A block's output as it joins the residual stream (Granite scales it by ``residual_multiplier``)."""
+    return h if cfg.residual_multiplier == 1.0 else h * np.float32(cfg.residual_multiplier)
+
+
+def scaled_logits(cfg: ModelConfig, logits: np.ndarray) -> np.ndarray:
+    """float32 logits, divided by Granite's ``logits_scaling``."""
+    if cfg.logits_scaling != 1.0:
+        logits = logits / np.float32(cfg.logits_scaling)
+    return logits.astype(np.float32, copy=False)
+
+
+class _Summed:
+    """The (T*k, H) outputs of ``Model._submit_scaled`` summed back to (T, H)."""
+
+    def __init__(self, handle: ExpertHandle, tokens: int, k: int) -> None:
+        self._handle, self._tokens, self._k = handle, tokens, k
+
+    def result(self) -> np.ndarray:
+        return self._handle.result().reshape(self._tokens, self._k, -1).sum(axis=1, dtype=np.float32)
+
+
 class RouteObserver(Protocol):
     def __call__(self, layer: int, ids: np.ndarray) -> None: ...
 
@@ -137,9 +178,11 @@ class Model:
         past = cache.length
         positions = np.arange(past, past + T)
         x = f32(w["embed"][ids])  # (B, T, H)
+        if cfg.embedding_multiplier != 1.0:  # Granite
+            x = x * np.float32(cfg.embedding_multiplier)
         step: dict[str, np.ndarray] = {}  # what one layer hands the next within this pass (DSA top-k)
         for L in range(cfg.num_layers):
-            h = rms_norm(x, w[f"{L}.attn_norm"], cfg.rms_norm_eps)
+            h = block_norm(cfg, x, w[f"{L}.attn_norm"])
             if cfg.attention == "mla":
                 h = mla(self._attn[L], h, cfg, self.rope, cache.layers[L], positions)
             elif cfg.sparse_layers and cfg.sparse_layers[L]:  # MiniMax M3 lightning indexer
@@ -148,22 +191,24 @@ class Model:
                 h = gqa(self._attn[L], h, cfg, self.rope, cache.layers[L], positions, cfg.sliding_windows[L])
             else:
                 h = self._mix_tokens(L, h, cache.layers[L], positions, step)
-            x = x + h
+            x = x + residual(cfg, h)
             for observe_state in self.state_observers:
                 observe_state(L, x.reshape(B * T, -1))
-            h = rms_norm(x, w[f"{L}.mlp_norm"], cfg.rms_norm_eps).reshape(B * T, -1)
-            x = x + self._mlp(L, h).reshape(B, T, -1)
+            h = block_norm(cfg, x, w[f"{L}.mlp_norm"]).reshape(B * T, -1)
+            x = x + residual(cfg, self._mlp(L, h).reshape(B, T, -1))
         self.experts.end_step()
         if last_only:
             x = x[:, -1:]
-        x = rms_norm(x, w["final_norm"], cfg.rms_norm_eps)
-        return mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1).astype(np.float32, copy=False)
+        x = block_norm(cfg, x, w["final_norm"])
+        return scaled_logits(cfg, mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1))
 
     def _mix_tokens(self, L: int, h: np.ndarray, layer_cache: object, positions: np.ndarray,
                     step: dict[str, np.ndarray]) -> np.ndarray:
         """The attention kinds beyond GQA and MLA: DSA (DeepSeek-V3.2, GLM-5), Qwen3.5's DeltaNet +
         gated attention.  h (B, T, H) -> (B, T, H)."""
         cfg = self.config
+        if cfg.attention in ATTENTION_KINDS:
+            return ATTENTION_KINDS[cfg.attention](self._attn[L], h, cfg, self.rope, layer_cache, positions, L)
         if cfg.attention == "dsa":
             return dsa_attention(self._attn[L], h, cfg, self.rope, layer_cache, positions, L, step)  # type: ignore[arg-type]
         if cfg.attention == "qwen3_5":
@@ -182,7 +227,8 @@ class Model:
         ids, weights = route(cfg, h, w[f"{L}.router"], w.get(f"{L}.router_bias"), w.get(f"{L}.router_score_bias"))
         for observe in self.observers:
             observe(L, ids)
-        handle = self.experts.submit(L, h, ids, weights)
+        handle = self._submit_scaled(L, h, ids, weights) if cfg.expert_input_scaled else self.experts.submit(
+            L, h, ids, weights)
         if not self.overlap_shared:
             handle.result()
         shared = None
@@ -192,3 +238,11 @@ class Model:
                 shared = sigmoid(h @ f32(w[f"{L}.shared_gate"]).T) * shared
         out = handle.result()
         return out if shared is None else out + shared
+
+    def _submit_scaled(self, L: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> ExpertHandle:
+        """Llama 4: each chosen expert computes on ``weight * x``; outputs add unweighted.  Sent as
+        one row per (token, choice) with weight 1, so any executor (a swarm's too) computes it."""
+        T, k = ids.shape
+        rows = (h[:, None, :] * weights[:, :, None]).reshape(T * k, -1)  # (T*k, H)
+        handle = self.experts.submit(L, rows, ids.reshape(T * k, 1), np.ones((T * k, 1), np.float32))
+        return _Summed(handle, T, k)

@@ -99,7 +99,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             s[p + "mlp.down"] = (H, inter)
             continue
         s[p + "router"] = (cfg.num_experts, H)
-        if cfg.router == "topk_softmax":
+        if cfg.router == "topk_softmax" and cfg.expert_bias:  # gpt-oss's router has a bias; Granite's has none
             s[p + "router_bias"] = (cfg.num_experts,)
         if cfg.router == "sigmoid_group" or cfg.choice_bias:
             s[p + "router_score_bias"] = (cfg.num_experts,)
@@ -177,7 +177,7 @@ def load_safetensors(
     keys = open_folder(folder)
     if cfg.quant is not None:  # (codes, scale) pairs -> one StoredTensor each, kept in the stored format
         keys = combine_stored(keys, cfg.quant)
-    conv = convert(cfg.arch, keys, keep=keep_expert, num_layers=cfg.num_layers)
+    conv = convert(cfg.arch, keys, keep=keep_expert, num_layers=cfg.num_layers, num_experts=cfg.num_experts)
     w = Weights(cfg, folder, {}, conv.sources)
 
     def check(name: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -1,0 +1,71 @@
+"""DeepSeek-V4 (``deepseek_v4``) in ``moeswarm plan``: the engine does not run it yet (its compressed
+attention, hyper-connections and hash routing are not built; see docs/families.md), but plan counts
+it, against transformers 5.24 building ``DeepseekV4ForCausalLM`` on the meta device from the same
+config: the shipped V4-Flash config (transformers' ``DeepseekV4Config`` defaults, whose docstring
+names deepseek-ai/DeepSeek-V4-Flash-Base), the legacy spelling older checkpoints ship
+(``compress_ratios``, ``num_hash_layers``), and a small config with sliding-only layers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+from moeswarm.errors import CheckpointError
+from moeswarm.model import ModelConfig
+from moeswarm.model.plan import model_size
+
+FLASH = Path(__file__).resolve().parents[1] / "moeswarm" / "model" / "configs" / "deepseek-v4-flash.json"
+
+
+def _transformers(raw: dict[str, Any]) -> tuple[int, int, int]:
+    """(parameters, MoE layers, parameters of one routed expert) of the model transformers builds."""
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(DeepseekV4Config(**{k: v for k, v in raw.items() if k != "model_type"}))
+    experts = model.model.layers[0].mlp.experts
+    per_expert = sum(p.numel() for p in experts.parameters()) // experts.num_experts
+    return sum(p.numel() for p in model.parameters()), len(model.model.layers), per_expert
+
+
+def _small(**changes: Any) -> dict[str, Any]:
+    raw = dict(model_type="deepseek_v4", vocab_size=512, hidden_size=64, moe_intermediate_size=32,
+               num_hidden_layers=5, num_attention_heads=4, head_dim=32, q_lora_rank=16, n_routed_experts=8,
+               num_experts_per_tok=2, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=16, hc_mult=3,
+               layer_types=["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention",
+                            "sliding_attention", "compressed_sparse_attention"],
+               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8})
+    return {**raw, **changes}
+
+
+@pytest.mark.parametrize("name", ["flash", "legacy-spelling", "small-with-sliding-layers"])
+def test_plan_counts_the_parameters_transformers_builds(name: str) -> None:
+    if name == "flash":
+        raw = json.loads(FLASH.read_text())
+    elif name == "legacy-spelling":
+        raw = _small(layer_types=None, compress_rates=None, compress_ratios=[0, 128, 4, 4, 128], num_hash_layers=2)
+    else:
+        raw = _small()
+    total, layers, per_expert = _transformers(raw)
+    size = model_size(raw)
+    assert (size.total, size.moe_layers, size.expert_params) == (total, layers, per_expert)
+
+
+def test_plan_prints_the_model_card_beside_the_count() -> None:
+    """deepseek-ai/DeepSeek-V4-Flash's card: 284B total, 13B active.  plan counts 284.3B (without the
+    multi-token-prediction layer) and 12.7B active without the embedding lookup and LM head."""
+    text = subprocess.run([sys.executable, "-m", "moeswarm.cli", "plan", "--model", "deepseek-v4-flash"],
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "deepseek_v4: 43 layers (0 dense, 43 MoE), 256 experts per MoE layer, top-6" in text
+    assert "284.3B total, 13.8B active per token (12.7B without embeddings and LM head)" in text
+    assert "model card      284B total, 13B active (deepseek-ai/DeepSeek-V4-Flash)" in text
+
+
+def test_the_engine_says_it_does_not_run_deepseek_v4() -> None:
+    with pytest.raises(CheckpointError, match="unsupported architecture 'deepseek_v4'; supported: mixtral"):
+        ModelConfig.from_hf(json.loads(FLASH.read_text()))
