@@ -55,24 +55,27 @@ def placeholder(name: str, a: np.ndarray):  # type: ignore[no-untyped-def]
 
 
 class WeightBuffer:
-    """Copies of a graph's weights in one private anonymous mapping (each page-aligned), as OrtValues."""
+    """A graph's weights as OrtValues: views of a read-only file mapping (a kernel file, ``_kernel_file``) are
+    handed over as they are; anything else is copied into one private anonymous mapping (each page-aligned)."""
 
     def __init__(self, arrays: list[tuple[str, np.ndarray]]) -> None:
         page = mmap.PAGESIZE
-        sizes = [-(-a.nbytes // page) * page for _, a in arrays]
-        self.map = mmap.mmap(-1, max(sum(sizes), page), flags=mmap.MAP_PRIVATE)
         self.names = [name for name, _ in arrays]
+        self.mapped = [_file_mapping(a) is not None for _, a in arrays]  # handed over from a file, not copied
+        sizes = [0 if m else -(-a.nbytes // page) * page for (_, a), m in zip(arrays, self.mapped)]
+        self.map = mmap.mmap(-1, max(sum(sizes), page), flags=mmap.MAP_PRIVATE)
         self.views: list[np.ndarray] = []
         at = 0
-        for (_, a), size in zip(arrays, sizes):
-            self.views.append(np.frombuffer(self.map, a.dtype, a.size, at).reshape(a.shape))
+        for (_, a), size, m in zip(arrays, sizes, self.mapped):
+            self.views.append(a if m else np.frombuffer(self.map, a.dtype, a.size, at).reshape(a.shape))
             at += size
         self.fill([a for _, a in arrays])
         self.resident = True  # whether the copies hold pages (False once released)
 
     def fill(self, arrays: list[np.ndarray]) -> None:
-        for view, a in zip(self.views, arrays):
-            view[...] = a
+        for view, a, m in zip(self.views, arrays, self.mapped):
+            if not m:
+                view[...] = a
         self.resident = True
 
     def values(self) -> list:  # type: ignore[type-arg]
@@ -81,13 +84,38 @@ class WeightBuffer:
         return [ort.OrtValue.ortvalue_from_numpy(v) for v in self.views]
 
     def release(self) -> None:
-        """Give the pages back (the mapping stays: a later read sees zeros, never freed memory)."""
+        """Give the pages back: the copies' (the mapping stays: a later read sees zeros, never freed memory) and
+        the file-backed views' (a later read faults them back from the file)."""
         self.map.madvise(mmap.MADV_DONTNEED)
+        for view, m in zip(self.views, self.mapped):
+            if m:
+                _release_mapped(view)
         self.resident = False
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.views) if self.resident else 0
+        return sum(v.nbytes for v, m in zip(self.views, self.mapped) if not m) if self.resident else 0
+
+
+def _file_mapping(a: np.ndarray) -> mmap.mmap | None:
+    """The read-only ``mmap`` ``a`` is a contiguous view of, or None."""
+    base = a
+    while isinstance(base, np.ndarray):
+        base = base.base  # type: ignore[assignment]
+    if isinstance(base, mmap.mmap) and a.flags.c_contiguous and not a.flags.writeable:
+        return base
+    return None
+
+
+def _release_mapped(a: np.ndarray) -> None:
+    m = _file_mapping(a)
+    if m is None or a.nbytes == 0:
+        return
+    origin = np.frombuffer(m, np.uint8).__array_interface__["data"][0]
+    low = a.__array_interface__["data"][0] - origin
+    start, end = -(-low // mmap.PAGESIZE) * mmap.PAGESIZE, (low + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        m.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 class Session:

@@ -117,6 +117,7 @@ class Format:
 
 
 REPACKERS: dict[str, Format] = {}
+REPACKS = {"count": 0}  # matrices repacked from stored blocks by this process (a kernel file makes it 0)
 
 
 def repacker(name: str, bits: int, block: int, bias: bool = False) -> Callable[[Repacker], Repacker]:
@@ -133,6 +134,7 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> Packed:
     if fmt is None:
         raise CheckpointError(f"no quantized kernel for {qtype} weights (kernels exist for {', '.join(REPACKERS)})")
     n, k = shape
+    REPACKS["count"] += 1
     return fmt.fn(np.asarray(raw).view(np.uint8).reshape(n, -1), n, k)
 
 
