@@ -6,6 +6,11 @@ the onnxruntime runs (``Session.run``) and the seconds spent in each part of the
 router, routed experts, LM head, the rest), by wrapping those functions with a timer.
 
     python benchmarks/decode_profile.py MODEL.gguf [MODEL2 ...] [--tokens 64] [--threads 2] [--runs 3]
+        [--tree before=/path/to/old/checkout --tree after=.]
+
+``--tree NAME=DIR`` runs the engine from that source tree (``PYTHONPATH``), one case per tree and file, so
+two versions are measured side by side in one run.  Kernel files (``X.gguf.kernels``) are deleted first, so
+the first process of a tree that writes them pays that once: its load is shown apart.
 
 Prints one table per file: cold (tokens 1-32 of a fresh process) and steady (tokens 33-N) medians in
 ms/token and tok/s, onnxruntime runs per token, and the steady token's split by part, plus load time
@@ -87,9 +92,10 @@ def _child(model: str, tokens: int, threads: int) -> None:
                       "ort_runs": ort_runs, "peak_rss": hwm, "last_token": token}))
 
 
-def _run(model: str, tokens: int, threads: int) -> dict:  # type: ignore[type-arg]
+def _run(model: str, tokens: int, threads: int, tree: str) -> dict:  # type: ignore[type-arg]
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     out = subprocess.run([sys.executable, __file__, "--child", model, "--tokens", str(tokens), "--threads",
-                          str(threads)], capture_output=True, text=True, check=True, timeout=1200)
+                          str(threads)], capture_output=True, text=True, check=True, timeout=1200, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -104,7 +110,8 @@ def _table(name: str, results: list[dict]) -> str:  # type: ignore[type-arg]
     parts = sorted({p for r in results for s in r["split"] for p in s})
     lines = [f"### {name}", "",
              f"load {med([r['load_s'] for r in results]):.2f} s, 8-id prefill {med([r['prefill_s'] for r in results]) * 1e3:.0f} ms, "
-             f"peak RSS {med([r['peak_rss'] for r in results]) / 2**20:.0f} MiB, {len(results)} processes", "",
+             f"peak RSS {med([r['peak_rss'] for r in results]) / 2**20:.0f} MiB, {len(results)} processes "
+             f"(the first loaded in {results[0]['load_s']:.2f} s)", "",
              "| | ms/token | tok/s |", "|---|---|---|",
              f"| cold: first {_COLD} tokens, mean (what a person waits) | {cold_mean:.2f} | {1e3 / cold_mean:.1f} |",
              f"| cold: first {_COLD} tokens, median | {cold:.2f} | {1e3 / cold:.1f} |",
@@ -126,6 +133,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tree", action="append", default=[], help="NAME=DIR: a source tree to run (repeatable)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -133,10 +141,15 @@ def main() -> None:
         return
     if args.tokens <= _COLD:
         ap.error(f"--tokens must exceed {_COLD} (the cold tokens)")
-    results: dict[str, list] = {m: [] for m in args.models}  # type: ignore[type-arg]
-    for _ in range(args.runs):  # files alternate
+    trees = dict(t.split("=", 1) for t in args.tree) or {"this tree": os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))}
+    for m in args.models:
+        Path(m + ".kernels").unlink(missing_ok=True)
+    results: dict[str, list] = {f"{m} ({t})": [] for m in args.models for t in trees}  # type: ignore[type-arg]
+    for _ in range(args.runs):  # cases alternate
         for m in args.models:
-            results[m].append(_run(m, args.tokens, args.threads))
+            for t, tree in trees.items():
+                results[f"{m} ({t})"].append(_run(m, args.tokens, args.threads, tree))
     print(f"decode profile, {args.threads} onnxruntime threads, OPENBLAS_NUM_THREADS=1, "
           f"{args.tokens} tokens after an 8-id prompt; machine shared with other jobs (medians)\n")
     for m, rs in results.items():

@@ -89,7 +89,7 @@ class WeightBuffer:
         self.map.madvise(mmap.MADV_DONTNEED)
         for view, m in zip(self.views, self.mapped):
             if m:
-                _release_mapped(view)
+                release_mapped(view)
         self.resident = False
 
     @property
@@ -107,7 +107,9 @@ def _file_mapping(a: np.ndarray) -> mmap.mmap | None:
     return None
 
 
-def _release_mapped(a: np.ndarray) -> None:
+def release_mapped(a: np.ndarray) -> None:
+    """Drop ``a``'s whole pages from this process if it is a view of a read-only file mapping (a later read
+    faults them back from the file)."""
     m = _file_mapping(a)
     if m is None or a.nbytes == 0:
         return
@@ -130,6 +132,10 @@ class Session:
     def run(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         return self.session.run(("Y",), {"X": x})[0]
+
+    def run_inputs(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """``Y`` from several float32 inputs by name."""
+        return self.session.run(("Y",), {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()})[0]
 
     def _release(self, inputs: dict[str, int], weights: list[tuple[str, np.ndarray]]) -> None:
         probe = {name: np.random.default_rng(0).standard_normal((1, k), dtype=np.float32) for name, k in inputs.items()}
