@@ -37,7 +37,7 @@ def _child(model: str, tokens: int, threads: int) -> None:
     t0 = time.perf_counter()
     import numpy as np
 
-    from moeswarm.model import _ort_session, attention, experts, load_model, routing, transformer
+    from moeswarm.model import _ort_session, load_model, transformer
     from moeswarm.model._qkernels import set_threads
 
     set_threads(threads)
@@ -109,9 +109,10 @@ def _table(name: str, results: list[dict]) -> str:  # type: ignore[type-arg]
     runs = med([med(r["ort_runs"][_COLD:]) for r in results])
     parts = sorted({p for r in results for s in r["split"] for p in s})
     lines = [f"### {name}", "",
-             f"load {med([r['load_s'] for r in results]):.2f} s, 8-id prefill {med([r['prefill_s'] for r in results]) * 1e3:.0f} ms, "
-             f"peak RSS {med([r['peak_rss'] for r in results]) / 2**20:.0f} MiB, {len(results)} processes "
-             f"(the first loaded in {results[0]['load_s']:.2f} s)", "",
+             (f"load {med([r['load_s'] for r in results]):.2f} s, 8-id prefill "
+              f"{med([r['prefill_s'] for r in results]) * 1e3:.0f} ms, "
+              f"peak RSS {med([r['peak_rss'] for r in results]) / 2**20:.0f} MiB, {len(results)} processes "
+              f"(the first loaded in {results[0]['load_s']:.2f} s)"), "",
              "| | ms/token | tok/s |", "|---|---|---|",
              f"| cold: first {_COLD} tokens, mean (what a person waits) | {cold_mean:.2f} | {1e3 / cold_mean:.1f} |",
              f"| cold: first {_COLD} tokens, median | {cold:.2f} | {1e3 / cold:.1f} |",

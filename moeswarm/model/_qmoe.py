@@ -33,7 +33,10 @@ Matrices = tuple[Packed, Packed, Packed]  # gate, up, down
 Biases = tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]
 
 
-def fits(experts: Sequence[object], act: Activation = Activation()) -> bool:
+_SILU = Activation()
+
+
+def fits(experts: Sequence[object], act: Activation = _SILU) -> bool:
     """Whether these ``ExpertWeights`` of packable matrices can run as one ``QMoE`` (see the module docstring);
     decided from their formats, before any repacking."""
     if act.kind != "silu":
@@ -78,7 +81,7 @@ class QLayerMoE:
         self.column = np.full(max(self.expert_ids) + 1, -1, np.int64)  # expert number -> its column in R and C
         self.column[self.expert_ids] = np.arange(len(self.expert_ids))
         E = len(self.expert_ids)
-        gate, up, down = matrices[0]
+        gate, _, down = matrices[0]
         H, inter = gate.k, gate.n
         g = _Graph()
 
@@ -93,9 +96,10 @@ class QLayerMoE:
                   self._bias(g, biases, E, 2 * inter, fused_up=True),
                   g.weight(stacked(2, "data"), "w2"), g.weight(stacked(2, "scales"), "s2"),
                   self._bias(g, biases, E, H, fused_up=False), "", "", "", "", "", "", "C"]
-        attrs = dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, block_size=gate.block, accuracy_level=4,
-                     weights_prepacked=0, normalize_routing_weights=0, expert_weight_bits=gate.bits,
-                     fc2_expert_weight_bits=down.bits, activation_alpha=1.0, activation_beta=0.0)  # SiLU(g) * up
+        attrs = {"k": top_k, "activation_type": "swiglu", "swiglu_fusion": 1, "block_size": gate.block,
+                 "accuracy_level": 4, "weights_prepacked": 0, "normalize_routing_weights": 0,
+                 "expert_weight_bits": gate.bits, "fc2_expert_weight_bits": down.bits,
+                 "activation_alpha": 1.0, "activation_beta": 0.0}  # SiLU(gate) * up
         g.nodes.append(helper.make_node("QMoE", inputs, ["Y"], domain="com.microsoft", **attrs))
         widths = {"X": H, "R": E, "C": E}
         ins = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["M", w]) for name, w in widths.items()]

@@ -14,17 +14,16 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+from test_qkernels import stored  # type: ignore[import-not-found]
 
 from moeswarm.errors import ConfigError
 from moeswarm.model import _ort_session
-from moeswarm.model._qkernels import Activation, repack
+from moeswarm.model._qkernels import Activation
 from moeswarm.model._qmoe import QLayerMoE, fits
 from moeswarm.model.config import ModelConfig
 from moeswarm.model.experts import F32Cache, auto
 from moeswarm.model.gguf import QuantizedTensor
 from moeswarm.model.weights import ExpertWeights
-
-from test_qkernels import stored  # type: ignore[import-not-found]
 
 H, I, E, K = 256, 512, 6, 2
 
