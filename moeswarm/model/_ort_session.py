@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,14 +56,32 @@ def placeholder(name: str, a: np.ndarray):  # type: ignore[no-untyped-def]
     return t
 
 
+@dataclass(frozen=True)
+class Lazy:
+    """A weight written straight into the session's buffer by ``fill(out)`` (e.g. a stack of many experts'
+    matrices), so that no whole copy of it exists beside the buffer; ``fill`` may be called again."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fill: Callable[[np.ndarray], None]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+
 class WeightBuffer:
     """A graph's weights as OrtValues: views of a read-only file mapping (a kernel file, ``_kernel_file``) are
     handed over as they are; anything else is copied into one private anonymous mapping (each page-aligned)."""
 
-    def __init__(self, arrays: list[tuple[str, np.ndarray]]) -> None:
+    def __init__(self, arrays: list[tuple[str, np.ndarray | Lazy]]) -> None:
         page = mmap.PAGESIZE
         self.names = [name for name, _ in arrays]
-        self.mapped = [_file_mapping(a) is not None for _, a in arrays]  # handed over from a file, not copied
+        self.mapped = [isinstance(a, np.ndarray) and _file_mapping(a) is not None for _, a in arrays]  # not copied
         sizes = [0 if m else -(-a.nbytes // page) * page for (_, a), m in zip(arrays, self.mapped)]
         self.map = mmap.mmap(-1, max(sum(sizes), page), flags=mmap.MAP_PRIVATE)
         self.views: list[np.ndarray] = []
@@ -72,9 +92,11 @@ class WeightBuffer:
         self.fill([a for _, a in arrays])
         self.resident = True  # whether the copies hold pages (False once released)
 
-    def fill(self, arrays: list[np.ndarray]) -> None:
+    def fill(self, arrays: list[np.ndarray | Lazy]) -> None:
         for view, a, m in zip(self.views, arrays, self.mapped):
-            if not m:
+            if isinstance(a, Lazy):
+                a.fill(view)
+            elif not m:
                 view[...] = a
         self.resident = True
 
@@ -123,7 +145,7 @@ def release_mapped(a: np.ndarray) -> None:
 class Session:
     """An onnxruntime session computing ``Y`` from float32 inputs, and the buffer of its weights."""
 
-    def __init__(self, model_bytes: bytes, inputs: dict[str, int], weights: list[tuple[str, np.ndarray]]) -> None:
+    def __init__(self, model_bytes: bytes, inputs: dict[str, int], weights: list[tuple[str, np.ndarray | Lazy]]) -> None:
         self.weights = WeightBuffer(weights)
         self.session = _session(model_bytes, self.weights)
         if weights:
@@ -137,7 +159,7 @@ class Session:
         """``Y`` from several float32 inputs by name."""
         return self.session.run(("Y",), {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()})[0]
 
-    def _release(self, inputs: dict[str, int], weights: list[tuple[str, np.ndarray]]) -> None:
+    def _release(self, inputs: dict[str, int], weights: list[tuple[str, np.ndarray | Lazy]]) -> None:
         probe = {name: np.random.default_rng(0).standard_normal((1, k), dtype=np.float32) for name, k in inputs.items()}
         before = self.session.run(("Y",), probe)[0]
         self.weights.release()

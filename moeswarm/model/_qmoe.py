@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._ort_session import SESSION_NBYTES, Session
+from ._ort_session import SESSION_NBYTES, Lazy, Session, release_mapped
 from ._qkernels import REPACKERS, Activation, Packed
 
 Matrices = tuple[Packed, Packed, Packed]  # gate, up, down
@@ -85,12 +85,27 @@ class QLayerMoE:
         H, inter = gate.k, gate.n
         g = _Graph()
 
-        def stacked(i: int, part: str) -> np.ndarray:  # (E, n, k * bits / 8) codes or (E, n, k / block) scales
-            return np.stack([getattr(m[i], part).reshape(m[i].n, -1) for m in matrices])
+        def stacked(i: int, part: str) -> Lazy:  # (E, n, k * bits / 8) codes or (E, n, k / block) scales
+            rows = [getattr(m[i], part).reshape(m[i].n, -1) for m in matrices]
 
-        def fused(part: str) -> np.ndarray:  # gate and up rows interleaved: (E, 2 * inter, ...)
-            a, b = stacked(0, part), stacked(1, part)
-            return np.stack([a, b], axis=2).reshape(E, 2 * inter, -1)
+            def fill(out: np.ndarray) -> None:  # written into the session's buffer: no stacked copy beside it
+                for j, a in enumerate(rows):
+                    out[j] = a
+                    release_mapped(a)  # a kernel-file view: its pages leave this process as soon as copied
+
+            return Lazy((E, *rows[0].shape), rows[0].dtype, fill)
+
+        def fused(part: str) -> Lazy:  # gate and up rows interleaved: (E, 2 * inter, ...)
+            gates, ups = ([getattr(m[i], part).reshape(m[i].n, -1) for m in matrices] for i in (0, 1))
+
+            def fill(out: np.ndarray) -> None:
+                pairs = out.reshape(E, inter, 2, -1)
+                for j in range(E):
+                    pairs[j, :, 0], pairs[j, :, 1] = gates[j], ups[j]
+                    release_mapped(gates[j])
+                    release_mapped(ups[j])
+
+            return Lazy((E, 2 * inter, gates[0].shape[1]), gates[0].dtype, fill)
 
         inputs = ["X", "R", g.weight(fused("data"), "w1"), g.weight(fused("scales"), "s1"),
                   self._bias(g, biases, E, 2 * inter, fused_up=True),
