@@ -27,6 +27,8 @@ from ._gguf_meta import FORMAT_VERSION, HF_CONFIG, VERSION, hf_config_from_metad
 from ._gguf_names import GGUF_ARCH, NameRow, gguf_name, rope_permutation, v_head_order
 from ._gguf_path import split_paths
 from ._gguf_tensor import QuantizedTensor
+from ._kernel_file import open_or_build
+from ._qkernels import REPACKERS, Packed
 from ._safetensors import TensorRef
 from .config import ModelConfig
 from .weights import ExpertWeights, Weights, expected_shapes, expert_shapes
@@ -270,6 +272,41 @@ class GGUFFile:
         return t.data_offset + expert * per, t.data_offset + (expert + 1) * per
 
 
+def attach_kernel_file(f: GGUFFile, cfg: ModelConfig, w: Weights) -> None:
+    """Point every kernel-computed matrix of ``w`` at the kernel file beside ``f`` (built if missing or stale).
+    The file covers every expert of the GGUF, held here or not: it is shared by every process on the box."""
+    matrices: dict[str, QuantizedTensor] = {}  # key in the kernel file -> the matrix it repacks
+    for name, a in w.tensors.items():  # the embedding is read by rows, unless the LM head shares it
+        if isinstance(a, QuantizedTensor) and a.kernel_format and (name != "embed" or cfg.tie_word_embeddings):
+            matrices[w.sources[name].key] = a
+    eshapes = expert_shapes(cfg)
+    for L in range(cfg.num_layers):
+        if not cfg.moe_layers[L]:
+            continue
+        for k, shape in eshapes.items():
+            gname = gguf_name(cfg.arch, f"{L}.experts.0.{k}")[1]
+            stack = f.experts(gname, shape, cfg.num_experts)
+            for e in range(cfg.num_experts):
+                held = w.experts[L].get(e)
+                a = getattr(held, k) if held is not None else stack(e)
+                if isinstance(a, QuantizedTensor) and a.kernel_format:
+                    matrices[f"{gname}[{e}]"] = a
+    if not matrices:
+        return
+    shapes = {key: (a.shape[0], a.shape[1], REPACKERS[a.kernel_format]) for key, a in matrices.items()}
+
+    def repack(key: str) -> Packed:
+        a = matrices[key]
+        p = a.repacked()
+        a.release_pages()  # written out: the stored pages can leave this process
+        return p
+
+    kf = open_or_build(f.paths, shapes, repack)  # type: ignore[arg-type]
+    if kf is not None:
+        for key, a in matrices.items():
+            a.use_kernel_file(kf, key)
+
+
 def _wrap(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], rows: np.ndarray | None,
           cols: np.ndarray | None = None) -> Any:
     if rows is None and cols is None and qtype in (Q.F32, Q.F16):
@@ -320,8 +357,11 @@ def load_gguf_weights(
     *,
     config: ModelConfig | None = None,
     keep_expert: Callable[[int, int], bool] | None = None,
+    kernel_file: bool = True,
 ) -> Weights:
-    """Map a GGUF checkpoint as the same ``Weights`` a safetensors folder gives."""
+    """Map a GGUF checkpoint as the same ``Weights`` a safetensors folder gives.  ``kernel_file``: take the
+    quantized matrices' kernel layout from ``X.gguf.kernels`` beside it, written at the first load
+    (``_kernel_file``), rather than repacking each at its first use."""
     f = GGUFFile(path)
     cfg = config or f.config()
     if cfg.quant is not None:  # a config.json beside the GGUF, from an FP8 / MXFP4 / INT4 source
@@ -349,6 +389,8 @@ def load_gguf_weights(
             for k in eshapes:
                 w.sources[f"{L}.experts.{e}.{k}"] = TensorRef(f.file_of(names[k]), f"{names[k]}[{e}]")
         w.experts[L] = layer
+    if kernel_file:
+        attach_kernel_file(f, cfg, w)
     return w
 
 

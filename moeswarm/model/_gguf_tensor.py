@@ -33,7 +33,7 @@ from ._qkernels import REPACKERS, Packed, QLinear, repack
 class QuantizedTensor:
     """A GGML-encoded tensor (or one expert's slice of a stacked one), decoded on demand."""
 
-    __slots__ = ("raw", "qtype", "shape", "rows", "cols", "_kernel")
+    __slots__ = ("raw", "qtype", "shape", "rows", "cols", "_kernel", "_kernel_file", "_key")
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
                  rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> None:
@@ -43,6 +43,8 @@ class QuantizedTensor:
         self.rows = rows  # (shape[0],) row order to apply after decoding, or None
         self.cols = cols  # (shape[1],) column order to apply after decoding, or None (Qwen3.5 ssm_out)
         self._kernel: Any = None  # QLinear, or the decoded float32 matrix, once matmul has run
+        self._kernel_file: Any = None  # a _kernel_file.KernelFile holding this matrix repacked, or None
+        self._key = ""  # this matrix's key in it
 
     @property
     def kernel_format(self) -> str | None:
@@ -51,9 +53,20 @@ class QuantizedTensor:
                 else None)  # reordered columns (Qwen3.5 ssm_out) are decoded once instead
 
     def packed(self) -> Packed:
-        """The matrix in the kernels' layout (a new copy: callers keep what they need)."""
+        """The matrix in the kernels' layout: views of the kernel file beside the GGUF when there is one
+        (``_kernel_file``), else repacked from the stored blocks now (a new copy)."""
+        if self._kernel_file is not None:
+            return self._kernel_file.packed(self._key)  # type: ignore[no-any-return]
+        return self.repacked()
+
+    def repacked(self) -> Packed:
+        """The matrix repacked from its stored blocks (numpy, ~10-20 ms for a Mixtral-sized expert)."""
         p = repack(self.raw, self.qtype.name, self.shape)  # type: ignore[arg-type]
         return p if self.rows is None else p.take_rows(self.rows)
+
+    def use_kernel_file(self, kernel_file: Any, key: str) -> None:
+        """Take ``packed()`` from ``kernel_file`` (a ``KernelFile`` holding ``key``) from now on."""
+        self._kernel_file, self._key = kernel_file, key
 
     def prepare(self) -> None:
         """Build what ``matmul`` computes with (the repacked kernel, else a float32 copy), once."""

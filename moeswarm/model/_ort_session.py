@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,25 +56,48 @@ def placeholder(name: str, a: np.ndarray):  # type: ignore[no-untyped-def]
     return t
 
 
-class WeightBuffer:
-    """Copies of a graph's weights in one private anonymous mapping (each page-aligned), as OrtValues."""
+@dataclass(frozen=True)
+class Lazy:
+    """A weight written straight into the session's buffer by ``fill(out)`` (e.g. a stack of many experts'
+    matrices), so that no whole copy of it exists beside the buffer; ``fill`` may be called again."""
 
-    def __init__(self, arrays: list[tuple[str, np.ndarray]]) -> None:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    fill: Callable[[np.ndarray], None]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+
+class WeightBuffer:
+    """A graph's weights as OrtValues: views of a read-only file mapping (a kernel file, ``_kernel_file``) are
+    handed over as they are; anything else is copied into one private anonymous mapping (each page-aligned)."""
+
+    def __init__(self, arrays: list[tuple[str, np.ndarray | Lazy]]) -> None:
         page = mmap.PAGESIZE
-        sizes = [-(-a.nbytes // page) * page for _, a in arrays]
-        self.map = mmap.mmap(-1, max(sum(sizes), page), flags=mmap.MAP_PRIVATE)
         self.names = [name for name, _ in arrays]
+        self.mapped = [isinstance(a, np.ndarray) and _file_mapping(a) is not None for _, a in arrays]  # not copied
+        sizes = [0 if m else -(-a.nbytes // page) * page for (_, a), m in zip(arrays, self.mapped)]
+        self.map = mmap.mmap(-1, max(sum(sizes), page), flags=mmap.MAP_PRIVATE)
         self.views: list[np.ndarray] = []
         at = 0
-        for (_, a), size in zip(arrays, sizes):
-            self.views.append(np.frombuffer(self.map, a.dtype, a.size, at).reshape(a.shape))
+        for (_, a), size, m in zip(arrays, sizes, self.mapped):
+            self.views.append(a if m else np.frombuffer(self.map, a.dtype, a.size, at).reshape(a.shape))
             at += size
         self.fill([a for _, a in arrays])
         self.resident = True  # whether the copies hold pages (False once released)
 
-    def fill(self, arrays: list[np.ndarray]) -> None:
-        for view, a in zip(self.views, arrays):
-            view[...] = a
+    def fill(self, arrays: list[np.ndarray | Lazy]) -> None:
+        for view, a, m in zip(self.views, arrays, self.mapped):
+            if isinstance(a, Lazy):
+                a.fill(view)
+            elif not m:
+                view[...] = a
         self.resident = True
 
     def values(self) -> list:  # type: ignore[type-arg]
@@ -81,19 +106,46 @@ class WeightBuffer:
         return [ort.OrtValue.ortvalue_from_numpy(v) for v in self.views]
 
     def release(self) -> None:
-        """Give the pages back (the mapping stays: a later read sees zeros, never freed memory)."""
+        """Give the pages back: the copies' (the mapping stays: a later read sees zeros, never freed memory) and
+        the file-backed views' (a later read faults them back from the file)."""
         self.map.madvise(mmap.MADV_DONTNEED)
+        for view, m in zip(self.views, self.mapped):
+            if m:
+                release_mapped(view)
         self.resident = False
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.views) if self.resident else 0
+        return sum(v.nbytes for v, m in zip(self.views, self.mapped) if not m) if self.resident else 0
+
+
+def _file_mapping(a: np.ndarray) -> mmap.mmap | None:
+    """The read-only ``mmap`` ``a`` is a contiguous view of, or None."""
+    base = a
+    while isinstance(base, np.ndarray):
+        base = base.base  # type: ignore[assignment]
+    if isinstance(base, mmap.mmap) and a.flags.c_contiguous and not a.flags.writeable:
+        return base
+    return None
+
+
+def release_mapped(a: np.ndarray) -> None:
+    """Drop ``a``'s whole pages from this process if it is a view of a read-only file mapping (a later read
+    faults them back from the file)."""
+    m = _file_mapping(a)
+    if m is None or a.nbytes == 0:
+        return
+    origin = np.frombuffer(m, np.uint8).__array_interface__["data"][0]
+    low = a.__array_interface__["data"][0] - origin
+    start, end = -(-low // mmap.PAGESIZE) * mmap.PAGESIZE, (low + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        m.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 class Session:
     """An onnxruntime session computing ``Y`` from float32 inputs, and the buffer of its weights."""
 
-    def __init__(self, model_bytes: bytes, inputs: dict[str, int], weights: list[tuple[str, np.ndarray]]) -> None:
+    def __init__(self, model_bytes: bytes, inputs: dict[str, int], weights: list[tuple[str, np.ndarray | Lazy]]) -> None:
         self.weights = WeightBuffer(weights)
         self.session = _session(model_bytes, self.weights)
         if weights:
@@ -103,7 +155,11 @@ class Session:
         x = np.ascontiguousarray(x, dtype=np.float32)
         return self.session.run(("Y",), {"X": x})[0]
 
-    def _release(self, inputs: dict[str, int], weights: list[tuple[str, np.ndarray]]) -> None:
+    def run_inputs(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """``Y`` from several float32 inputs by name."""
+        return self.session.run(("Y",), {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()})[0]
+
+    def _release(self, inputs: dict[str, int], weights: list[tuple[str, np.ndarray | Lazy]]) -> None:
         probe = {name: np.random.default_rng(0).standard_normal((1, k), dtype=np.float32) for name, k in inputs.items()}
         before = self.session.run(("Y",), probe)[0]
         self.weights.release()

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CheckpointError
-from ._ort_session import SESSION_NBYTES, Session, global_pool_active, placeholder, set_threads
+from ._ort_session import SESSION_NBYTES, Lazy, Session, global_pool_active, placeholder, set_threads
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ class Format:
 
 
 REPACKERS: dict[str, Format] = {}
+REPACKS = {"count": 0}  # matrices repacked from stored blocks by this process (a kernel file makes it 0)
 
 
 def repacker(name: str, bits: int, block: int, bias: bool = False) -> Callable[[Repacker], Repacker]:
@@ -133,6 +134,7 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> Packed:
     if fmt is None:
         raise CheckpointError(f"no quantized kernel for {qtype} weights (kernels exist for {', '.join(REPACKERS)})")
     n, k = shape
+    REPACKS["count"] += 1
     return fmt.fn(np.asarray(raw).view(np.uint8).reshape(n, -1), n, k)
 
 
@@ -268,7 +270,7 @@ class _Graph:
     def __init__(self) -> None:
         self.nodes: list = []  # type: ignore[type-arg]
         self.inits: list = []  # type: ignore[type-arg]
-        self.weights: list[tuple[str, np.ndarray]] = []  # handed to the session, not serialized (_ort_session)
+        self.weights: list[tuple[str, np.ndarray | Lazy]] = []  # handed to the session, not serialized (_ort_session)
         self._n = 0
 
     def name(self, stem: str) -> str:
@@ -282,10 +284,11 @@ class _Graph:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(a), name))
         return name
 
-    def weight(self, a: np.ndarray, stem: str) -> str:
+    def weight(self, a: np.ndarray | Lazy, stem: str) -> str:
         """A constant the session prepacks (quantized codes, scales, the bias matrix): handed over from memory."""
         name = self.name(stem)
-        a = np.ascontiguousarray(a)
+        if not isinstance(a, Lazy):
+            a = np.ascontiguousarray(a)
         self.inits.append(placeholder(name, a))
         self.weights.append((name, a))
         return name

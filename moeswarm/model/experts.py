@@ -9,7 +9,9 @@ they differ only in how they group the work:
 * ``batched`` -- per token, gather its k experts and run them as matrix-vector products;
   avoids OpenBLAS's small-M gemm cliff (M=2 costs ~9x M=1, spike finding 10) at tiny batches.
 * ``auto``    -- ``batched`` for a handful of tokens, ``grouped`` above; always ``grouped`` when
-  the experts run on quantized kernels (``_qkernels``: one call per expert whatever its rows).
+  the experts run on quantized kernels (``_qkernels``: one call per expert whatever its rows), and a
+  whole layer in one call (``_qmoe.QLayerMoE``) where its experts' formats allow and the cache holds
+  every such layer.
 
 Quantized experts (GGUF Q8_0, Q4_K, IQ4_XS...) are not converted to float32: ``F32Cache`` turns
 them into ``KernelExpert``s (repacked once, kept in the same byte-bounded LRU) and ``expert_ffn``
@@ -25,8 +27,10 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import ConfigError
+from ._ort_session import release_mapped
 from ._pages import release_pages
 from ._qkernels import Activation, KernelExpert, packable
+from ._qmoe import QLayerMoE, fits, kernel_nbytes
 from .config import ModelConfig
 from .weights import ExpertWeights
 
@@ -114,7 +118,7 @@ class F32Experts(Mapping[int, ExpertWeights]):
         return len(self.experts)
 
 
-Computable = ExpertWeights | KernelExpert  # what a backend's store gives: float32 weights or a kernel
+Computable = ExpertWeights | KernelExpert | QLayerMoE  # what the cache holds: float32 weights or kernels
 
 
 class ExpertLRU:
@@ -130,6 +134,11 @@ class ExpertLRU:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def experts(self) -> int:
+        """Experts held: one per entry, or each expert of a layer kernel (``QLayerMoE``)."""
+        return sum(len(w.expert_ids) if isinstance(w, QLayerMoE) else 1 for w in self._items.values())
 
     def keys(self) -> list[tuple[int, int]]:
         return list(self._items)
@@ -162,6 +171,43 @@ class F32Cache:
 
     def __init__(self, max_bytes: int = 512 << 20) -> None:
         self._copies = ExpertLRU(max_bytes)
+        self._layer_kernels: set[tuple[int, int]] = set()  # keys of the layer kernels built so far
+        self.layer_kernels_fit = True  # False once one was evicted: per-expert kernels from then on (no thrash)
+
+    def layer_kernel(self, layer: int, experts: Mapping[int, ExpertWeights], cfg: ModelConfig) -> QLayerMoE | None:
+        """The layer's held experts as one ``QLayerMoE``, built at first use, or None where their formats do not
+        fit one or the cache cannot keep it beside the other layers' (``layer_kernels_fit``)."""
+        key = (layer, -1)
+        hit = self._copies.get(key)
+        if isinstance(hit, QLayerMoE):
+            return hit
+        if not self.layer_kernels_fit or not experts:
+            return None
+        held = sorted(experts)
+        ws = [experts[e] for e in held]
+        nbytes = kernel_nbytes(ws) if fits(ws, activation(cfg)) else None
+        if nbytes is None or nbytes > self._copies.max_bytes:
+            return None
+        biases = [tuple(None if b is None else np.asarray(b, np.float32) for b in (w.gate_bias, w.up_bias, w.down_bias))
+                  for w in ws]
+        matrices = [(w.gate.packed(), w.up.packed(), w.down.packed()) for w in ws]  # type: ignore[attr-defined]
+        kernel = QLayerMoE(held, matrices, biases, cfg.top_k)  # type: ignore[arg-type]
+        kernel.nbytes = nbytes
+        for p in (p for m in matrices for p in m):  # kernel-file views, read once: their pages leave this process
+            for a in (p.data, p.scales, p.bias):
+                if a is not None:
+                    release_mapped(a)
+        del matrices
+        for w in ws:  # the stored bytes are not read again: leave them to the file
+            for a in (w.gate, w.up, w.down):
+                release = getattr(a, "release_pages", None)
+                if release is not None:
+                    release()
+        self._copies.put(key, kernel)
+        self._layer_kernels.add(key)
+        if any(k not in self._copies for k in self._layer_kernels):
+            self.layer_kernels_fit = False
+        return kernel
 
     def get(self, key: tuple[int, int], w: ExpertWeights) -> Computable:
         hit = self._copies.get(key)
@@ -280,9 +326,24 @@ def batched(store: Mapping[int, ExpertWeights], x: np.ndarray, ids: np.ndarray, 
 
 
 def auto(store: Mapping[int, ExpertWeights], x: np.ndarray, ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    kernel = _layer_kernel(store, cfg)
+    if kernel is not None:
+        _missing(store, ids)
+        return kernel(x, ids, weights)
     if x.shape[0] <= _AUTO_BATCHED_MAX_TOKENS and not (ids.size and _on_kernels(store, int(ids.flat[0]))):
         return batched(store, x, ids, weights, cfg)
     return grouped(store, x, ids, weights, cfg)
+
+
+def _layer_kernel(store: Mapping[int, ExpertWeights], cfg: ModelConfig) -> QLayerMoE | None:
+    """The store's layer as one kernel call, when it is an ``F32Experts`` of quantized experts without a memory
+    budget watching each expert's access (``on_access``: it pages experts in and out one by one)."""
+    if not isinstance(store, F32Experts) or store.on_access is not None or not store.experts:
+        return None
+    first = next(iter(store.experts.values()))
+    if not packable(first.gate):
+        return None
+    return store.cache.layer_kernel(store.layer, store.experts, cfg)
 
 
 def _on_kernels(store: Mapping[int, ExpertWeights], expert: int) -> bool:

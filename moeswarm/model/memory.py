@@ -120,7 +120,7 @@ def footprint(model) -> str:  # type: ignore[no-untyped-def]
     cache = getattr(getattr(model.experts, "cache", None), "_copies", None)
     experts = cache.bytes if cache is not None else 0
     return (f"weights stored {stored / 2**20:.0f} MiB; built from them: backbone kernels/copies "
-            f"{backbone / 2**20:.0f} MiB, expert cache {experts / 2**20:.0f} MiB ({len(cache) if cache else 0} experts)")
+            f"{backbone / 2**20:.0f} MiB, expert cache {experts / 2**20:.0f} MiB ({cache.experts if cache else 0} experts)")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 from moeswarm.model import SamplingParams, generate, load_model, load_weights
 from moeswarm.model._gguf_write import TensorPlan, plan, write_gguf
 from moeswarm.model._qkernels import KernelExpert, QLinear
+from moeswarm.model._qmoe import QLayerMoE
 from moeswarm.model.experts import F32Cache, expert_ffn
 from moeswarm.model.gguf import QuantizedTensor
 from moeswarm.model.synthetic import random_mixtral
@@ -108,9 +109,12 @@ def test_engine_logits_match_the_dequantised_reference(mixtral: Path, tmp_path: 
     reference, tokens = run(dequantised(load_weights(path)))
     model = load_model(path)
     logits, _ = run(model, tokens)
-    # The kernels did the work: repacked experts in the cache, a kernel on each quantized backbone matrix.
+    # The kernels did the work: a whole layer's experts in one QMoE call where their encodings have no per-block
+    # minimum and one block size, else one repacked kernel per expert; a kernel on each quantized backbone matrix.
     held = model.experts.cache._copies  # type: ignore[attr-defined]
-    assert len(held) > 0 and all(isinstance(held.get(key), KernelExpert) for key in held.keys())
+    layer_call = (gate_up or backbone) in ("Q8_0", "Q4_0", "Q5_0", "IQ4_XS")
+    assert len(held) > 0 and all(isinstance(held.get(key), QLayerMoE if layer_call else KernelExpert)
+                                 for key in held.keys())
     q = model.weights["0.attn.q"]
     if backbone != "F16":
         assert isinstance(q, QuantizedTensor) and isinstance(q._kernel, QLinear)

@@ -38,6 +38,8 @@ from moeswarm.protocol import (
     peer_id_from_str,
 )
 
+from gguf_reference import LOGIT_TOL
+
 ARCH = "mixtral"  # 2 MoE layers of 8 experts: the nodes hold 0-3 and 4-7
 N_RANDOM_PROMPTS = 15  # plus the oracle prompt: the prompt set of test_gguf_numerics
 N_NEW = 8
@@ -104,7 +106,9 @@ def teacher_forced_argmax(model: Model, prompts: list[list[int]], continuations:
 def test_q8_0_nodes_compute_what_the_engine_computes_on_the_gguf(oracle_checkpoints, q8_swarm) -> None:  # type: ignore[no-untyped-def]
     folder, ref = oracle_checkpoints.get(ARCH, "per_expert")
     path, daemons = q8_swarm
-    local = load_model(path)  # the engine on the same GGUF, in one process
+    # The engine on the same GGUF in one process, one kernel call per expert as the nodes compute them; its
+    # default, a layer's experts in one QMoE call, rounds activations to int8 in its own order (checked below).
+    local = load_model(path, backend="grouped")
     assert isinstance(local.weights.experts[0][0].gate, QuantizedTensor)
     model_id = model_id_for(str(path), local.config)
     assert model_id.endswith("-q8_0") and model_id != model_id_for(str(folder), load_config(folder))
@@ -123,6 +127,8 @@ def test_q8_0_nodes_compute_what_the_engine_computes_on_the_gguf(oracle_checkpoi
 
     logits, tokens, forced, used = asyncio.run(main())
     assert np.abs(logits - run_logits(local, ref.prompt_ids, ref.decode_tokens)).max() <= 1e-4
+    layer_calls = run_logits(load_model(path), ref.prompt_ids, ref.decode_tokens)
+    assert np.abs(logits - layer_calls).max() <= LOGIT_TOL * np.abs(logits).max()  # int8 activations' bound
     assert tokens == greedy(local, prompts)
     assert used == {peer_id_from_str(d.info["peer_id"]) for d in daemons}
 
