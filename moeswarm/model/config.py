@@ -144,7 +144,15 @@ class ModelConfig:
     index_topk_blocks: int = 0  # blocks each query keeps (best max-pooled indexer score)
     index_local_blocks: int = 0  # blocks ending at the query's own block, always kept
     quant: QuantFormat | None = None  # how quantised weights are stored (quantization_config), None: plain floats
+    # multi-token prediction (model/mtp.py): MTP layers loaded, numbered num_layers ... num_layers + mtp_layers - 1;
+    # the per-layer tuples above then describe them too (MoE, full attention)
+    mtp_layers: int = 0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def all_layers(self) -> int:
+        """Decoder layers including the multi-token-prediction ones (what nodes may serve)."""
+        return self.num_layers + self.mtp_layers
 
     @property
     def scale(self) -> float:

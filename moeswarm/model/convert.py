@@ -224,9 +224,11 @@ def convert(
     *,
     keep: Callable[[int, int], bool] | None = None,
     num_layers: int | None = None,
+    extra: tuple[Rule, ...] = (),
 ) -> Converted:
-    """One pass over the checkpoint keys.  ``keep(layer, expert)`` drops experts a node does not hold."""
-    rules = [(r, r.compiled()) for r in RULES[arch]]
+    """One pass over the checkpoint keys.  ``keep(layer, expert)`` drops experts a node does not hold;
+    ``extra`` rules are tried first (the MTP layers' own tensors, ``model/mtp.py``)."""
+    rules = [(r, r.compiled()) for r in extra + RULES[arch]]
     out = Converted({}, {}, [])
     for key, (file, inner) in keys.items():
         for rule, rx in rules:
@@ -235,7 +237,7 @@ def convert(
                 continue
             groups = m.groupdict()
             if num_layers is not None and "L" in groups and int(groups["L"]) >= num_layers:
-                break  # e.g. DeepSeek-V3's multi-token-prediction layer, unused for generation
+                break  # e.g. DeepSeek-V3's multi-token-prediction layer when it is not read
             if keep is not None and "E" in groups and not keep(int(groups["L"]), int(groups["E"])):
                 break
             items: Iterable[Item] = [(groups, file.tensor(inner))]
