@@ -129,6 +129,8 @@ def verify(logits: np.ndarray, draft: Sequence[int], q: Sequence[np.ndarray] | N
 class PromptLookup:
     """Drafts that need no second model (see ``prompt_lookup_draft``); deterministic, so q is None."""
 
+    kind = "lookup"  # what the API's model card says drafts
+
     def new_state(self) -> None:
         return None
 
@@ -143,6 +145,8 @@ class PromptLookup:
 class DraftModel:
     """Drafts from a small model with the same tokenizer, run here, sampling with the sequence's
     own parameters (``q`` is its distribution at each draft position)."""
+
+    kind = "model"
 
     def __init__(self, model: Model) -> None:
         self.model = model
@@ -185,6 +189,7 @@ class MtpDraft:
     own output and the token it drafted.  ``observe`` hands it the hidden states of every forward
     pass (``needs_hidden``); ``q`` is the MTP layer's distribution at each draft position."""
 
+    kind = "mtp"
     needs_hidden = True
 
     def __init__(self, model: Model) -> None:

@@ -54,7 +54,7 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
     model_id = sc.model_id or model_id_for(sc.model_dir, cfg)
     identity = load_identity(sc.identity_file)
     stop = stop or stop_event()
-    chosen = None if config.experts == "auto" else (Block(parse_range(config.layers, cfg.num_layers, "layers"),
+    chosen = None if config.experts == "auto" else (Block(parse_range(config.layers, cfg.all_layers, "layers"),
                                                           parse_range(config.experts, cfg.num_experts, "experts")),)
     say(joining(sc))
     async with p2p_node(identity, sc) as p2p:
