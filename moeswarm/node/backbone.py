@@ -46,6 +46,7 @@ class SwarmBackbone:
         self.audits: Any = None  # moeswarm.ledger.AuditRunner when audit_fraction > 0
         self.tiers: Any = None  # moeswarm.node.tiers.TierPlanner
         self.verifier: Verifier | None = None  # checks holders' outputs (on unless verify.fraction == 0)
+        self.service: Any = None  # the GenerationService run_backbone serves (its engine's draft counts)
 
     async def __aenter__(self) -> "SwarmBackbone":
         sc, cfg = self.config.swarm, self.cfg
@@ -54,11 +55,12 @@ class SwarmBackbone:
             self.p2p = await self._stack.enter_async_context(p2p_node(self.identity, sc))
             say(f"waiting up to {self.config.coverage_timeout_s:.0f} s for the swarm to announce every expert...")
             moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
-            if self.config.draft == "mtp":  # the MTP layers' experts are called in the swarm too
-                if not cfg.mtp_layers:
+            found = list(moe)  # the layers whose holders are discovered
+            if self.config.draft == "mtp":  # the MTP layers' experts are called in the swarm too (their
+                if not cfg.mtp_layers:     # routes are not counted in the demand reports)
                     raise ConfigError(f"--draft mtp: {sc.model_dir} holds no multi-token-prediction layer")
-                moe += list(range(cfg.num_layers, cfg.all_layers))
-            self.discovery = Discovery(self.p2p, self.table, moe, self.config.discovery_interval_s,
+                found += list(range(cfg.num_layers, cfg.all_layers))
+            self.discovery = Discovery(self.p2p, self.table, found, self.config.discovery_interval_s,
                                        num_layers=cfg.all_layers, num_experts=cfg.num_experts)
             missing = await self.discovery.wait_for_coverage(cfg.num_experts, self.config.coverage_timeout_s)
             if missing and not self.config.local_fallback:
@@ -166,6 +168,10 @@ class SwarmBackbone:
             out["verification"] = self.verifier.status()
         if self.tiers is not None:
             out["tiers"] = self.tiers.status()
+        engine = self.service.engine if self.service is not None else None
+        if engine is not None and engine.config.speculative:
+            out["speculative"] = {"draft": getattr(engine.drafter, "kind", "lookup"), "tokens": engine.config.speculative,
+                                  "steps": engine.steps, "drafted": engine.drafted, "accepted": engine.accepted}
         return out
 
     async def _start_demand_reports(self, moe: list[int]) -> None:
@@ -242,6 +248,7 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
         assert backbone.model is not None
         service = GenerationService(backbone.model, backbone.tokenizer(), backbone.model_id, engine=config.engine,
                                     drafter=_drafter(config, backbone.model))
+        backbone.service = service
         info: dict[str, Any] = {"peer_id": backbone.identity.peer_id_str,
                                 "multiaddrs": public_multiaddrs(backbone.p2p.multiaddrs, config.swarm),
                                 "model_id": backbone.model_id}

@@ -52,7 +52,10 @@ def swarm_config(model_dir: str, bootstrap: tuple[str, ...], host: str, announce
 
 @click.command()
 @swarm_options
-@click.option("--layers", default=None, metavar="A-B", help="Layers to hold, inclusive (default: all).")
+@click.option("--layers", default=None, metavar="A-B",
+              help="Layers to hold, inclusive (default: all the decoder's). A range may reach past them into "
+                   "the checkpoint's multi-token-prediction layers (DeepSeek-V3: 61), whose experts a "
+                   "`backbone --draft mtp` calls.")
 @click.option("--experts", default=None, metavar="X-Y|auto",
               help="Experts to hold in each of those layers, inclusive: 0-31 is 32 experts (default: all). "
                    "'auto' asks the swarm's market what it lacks (then --layers is chosen too).")
