@@ -216,6 +216,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
+def mtp_layers(model_dir: str) -> str:
+    """The nodes' --layers for a ``moeswarm backbone --draft mtp``: the decoder's layers and the
+    checkpoint's multi-token-prediction layers after them ("0-4" on the demo)."""
+    from moeswarm.model import load_config
+
+    return f"0-{load_config(model_dir).all_layers - 1}"
+
+
 def delayed_swarm(model_dir: str, expert_ranges: Sequence[str], rtt_ms: float,
                   layers: str | None = None) -> Iterator[list[Daemon]]:
     """Expert nodes on loopback, one per range of experts ("0-3"), the first the bootstrap peer;

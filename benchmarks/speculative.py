@@ -24,7 +24,7 @@ import statistics
 import time
 
 from _delay import measure_rtts  # benchmarks/_delay.py
-from _links import delayed_swarm  # benchmarks/_links.py
+from _links import delayed_swarm, mtp_layers  # benchmarks/_links.py
 
 PROMPTS = {
     "repetitive": "And the LORD said unto Moses, Speak unto the children of Israel. And the LORD said unto Moses, "
@@ -86,10 +86,8 @@ def main(tokens: int, rtt_ms: float, rounds: int = 5, mtp_k: int = 3, CHECKPOINT
     rows = []
     pings: list[float] = []
     direct, proxied = measure_rtts(rtt_ms / 2e3, 200)  # raw TCP through the same kind of proxy
-    from moeswarm.model import load_config
-
-    all_layers = load_config(CHECKPOINT).all_layers  # the nodes serve the MTP layer's experts too
-    with delayed_swarm(str(CHECKPOINT), ["0-3", "4-7"], rtt_ms, layers=f"0-{all_layers - 1}") as daemons:
+    # the nodes serve the MTP layer's experts too
+    with delayed_swarm(str(CHECKPOINT), ["0-3", "4-7"], rtt_ms, layers=mtp_layers(CHECKPOINT)) as daemons:
 
         async def run() -> None:
             config = BackboneConfig(SwarmConfig(str(CHECKPOINT), bootstrap=(daemons[0].info["multiaddrs"][0],),
