@@ -215,7 +215,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@contextlib.contextmanager
 def mtp_layers(model_dir: str) -> str:
     """The nodes' --layers for a ``moeswarm backbone --draft mtp``: the decoder's layers and the
     checkpoint's multi-token-prediction layers after them ("0-4" on the demo)."""
@@ -224,6 +223,7 @@ def mtp_layers(model_dir: str) -> str:
     return f"0-{load_config(model_dir).all_layers - 1}"
 
 
+@contextlib.contextmanager
 def delayed_swarm(model_dir: str, expert_ranges: Sequence[str], rtt_ms: float,
                   layers: str | None = None) -> Iterator[list[Daemon]]:
     """Expert nodes on loopback, one per range of experts ("0-3"), the first the bootstrap peer;
