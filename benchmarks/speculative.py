@@ -121,15 +121,20 @@ def main(tokens: int, rtt_ms: float, rounds: int = 5, mtp_k: int = 3, CHECKPOINT
           f"{med(proxied) * 1e3:.2f} ms through a proxy ({med(direct) * 1e3:.3f} ms without), data-plane ping "
           f"(TLS, to node0) {med(pings) * 1e3:.2f} ms")
     print(f"medians of {rounds} alternating runs of each case")
+    from moeswarm.model import load_config
+
+    moe = sum(load_config(CHECKPOINT).moe_layers[: load_config(CHECKPOINT).num_layers])
+    print("expert round trips: one per MoE layer per forward pass, one per MTP-layer pass (= drafted tokens); "
+          "they do not depend on the machine's load")
     print("| prompt | greedy tok/s | prompt lookup k=4 tok/s | speedup | MTP k=%d tok/s | speedup | "
-          "MTP drafts accepted | forward passes (greedy / lookup / MTP) |" % mtp_k)
-    print("|---|---|---|---|---|---|---|---|")
+          "MTP drafts accepted | forward passes (greedy / lookup / MTP) | expert round trips (greedy / MTP) |" % mtp_k)
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows:
         (tp, plain, _), (tl, _, sl), (tm, _, sm) = r["plain"], r["lookup"], r["mtp"]
         n = len(plain)
         print(f"| {name} | {n / tp:.1f} | {n / tl:.1f} | {tp / tl:.2f}x | {n / tm:.1f} | {tp / tm:.2f}x | "
               f"{sm.accepted}/{sm.drafted} ({sm.accepted / max(sm.drafted, 1):.0%}) | {n} / {sl.steps + 1} / "
-              f"{sm.steps + 1} |")
+              f"{sm.steps + 1} | {n * moe} / {(sm.steps + 1) * moe + sm.drafted} |")
     print(f"\nsingle process, demo model, no network: greedy vs MTP drafts (k={mtp_k}); medians of {rounds} alternating runs")
     print("| prompt | greedy tok/s | MTP tok/s | speedup | MTP drafts accepted | forward passes (greedy / MTP) |")
     print("|---|---|---|---|---|---|")
