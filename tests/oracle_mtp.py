@@ -33,10 +33,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from oracle import _model_class, _quiet, make_config, reinit_hot
 from safetensors.torch import load_file, save_file
 from transformers.modeling_layers import MtpModel
-
-from oracle import _model_class, _quiet, make_config, reinit_hot
 
 MTP_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_5_moe", "mixtral")
 _EXTRA = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "post_norm": "shared_head.norm"}
@@ -74,7 +73,7 @@ def build_mtp_checkpoint(arch: str, out_dir: Path, seed: int = 0):  # type: igno
     cfg = _with_mtp(make_config(arch))
     torch.manual_seed(seed)
     with _quiet():
-        kw = dict(attn_implementation="eager", dtype=torch.float32, experts_implementation="eager")
+        kw = {"attn_implementation": "eager", "dtype": torch.float32, "experts_implementation": "eager"}
         main = _model_class(cfg).from_config(cfg, **kw).eval()
         reinit_hot(main, seed)
         mtp = MtpModel(main, 1).eval()

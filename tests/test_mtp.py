@@ -7,16 +7,15 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from oracle import PROMPT
+from oracle_mtp import MTP_ARCHS, build_mtp_checkpoint, mtp_reference
 from scipy import stats
 
 from moeswarm.errors import ConfigError
-from moeswarm.model import SamplingParams, generate, load_model
-from moeswarm.model import speculative
-from moeswarm.model.generate import probs
+from moeswarm.model import SamplingParams, generate, load_model, speculative
 from moeswarm.model._mtp_run import mtp_forward, new_mtp_cache
+from moeswarm.model.generate import probs
 from moeswarm.model.speculative import MtpDraft, SpeculativeStats, generate_drafted
-from oracle import PROMPT
-from oracle_mtp import MTP_ARCHS, build_mtp_checkpoint, mtp_reference
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,9 @@ import asyncio
 import json
 import urllib.request
 
+from oracle import PROMPT
+from oracle_mtp import build_mtp_checkpoint
+
 from moeswarm._cli_util import DEFAULT_MTP_DRAFT
 from moeswarm.daemon import SwarmConfig
 from moeswarm.demo import CHECKPOINT
@@ -17,8 +20,6 @@ from moeswarm.model.speculative import MtpDraft, SpeculativeStats, generate_draf
 from moeswarm.node.backbone import SwarmBackbone
 from moeswarm.node.config import BackboneConfig
 from moeswarm.node.scheduler import EngineConfig
-from oracle import PROMPT
-from oracle_mtp import build_mtp_checkpoint
 
 
 def test_mtp_drafts_through_the_swarm_give_the_greedy_tokens(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -27,7 +28,7 @@ def test_mtp_drafts_through_the_swarm_give_the_greedy_tokens(tmp_path) -> None: 
     n = single.config.num_layers
     params = SamplingParams(max_new_tokens=24)
     expected = list(generate(single, PROMPT, params))
-    mtp_too = lambda i: ["--layers", f"0-{n}"]  # noqa: E731 - the decoder's layers and the MTP layer
+    mtp_too = lambda i: ["--layers", f"0-{n}"]  # the decoder's layers and the MTP layer
     with expert_nodes(str(folder), ["0-3", "4-7"], extra_args=mtp_too) as daemons:
         config = BackboneConfig(SwarmConfig(str(folder), bootstrap=(daemons[0].info["multiaddrs"][0],),
                                             client_mode=True), coverage_timeout_s=60, draft="mtp",

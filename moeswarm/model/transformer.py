@@ -135,7 +135,7 @@ class Model:
         ids = np.asarray(ids)
         if ids.ndim == 1:
             ids = ids[None]
-        B, T = ids.shape
+        T = ids.shape[1]
         past = cache.length
         positions = np.arange(past, past + T)
         x = f32(w["embed"][ids])  # (B, T, H)
