@@ -138,4 +138,4 @@ def host_port(text: str, option: str = "--listen", default_host: str | None = No
         raise ConfigError(f"{option} takes HOST:PORT, not {text!r}")
     return host, int(port)
 
-DEFAULT_MTP_DRAFT = 3  # draft tokens per step of `--draft mtp` when --speculative is not given
+DEFAULT_MTP_DRAFT = 2  # draft tokens per step of `--draft mtp` when --speculative is not given
