@@ -247,7 +247,7 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
     async with SwarmBackbone(config) as backbone:
         assert backbone.model is not None
         service = GenerationService(backbone.model, backbone.tokenizer(), backbone.model_id, engine=config.engine,
-                                    drafter=_drafter(config, backbone.model))
+                                    drafter=_drafter(config, backbone.cfg, backbone.model))
         backbone.service = service
         info: dict[str, Any] = {"peer_id": backbone.identity.peer_id_str,
                                 "multiaddrs": public_multiaddrs(backbone.p2p.multiaddrs, config.swarm),
@@ -273,18 +273,18 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
                 await runner.cleanup()
 
 
-def _drafter(config: BackboneConfig, model: Model) -> Any:
-    """The draft model of --draft-model (computed here, experts and all), the model's own MTP layer
+def _drafter(config: BackboneConfig, cfg: Any, model: Model | None = None) -> Any:
+    """The draft model of --draft-model (computed here, experts and all), ``model``'s own MTP layer
     (--draft mtp: its experts called in the swarm), or None (prompt lookup)."""
     from ..model.speculative import DraftModel, MtpDraft
 
     if config.draft == "mtp":
+        if model is None:
+            raise ConfigError("--draft mtp drafts with the loaded model's own MTP layer: give the model")
         return MtpDraft(model)
     if config.draft_model is None:
         return None
     from ..model import load_model
-
-    cfg = model.config
 
     draft = load_model(config.draft_model)
     if draft.config.vocab_size != cfg.vocab_size:
