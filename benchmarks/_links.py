@@ -215,18 +215,28 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def mtp_layers(model_dir: str) -> str:
+    """The nodes' --layers for a ``moeswarm backbone --draft mtp``: the decoder's layers and the
+    checkpoint's multi-token-prediction layers after them ("0-4" on the demo)."""
+    from moeswarm.model import load_config
+
+    return f"0-{load_config(model_dir).all_layers - 1}"
+
+
 @contextlib.contextmanager
-def delayed_swarm(model_dir: str, expert_ranges: Sequence[str], rtt_ms: float) -> Iterator[list[Daemon]]:
+def delayed_swarm(model_dir: str, expert_ranges: Sequence[str], rtt_ms: float,
+                  layers: str | None = None) -> Iterator[list[Daemon]]:
     """Expert nodes on loopback, one per range of experts ("0-3"), the first the bootstrap peer;
     each announces a delay proxy's port (a process, rtt/2 each way) instead of its own, so every
     data-plane call pays ``rtt_ms``; the DHT traffic is not delayed.  ``info["endpoint"]`` is the
-    delayed endpoint.  No namespaces: loopback only, no root needed."""
+    delayed endpoint.  No namespaces: loopback only, no root needed.  ``layers``: the nodes'
+    --layers (e.g. "0-4": the demo's decoder and its MTP layer)."""
     proxies: list[ProxyProcess] = []
 
     def behind_a_proxy(i: int) -> list[str]:
         port = _free_port()
         proxies.append(spawn_delay_proxy("127.0.0.1:0", f"127.0.0.1:{port}", rtt_ms / 2e3))
-        return ["--port", str(port), "--announce-port", str(proxies[-1].port)]
+        return ["--port", str(port), "--announce-port", str(proxies[-1].port)] + (["--layers", layers] if layers else [])
 
     try:
         with expert_nodes(model_dir, expert_ranges, extra_args=behind_a_proxy) as daemons:

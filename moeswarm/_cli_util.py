@@ -137,3 +137,5 @@ def host_port(text: str, option: str = "--listen", default_host: str | None = No
     if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{option} takes HOST:PORT, not {text!r}")
     return host, int(port)
+
+DEFAULT_MTP_DRAFT = 2  # draft tokens per step of `--draft mtp` when --speculative is not given

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ._cli_util import echo_prompt, friendly_errors, served_summary, stream
+from ._cli_util import DEFAULT_MTP_DRAFT, echo_prompt, friendly_errors, served_summary, stream
 
 
 class LazyGroup(click.Group):
@@ -96,6 +96,10 @@ def _default_model() -> str:
 @click.option("--speculative", default=0, type=click.IntRange(0, 32), metavar="K",
               help="Greedy only: verify up to K prompt-lookup draft tokens per forward pass (same output, "
                    "fewer round trips through the swarm). 0 = off.")
+@click.option("--draft", default="lookup", show_default=True, type=click.Choice(["lookup", "mtp"]),
+              help="What proposes the speculative drafts: prompt lookup (--speculative K, greedy only), or mtp: "
+                   "the checkpoint's own multi-token-prediction layer, at any temperature (exact speculative "
+                   f"sampling); --draft mtp without --speculative drafts {DEFAULT_MTP_DRAFT} tokens per step.")
 @click.option("--memory-budget", default=None, metavar="SIZE",
               help="Keep this process's resident memory under SIZE (e.g. 8GB) by paging experts in and out "
                    "of the memory-mapped checkpoint.")
@@ -107,8 +111,8 @@ def _default_model() -> str:
 def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, max_new_tokens: int, backend: str,
              temperature: float, top_p: float, top_k: int, seed: int | None, print_token_ids: bool,
              swarm: tuple[str, ...], local_fallback: bool, relay_ca: str | None, show_experts: bool, ledger_url: str | None,
-             audit_fraction: float, identity_file: str | None, speculative: int, memory_budget: str | None,
-             stats: bool, coverage_timeout: float) -> None:
+             audit_fraction: float, identity_file: str | None, speculative: int, draft: str,
+             memory_budget: str | None, stats: bool, coverage_timeout: float) -> None:
     """Generate text from a checkpoint, streaming it to stdout: in this process, or with --swarm."""
     from .model import load_model
 
@@ -117,12 +121,15 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
         from .errors import ConfigError
 
         raise ConfigError("--identity countersigns the swarm's receipts: it needs --swarm")
+    if draft == "mtp" and not speculative:
+        speculative = DEFAULT_MTP_DRAFT
     if swarm:
         import asyncio
 
         from .daemon import SwarmConfig
         from .node.backbone import SwarmBackbone
         from .node.config import BackboneConfig
+        from .node.scheduler import EngineConfig
 
         if relay_ca is not None:
             from .relay import set_relay_ca
@@ -131,14 +138,15 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
 
         config = BackboneConfig(SwarmConfig(model_dir, bootstrap=swarm, client_mode=True, identity_file=identity_file),
                                 local_fallback=local_fallback, ledger_url=ledger_url, audit_fraction=audit_fraction,
-                                coverage_timeout_s=coverage_timeout)
+                                coverage_timeout_s=coverage_timeout, draft=draft,
+                                engine=EngineConfig(speculative=speculative if draft == "mtp" else 0))
 
         async def in_swarm() -> None:
             async with SwarmBackbone(config) as backbone:
                 assert backbone.model is not None and backbone.executor is not None
                 await asyncio.to_thread(_generate_with, backbone.model, model_dir, prompt, prompt_ids,
                                         max_new_tokens, temperature, top_p, seed, print_token_ids, speculative,
-                                        top_k)
+                                        top_k, draft)
                 if show_experts:
                     _print_placement(backbone.executor.served_by)
 
@@ -161,7 +169,7 @@ def generate(model_dir: str | None, prompt: str | None, prompt_ids: str | None, 
             model.experts.cache = F32Cache(budget.budget // 8)
     t0 = time.perf_counter()
     n = _generate_with(model, model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_p, seed,
-                       print_token_ids, speculative, top_k)
+                       print_token_ids, speculative, top_k, draft)
     if stats:
         from .model.memory import footprint
 
@@ -182,12 +190,12 @@ def _print_placement(served_by: dict[bytes, set[tuple[int, int]]]) -> None:
 
 def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | None,  # type: ignore[no-untyped-def]
                    max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
-                   print_token_ids: bool, speculative: int = 0, top_k: int = 0) -> int:
+                   print_token_ids: bool, speculative: int = 0, top_k: int = 0, draft: str = "lookup") -> int:
     from .demo import DEFAULT_PROMPT
     from .errors import ConfigError
     from .model import SamplingParams, Tokenizer
     from .model import generate as run
-    from .model.speculative import SpeculativeStats, generate_speculative
+    from .model.speculative import MtpDraft, SpeculativeStats, generate_drafted, generate_speculative
 
     cfg = model.config
     tokenizer = None
@@ -199,8 +207,9 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
     else:
         tokenizer = Tokenizer.from_folder(model.weights.folder, cfg.bos_token_id)
         ids = tokenizer.encode(prompt if prompt is not None else DEFAULT_PROMPT)
-    if speculative and temperature != 0:  # before the prompt is printed: the error gets its own line
+    if speculative and temperature != 0 and draft != "mtp":  # before the prompt is printed: its own line
         raise ConfigError("--speculative needs --temperature 0 (greedy)")
+    drafter = MtpDraft(model) if draft == "mtp" else None
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop_token_ids=cfg.eos_token_ids)
     if tokenizer is None:
@@ -212,7 +221,8 @@ def _generate_with(model, model_dir: str, prompt: str | None, prompt_ids: str | 
     if tokenizer is not None and prompt_ids is None:
         echo_prompt(tokenizer.decode(ids))  # the prompt, as the tokenizer reads it
     drafts = SpeculativeStats()
-    tokens = (generate_speculative(model, ids, params, k=speculative, stats=drafts) if speculative
+    tokens = (generate_drafted(model, ids, params, drafter, k=speculative, stats=drafts) if drafter is not None
+              else generate_speculative(model, ids, params, k=speculative, stats=drafts) if speculative
               else run(model, ids, params))
     out = stream(tokens, text.feed if text is not None else None)
     if speculative:

@@ -39,12 +39,14 @@ exact weights) depends on machine speed; pass ``--max-steps N`` for a step-exact
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -208,6 +210,99 @@ def generate_samples(model, tok: Tokenizer, seed: int, max_new_tokens: int = 48)
     return out
 
 
+# ------------------------------------------------------------ multi-token prediction
+
+
+def mtp_loss(model, mtp, x: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the MTP layer's guess of token j + 2 from the frozen model's final-normed
+    hidden state at j and the embedding of token j + 1 (slot j sits at position j + 1)."""
+    with torch.no_grad():
+        hidden = model(input_ids=x, output_hidden_states=True, output_router_logits=False).hidden_states[-1]
+    positions = torch.arange(1, x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+    g = mtp.forward_layer(0, hidden[:, :-1], positions, None, input_ids=x[:, 1:])
+    logits = mtp._project_to_logits(g[:, :-1])  # slot j predicts x[:, j + 2]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x[:, 2:].flatten())
+
+
+def train_mtp(args: argparse.Namespace) -> None:
+    """Train one multi-token-prediction layer beside the checkpoint in ``args.out`` (the model frozen,
+    its weights untouched) and store it as DeepSeek-V3 does: ``model.layers.{n}.*`` (a decoder layer of
+    the model's own kind, its experts in the same per-expert layout) plus ``enorm``, ``hnorm``,
+    ``eh_proj`` and ``shared_head.norm``; moeswarm finds it from those keys (config.json is unchanged,
+    so the model id is too; transformers' MixtralForCausalLM ignores the extra keys)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed + 1)
+    tok = Tokenizer.from_file(str(args.out / "tokenizer.json"))
+    docs = load_documents(args.text)
+    train_docs = [d for i, d in enumerate(docs) if (i + 1) % args.val_every != 0]
+    val_ids = encode_docs(tok, docs[args.val_every - 1 :: args.val_every])
+    train_ids = encode_docs(tok, train_docs)
+    model = MixtralForCausalLM.from_pretrained(args.out, dtype=torch.float32, attn_implementation="eager").eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    n = model.config.num_hidden_layers
+    model.config.num_mtp_layers = 1
+    mtp = MtpModel(model, 1)
+    layer = mtp.layers[0]
+    layer.mtp_block.load_state_dict(model.model.layers[-1].state_dict())  # start from the last layer
+    with torch.no_grad():
+        H = model.config.hidden_size
+        layer.eh_proj.weight.copy_(torch.cat([0.02 * torch.randn(H, H), torch.eye(H)], dim=1))
+    params = [p for p in layer.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=args.mtp_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    T, B, budget = args.seq_len, args.batch_size, args.mtp_minutes * 60.0
+    hi, step, t_start, ema = len(train_ids) - T - 1, 0, time.time(), None
+    mtp.train()
+    print(f"MTP layer: {sum(p.numel() for p in params) / 1e6:.2f}M params, {args.mtp_minutes:g} min")
+    while time.time() - t_start < budget:
+        frac = (time.time() - t_start) / budget
+        for g in opt.param_groups:
+            g["lr"] = args.mtp_lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        starts = rng.integers(0, hi, size=B)
+        loss = mtp_loss(model, mtp, torch.from_numpy(np.stack([train_ids[s : s + T] for s in starts])))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step % args.log_every == 0 or step == 1:
+            print(f"mtp step {step:5d} | {(time.time() - t_start) / 60:5.1f} min | loss {loss.item():.3f} "
+                  f"(ema {ema:.3f})", flush=True)
+    mtp.eval()
+    with torch.no_grad():
+        windows = torch.from_numpy(val_ids[: (len(val_ids) // T) * T].reshape(-1, T))[: 4 * B]
+        val = float(np.mean([mtp_loss(model, mtp, windows[i : i + B]).item() for i in range(0, len(windows), B)]))
+    print(f"MTP done: {step} steps, train loss (ema) {ema:.3f}, val loss {val:.3f} (token j + 2)")
+
+    # the layer in the model's own stored format: a model one layer longer, saved, its last layer's keys
+    bigger = copy.deepcopy(model.config)
+    bigger.num_hidden_layers = n + 1
+    longer = MixtralForCausalLM(bigger).to(torch.float16)
+    longer.model.layers[n].load_state_dict(layer.mtp_block.state_dict())
+    with tempfile.TemporaryDirectory() as tmp:
+        longer.save_pretrained(tmp)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    path = args.out / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(path)).items() if not k.startswith(f"model.layers.{n}.")}
+    tensors.update({k: v for k, v in saved.items() if k.startswith(f"model.layers.{n}.")})
+    for name, stored in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("post_norm", "shared_head.norm")):
+        tensors[f"model.layers.{n}.{stored}.weight"] = getattr(layer, name).weight.detach().to(torch.float16)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    log_path = args.out / "train_log.json"
+    log = json.loads(log_path.read_text()) if log_path.exists() else {}
+    log["mtp"] = {"steps": step, "train_minutes": round((time.time() - t_start) / 60, 2),
+                  "final_train_loss_ema": round(ema, 4), "val_loss": round(val, 4), "lr": args.mtp_lr,
+                  "params": sum(p.numel() for p in params)}
+    log_path.write_text(json.dumps(log, indent=2) + "\n")
+    print(f"stored the MTP layer as model.layers.{n}.* in {path} ({path.stat().st_size / 1e6:.2f} MB)")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -236,12 +331,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp-minutes", type=float, default=6.0,
+                   help="then train a multi-token-prediction layer (the model frozen) for this long; 0: none")
+    p.add_argument("--mtp-lr", type=float, default=2e-3)
+    p.add_argument("--mtp-only", action="store_true",
+                   help="only train the MTP layer of the checkpoint already in --out (its other weights untouched)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.mtp_only:
+        train_mtp(args)
+        return
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
 
@@ -353,6 +456,8 @@ def main(argv=None) -> None:
     for prompt, (greedy, sampled) in samples.items():
         same = "same as before saving" if fp32_samples[prompt][0] == greedy else "differs from fp32 pre-save"
         print(f"\n[{prompt!r}]\n  greedy ({same}): {greedy}\n  sampled: {sampled}")
+    if args.mtp_minutes > 0:
+        train_mtp(args)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,8 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
     for name, a in w.tensors.items():
         if name == "lm_head" and cfg.tie_word_embeddings:
             continue  # llama.cpp omits output.weight for tied embeddings
+        if (template(name)[1] or 0) >= cfg.num_layers:
+            continue  # multi-token-prediction layers (model/mtp.py) are not converted
         row, gname = gguf_name(cfg.arch, name)
         qtype, note = _choose(name, a.shape, base)
         rows = cols = None
@@ -130,6 +132,8 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
         order = -1 if name == "embed" else (layer if layer is not None else cfg.num_layers)
         plans.append(((order, 0), TensorPlan(gname, qtype, tuple(a.shape), (a,), rows, note, cols)))
     for L, experts in w.experts.items():
+        if L >= cfg.num_layers:
+            continue
         if sorted(experts) != list(range(cfg.num_experts)):
             raise ConfigError(f"layer {L} holds experts {sorted(experts)}; converting needs all {cfg.num_experts}")
         for part in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):

@@ -212,7 +212,9 @@ class Step:
     cache: Any  # SequenceCache (or a KVCache with batch 1)
     ids: Sequence[int]  # new tokens, fed after what the cache holds
     all_logits: bool = False  # logits at every new position (speculative verification), else the last only
+    want_hidden: bool = False  # also the final-normed hidden states of every new position (MTP drafts)
     logits: np.ndarray | None = field(default=None, repr=False)  # (T or 1, V), set by forward_batch
+    hidden: np.ndarray | None = field(default=None, repr=False)  # (T, H), set by forward_batch if want_hidden
 
 
 def forward_batch(model: Model, steps: Sequence[Step]) -> None:
@@ -223,8 +225,11 @@ def forward_batch(model: Model, steps: Sequence[Step]) -> None:
         raise ConfigError("every sequence in a batch needs at least one new token")
     if not paged(cfg):  # its own caches: one sequence at a time, exactly as alone
         for s in steps:
-            out = model.forward(np.asarray([list(s.ids)], np.int64), s.cache, last_only=not s.all_logits)
+            hidden: list[np.ndarray] = []
+            out = model.forward(np.asarray([list(s.ids)], np.int64), s.cache, last_only=not s.all_logits,
+                                hidden_out=hidden if s.want_hidden else None)
             s.logits = out[0]
+            s.hidden = hidden[0][0] if s.want_hidden else None
         return
     ends = np.cumsum(lens)
     starts = ends - lens
@@ -243,10 +248,12 @@ def forward_batch(model: Model, steps: Sequence[Step]) -> None:
                            for s, a, b in zip(steps, starts, ends)])
     logits = scaled_logits(cfg, mm(block_norm(cfg, x[rows], w["final_norm"]), w["lm_head"]))
     at = 0
-    for s, n in zip(steps, lens):
+    for s, n, a, b in zip(steps, lens, starts, ends):
         k = n if s.all_logits else 1
         s.logits = logits[at : at + k]
         at += k
+        if s.want_hidden:
+            s.hidden = rms_norm(x[a:b], w["final_norm"], cfg.rms_norm_eps)
 
 
 def _attention(model: Model, L: int, h: np.ndarray, steps: Sequence[Step], starts: np.ndarray, ends: np.ndarray,

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ._gguf_path import find_gguf
 from .config import ModelConfig
+from .mtp import LAYOUT
 from .weights import Weights, load_safetensors
 
 
@@ -31,7 +32,23 @@ def load_config(folder: str | os.PathLike[str]) -> ModelConfig:
 
         return read_config(gguf_file)
     cfg = ModelConfig.from_folder(folder)
-    return replace(cfg, quant=None) if gguf_file is not None and cfg.quant is not None else cfg
+    if gguf_file is not None:
+        return replace(cfg, quant=None) if cfg.quant is not None else cfg
+    return _with_stored_mtp(cfg, folder)
+
+
+def _with_stored_mtp(cfg: ModelConfig, folder: str | os.PathLike[str]) -> ModelConfig:
+    """``cfg`` with the multi-token-prediction layers the folder's safetensors hold (headers only)."""
+    from ._safetensors import open_folder
+    from .mtp import stored_keys, stored_mtp_layers, with_mtp
+
+    if cfg.arch not in LAYOUT or not os.path.isdir(folder):
+        return cfg
+    try:
+        keys = open_folder(folder)
+    except CheckpointError:
+        return cfg  # no weights here (a config-only folder): nothing to add; loading them says what is wrong
+    return with_mtp(cfg, stored_mtp_layers(cfg, stored_keys(cfg, keys)))
 
 
 def load_weights(

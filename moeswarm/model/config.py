@@ -170,7 +170,15 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     norm: str = "rms"  # block and final norms: "rms", or "layer" (LayerNorm without bias, eps 1e-5: DBRX)
+    # multi-token prediction (model/mtp.py): MTP layers loaded, numbered num_layers ... num_layers + mtp_layers - 1;
+    # the per-layer tuples above then describe them too (MoE, full attention)
+    mtp_layers: int = 0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def all_layers(self) -> int:
+        """Decoder layers including the multi-token-prediction ones (what nodes may serve)."""
+        return self.num_layers + self.mtp_layers
 
     @property
     def scale(self) -> float:

@@ -225,11 +225,13 @@ def convert(
     keep: Callable[[int, int], bool] | None = None,
     num_layers: int | None = None,
     num_experts: int | None = None,
+    extra: tuple[Rule, ...] = (),
 ) -> Converted:
-    """One pass over the checkpoint keys.  ``keep(layer, expert)`` drops experts a node does not hold.
+    """One pass over the checkpoint keys.  ``keep(layer, expert)`` drops experts a node does not hold;
+    ``extra`` rules are tried first (the MTP layers' own tensors, ``model/mtp.py``).
     ``num_experts``, if given, reaches the ops as the field ``n`` (DBRX stores a layer's experts as one
     flat ``[E * I, H]`` tensor, which only the expert count splits)."""
-    rules = [(r, r.compiled()) for r in RULES[arch]]
+    rules = [(r, r.compiled()) for r in extra + RULES[arch]]
     out = Converted({}, {}, [])
     for key, (file, inner) in keys.items():
         for rule, rx in rules:
@@ -240,7 +242,7 @@ def convert(
             if num_experts is not None:
                 groups.setdefault("n", str(num_experts))
             if num_layers is not None and "L" in groups and int(groups["L"]) >= num_layers:
-                break  # e.g. DeepSeek-V3's multi-token-prediction layer, unused for generation
+                break  # e.g. DeepSeek-V3's multi-token-prediction layer when it is not read
             if keep is not None and "E" in groups and not keep(int(groups["L"]), int(groups["E"])):
                 break
             items: Iterable[Item] = [(groups, file.tensor(inner))]

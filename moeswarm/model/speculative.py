@@ -11,13 +11,14 @@ is rolled back past it, so the output is the greedy output, token for token.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError
-from .generate import SamplingParams, probs
+from .generate import SamplingParams, probs, sample
+from ._mtp_run import mtp_forward, new_mtp_cache
 from .transformer import Model
 
 
@@ -128,6 +129,8 @@ def verify(logits: np.ndarray, draft: Sequence[int], q: Sequence[np.ndarray] | N
 class PromptLookup:
     """Drafts that need no second model (see ``prompt_lookup_draft``); deterministic, so q is None."""
 
+    kind = "lookup"  # what the API's model card says drafts
+
     def new_state(self) -> None:
         return None
 
@@ -142,6 +145,8 @@ class PromptLookup:
 class DraftModel:
     """Drafts from a small model with the same tokenizer, run here, sampling with the sequence's
     own parameters (``q`` is its distribution at each draft position)."""
+
+    kind = "model"
 
     def __init__(self, model: Model) -> None:
         self.model = model
@@ -176,3 +181,107 @@ class DraftModel:
 
     def release(self, state: tuple[Any, list[int]]) -> None:
         pass
+
+
+class MtpDraft:
+    """Drafts from the model's own multi-token-prediction layer (``model/mtp.py``): the first from
+    the model's hidden states of the tokens verified so far, each next one from the MTP layer's
+    own output and the token it drafted.  ``observe`` hands it the hidden states of every forward
+    pass (``needs_hidden``); ``q`` is the MTP layer's distribution at each draft position."""
+
+    kind = "mtp"
+    needs_hidden = True
+
+    def __init__(self, model: Model) -> None:
+        if not model.config.mtp_layers:
+            raise ConfigError("--draft mtp: this checkpoint has no multi-token-prediction layer "
+                              f"({model.config.arch}; see docs/mtp.md for the families that store one)")
+        self.model = model
+
+    def new_state(self) -> MtpState:
+        return MtpState(new_mtp_cache(self.model.config))
+
+    def observe(self, state: MtpState, start: int, hidden: np.ndarray) -> None:
+        """hidden (T, H): the model's final-normed states at positions start ... start + T - 1."""
+        for i, row in enumerate(hidden):
+            state.hidden[start + i] = row
+
+    def propose(self, state: MtpState, tokens: Sequence[int], k: int, params: SamplingParams,
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
+        n = len(tokens)  # the model holds tokens[:n - 1]; slot j = (hidden j, token j + 1), so n - 1 slots
+        cache = state.cache
+        cache.truncate(min(cache.length, n - 1))
+        fed = cache.length
+        if k <= 0 or fed >= n - 1 or any(p not in state.hidden for p in range(fed, n - 1)):
+            return [], None
+        hidden = np.stack([state.hidden[p] for p in range(fed, n - 1)])  # (T, H)
+        g, logits = mtp_forward(self.model, 0, hidden, np.asarray(tokens[fed + 1 : n]), cache, fed + 1)
+        for p in [p for p in state.hidden if p < n - 1]:
+            del state.hidden[p]  # the cache holds them now
+        draft: list[int] = []
+        qs: list[np.ndarray] = []
+        for i in range(k):
+            if i:  # the next slot: this layer's own output as the hidden state, the drafted token
+                g, logits = mtp_forward(self.model, 0, g[-1:], np.asarray(draft[-1:]), cache, n - 1 + i)
+            if params.temperature == 0:
+                draft.append(int(np.argmax(logits[-1])))
+            else:
+                qs.append(probs(logits[-1], params))
+                draft.append(int(rng.choice(qs[-1].size, p=qs[-1])))
+        cache.truncate(n - 1)  # the drafted slots go: they are fed again from the model's own states
+        return draft, (qs if params.temperature else None)
+
+    def release(self, state: MtpState) -> None:
+        state.hidden.clear()
+
+
+@dataclass
+class MtpState:
+    cache: Any  # the MTP layers' KVCache: one slot per verified token but the last
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)  # position -> the model's state, not yet fed
+
+
+def generate_drafted(model: Model, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(),
+                     drafter: Any = None, k: int = 4, stats: SpeculativeStats | None = None) -> Iterator[int]:
+    """Speculative sampling at any temperature (``verify``): each step one forward pass over
+    [last token] + up to ``k`` draft tokens (so one expert call per MoE layer for all of them).
+    ``drafter``: ``PromptLookup`` (default), ``DraftModel`` or ``MtpDraft``.  Greedy output is
+    the greedy output; sampled output has ``generate``'s distribution."""
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty: give at least one token")
+    if model.config.deltanet is not None:  # its recurrent state cannot forget a rejected draft
+        raise ConfigError("speculative decoding is not supported for models with linear-attention (DeltaNet) "
+                          "layers: their state cannot be rolled back")
+    drafter = drafter if drafter is not None else PromptLookup()
+    stats = stats if stats is not None else SpeculativeStats()
+    observe = getattr(drafter, "observe", None)
+    rng = np.random.default_rng(params.seed)
+    stop = set(params.stop_token_ids)
+    cache, state, tokens = model.new_cache(), drafter.new_state(), list(prompt_ids)
+    hidden: list[np.ndarray] = []
+    logits = model.forward(np.asarray([tokens], np.int64), cache, hidden_out=hidden if observe else None)[0]
+    if observe:
+        observe(state, 0, hidden[0][0])
+    new = [sample(logits[-1], params, rng)]
+    produced = 0
+    try:
+        while True:
+            for token in new:
+                tokens.append(token)
+                produced += 1
+                yield token
+                if token in stop or produced >= params.max_new_tokens:
+                    return
+            draft, q = drafter.propose(state, tokens, min(k, params.max_new_tokens - produced), params, rng)
+            start, hidden = cache.length, []
+            out = model.forward(np.asarray([[tokens[-1]] + draft], np.int64), cache,
+                                hidden_out=hidden if observe else None)[0]  # (1 + len(draft), V)
+            if observe:
+                observe(state, start, hidden[0][0])
+            new = verify(out, draft, q, params, rng)
+            stats.steps += 1
+            stats.drafted += len(draft)
+            stats.accepted += len(new) - 1
+            cache.truncate(len(tokens) + len(new) - 1)  # forget the rejected drafts; the last token is fed next
+    finally:
+        drafter.release(state)

@@ -157,7 +157,7 @@ class Model:
         _prepare_backbone(weights)
         self._attn = [
             {name.split(".", 2)[2]: a for name, a in weights.tensors.items() if name.startswith(f"{L}.attn.")}
-            for L in range(cfg.num_layers)
+            for L in range(cfg.all_layers)  # the MTP layers' too
         ]
 
     def new_cache(self) -> KVCache:
@@ -165,16 +165,18 @@ class Model:
         if cfg.dsa is not None:
             return KVCache([DsaLayerCache() for _ in range(cfg.num_layers)])
         if cfg.deltanet is not None:
-            return KVCache([DeltaNetState() if linear else LayerCache() for linear in cfg.deltanet.layers])
+            return KVCache([DeltaNetState() if linear else LayerCache() for linear in cfg.deltanet.layers[:cfg.num_layers]])
         return KVCache([new_layer_cache(cfg, L) for L in range(cfg.num_layers)])  # MiniMax M3: index keys too
 
-    def forward(self, ids: np.ndarray, cache: KVCache, *, last_only: bool = False) -> np.ndarray:
-        """ids (B, T) int -> logits (B, T, V) float32 (or (B, 1, V) with ``last_only``)."""
+    def forward(self, ids: np.ndarray, cache: KVCache, *, last_only: bool = False,
+                hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
+        """ids (B, T) int -> logits (B, T, V) float32 (or (B, 1, V) with ``last_only``).  ``hidden_out``
+        gets the final-normed hidden states (B, T, H) of every position (what an MTP layer drafts from)."""
         cfg, w = self.config, self.weights
         ids = np.asarray(ids)
         if ids.ndim == 1:
             ids = ids[None]
-        B, T = ids.shape
+        T = ids.shape[1]
         past = cache.length
         positions = np.arange(past, past + T)
         x = f32(w["embed"][ids])  # (B, T, H)
@@ -182,25 +184,36 @@ class Model:
             x = x * np.float32(cfg.embedding_multiplier)
         step: dict[str, np.ndarray] = {}  # what one layer hands the next within this pass (DSA top-k)
         for L in range(cfg.num_layers):
-            h = block_norm(cfg, x, w[f"{L}.attn_norm"])
-            if cfg.attention == "mla":
-                h = mla(self._attn[L], h, cfg, self.rope, cache.layers[L], positions)
-            elif cfg.sparse_layers and cfg.sparse_layers[L]:  # MiniMax M3 lightning indexer
-                h = lightning(self._attn[L], h, cfg, self.rope, cache.layers[L], positions)
-            elif cfg.attention == "gqa":
-                h = gqa(self._attn[L], h, cfg, self.rope, cache.layers[L], positions, cfg.sliding_windows[L])
-            else:
-                h = self._mix_tokens(L, h, cache.layers[L], positions, step)
-            x = x + residual(cfg, h)
-            for observe_state in self.state_observers:
-                observe_state(L, x.reshape(B * T, -1))
-            h = block_norm(cfg, x, w[f"{L}.mlp_norm"]).reshape(B * T, -1)
-            x = x + residual(cfg, self._mlp(L, h).reshape(B, T, -1))
+            x = self.layer(L, x, cache.layers[L], positions, step)
         self.experts.end_step()
+        if hidden_out is not None:
+            hidden_out.append(block_norm(cfg, x, w["final_norm"]))
         if last_only:
             x = x[:, -1:]
         x = block_norm(cfg, x, w["final_norm"])
         return scaled_logits(cfg, mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1))
+
+    def layer(self, L: int, x: np.ndarray, layer_cache: object, positions: np.ndarray, step: dict[str, np.ndarray],
+              *, observe: bool = True) -> np.ndarray:
+        """Decoder layer ``L`` (an MTP layer too: ``model/mtp.py``): x (B, T, H) -> (B, T, H).
+        ``observe`` False keeps the observers (demand counts, state prefetch) out of it."""
+        cfg, w = self.config, self.weights
+        B, T = x.shape[:2]
+        h = block_norm(cfg, x, w[f"{L}.attn_norm"])
+        if cfg.attention == "mla":
+            h = mla(self._attn[L], h, cfg, self.rope, layer_cache, positions)  # type: ignore[arg-type]
+        elif cfg.sparse_layers and cfg.sparse_layers[L]:  # MiniMax M3 lightning indexer
+            h = lightning(self._attn[L], h, cfg, self.rope, layer_cache, positions)  # type: ignore[arg-type]
+        elif cfg.attention == "gqa":
+            h = gqa(self._attn[L], h, cfg, self.rope, layer_cache, positions, cfg.sliding_windows[L])  # type: ignore[arg-type]
+        else:
+            h = self._mix_tokens(L, h, layer_cache, positions, step)
+        x = x + residual(cfg, h)
+        if observe:
+            for observe_state in self.state_observers:
+                observe_state(L, x.reshape(B * T, -1))
+        h = block_norm(cfg, x, w[f"{L}.mlp_norm"]).reshape(B * T, -1)
+        return x + residual(cfg, self._mlp(L, h, observe=observe).reshape(B, T, -1))
 
     def _mix_tokens(self, L: int, h: np.ndarray, layer_cache: object, positions: np.ndarray,
                     step: dict[str, np.ndarray]) -> np.ndarray:
@@ -218,15 +231,15 @@ class Model:
             return gated_attention(self._attn[L], h, cfg, self.rope, layer_cache, positions)  # type: ignore[arg-type]
         raise ValueError(f"unknown attention kind {cfg.attention!r}")
 
-    def _mlp(self, L: int, h: np.ndarray) -> np.ndarray:
+    def _mlp(self, L: int, h: np.ndarray, *, observe: bool = True) -> np.ndarray:
         """h (N, H) -> (N, H): a dense MLP, or router + routed experts + shared expert."""
         cfg, w = self.config, self.weights
         ffn = oai_dense_ffn(cfg) if cfg.dense_activation == "clamped_swiglu" else dense_ffn
         if not cfg.moe_layers[L]:
             return ffn(w[f"{L}.mlp.gate"], w[f"{L}.mlp.up"], w[f"{L}.mlp.down"], h)
         ids, weights = route(cfg, h, w[f"{L}.router"], w.get(f"{L}.router_bias"), w.get(f"{L}.router_score_bias"))
-        for observe in self.observers:
-            observe(L, ids)
+        for route_observer in self.observers if observe else ():
+            route_observer(L, ids)
         handle = self._submit_scaled(L, h, ids, weights) if cfg.expert_input_scaled else self.experts.submit(
             L, h, ids, weights)
         if not self.overlap_shared:

@@ -19,6 +19,7 @@ from ._safetensors import TensorRef, open_folder
 from ._stored import StoredTensor, combine_stored
 from .config import ModelConfig
 from .convert import convert
+from .mtp import mtp_shapes, rules as mtp_rules, stored_keys, stored_mtp_layers, with_mtp
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     s: dict[str, tuple[int, ...]] = {"embed": (V, H), "final_norm": (H,)}
     if not cfg.tie_word_embeddings:
         s["lm_head"] = (V, H)
-    for L in range(cfg.num_layers):
+    for L in range(cfg.all_layers):  # the MTP layers' decoder layers too (model/mtp.py)
         p = f"{L}."
         s[p + "attn_norm"] = s[p + "mlp_norm"] = (H,)
         if cfg.attention == "qwen3_5":
@@ -110,6 +111,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.shared_expert_gate:
             s[p + "shared_gate"] = (1, H)
     s.update(extra_shapes(cfg))  # MiniMax M3's lightning indexer
+    s.update(mtp_shapes(cfg))
     return s
 
 
@@ -177,7 +179,10 @@ def load_safetensors(
     keys = open_folder(folder)
     if cfg.quant is not None:  # (codes, scale) pairs -> one StoredTensor each, kept in the stored format
         keys = combine_stored(keys, cfg.quant)
-    conv = convert(cfg.arch, keys, keep=keep_expert, num_layers=cfg.num_layers, num_experts=cfg.num_experts)
+    keys = stored_keys(cfg, keys)  # Qwen3.5's mtp.* under the layer numbers after the decoder's
+    if config is None:  # the MTP layers stored (a given config says itself whether to read them)
+        cfg = with_mtp(cfg, stored_mtp_layers(cfg, keys))
+    conv = convert(cfg.arch, keys, keep=keep_expert, num_layers=cfg.all_layers, num_experts=cfg.num_experts, extra=mtp_rules(cfg.arch))
     w = Weights(cfg, folder, {}, conv.sources)
 
     def check(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -201,7 +206,7 @@ def load_safetensors(
     if cfg.tie_word_embeddings:
         w.tensors["lm_head"] = w.tensors["embed"]
     eshapes = expert_shapes(cfg)
-    for L in range(cfg.num_layers):
+    for L in range(cfg.all_layers):
         if not cfg.moe_layers[L]:
             continue
         layer: dict[int, ExpertWeights] = {}

@@ -16,7 +16,7 @@ from typing import Any
 
 from .._tasks import cancel_and_wait
 from ..daemon import joining, load_identity, p2p_node, public_multiaddrs, ready, say, stop_event
-from ..errors import CheckpointError, SwarmError, Unreachable
+from ..errors import CheckpointError, ConfigError, SwarmError, Unreachable
 from ..model import Model, Tokenizer, Weights, load_config, load_weights
 from ..model.model_id import model_id_for
 from ..net.discovery import Discovery
@@ -46,6 +46,7 @@ class SwarmBackbone:
         self.audits: Any = None  # moeswarm.ledger.AuditRunner when audit_fraction > 0
         self.tiers: Any = None  # moeswarm.node.tiers.TierPlanner
         self.verifier: Verifier | None = None  # checks holders' outputs (on unless verify.fraction == 0)
+        self.service: Any = None  # the GenerationService run_backbone serves (its engine's draft counts)
 
     async def __aenter__(self) -> "SwarmBackbone":
         sc, cfg = self.config.swarm, self.cfg
@@ -54,8 +55,13 @@ class SwarmBackbone:
             self.p2p = await self._stack.enter_async_context(p2p_node(self.identity, sc))
             say(f"waiting up to {self.config.coverage_timeout_s:.0f} s for the swarm to announce every expert...")
             moe = [L for L in range(cfg.num_layers) if cfg.moe_layers[L]]
-            self.discovery = Discovery(self.p2p, self.table, moe, self.config.discovery_interval_s,
-                                       num_layers=cfg.num_layers, num_experts=cfg.num_experts)
+            found = list(moe)  # the layers whose holders are discovered
+            if self.config.draft == "mtp":  # the MTP layers' experts are called in the swarm too (their
+                if not cfg.mtp_layers:     # routes are not counted in the demand reports)
+                    raise ConfigError(f"--draft mtp: {sc.model_dir} holds no multi-token-prediction layer")
+                found += list(range(cfg.num_layers, cfg.all_layers))
+            self.discovery = Discovery(self.p2p, self.table, found, self.config.discovery_interval_s,
+                                       num_layers=cfg.all_layers, num_experts=cfg.num_experts)
             missing = await self.discovery.wait_for_coverage(cfg.num_experts, self.config.coverage_timeout_s)
             if missing and not self.config.local_fallback:
                 sample = sorted(missing)[:8]
@@ -162,6 +168,10 @@ class SwarmBackbone:
             out["verification"] = self.verifier.status()
         if self.tiers is not None:
             out["tiers"] = self.tiers.status()
+        engine = self.service.engine if self.service is not None else None
+        if engine is not None and engine.config.speculative:
+            out["speculative"] = {"draft": getattr(engine.drafter, "kind", "lookup"), "tokens": engine.config.speculative,
+                                  "steps": engine.steps, "drafted": engine.drafted, "accepted": engine.accepted}
         return out
 
     async def _start_demand_reports(self, moe: list[int]) -> None:
@@ -237,7 +247,8 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
     async with SwarmBackbone(config) as backbone:
         assert backbone.model is not None
         service = GenerationService(backbone.model, backbone.tokenizer(), backbone.model_id, engine=config.engine,
-                                    drafter=_drafter(config, backbone.cfg))
+                                    drafter=_drafter(config, backbone.cfg, backbone.model))
+        backbone.service = service
         info: dict[str, Any] = {"peer_id": backbone.identity.peer_id_str,
                                 "multiaddrs": public_multiaddrs(backbone.p2p.multiaddrs, config.swarm),
                                 "model_id": backbone.model_id}
@@ -305,12 +316,18 @@ async def _start_gateway(config: BackboneConfig, backbone: SwarmBackbone, servic
     return announcer
 
 
-def _drafter(config: BackboneConfig, cfg: Any) -> Any:
-    """The draft model of --draft-model (computed here, experts and all), or None (prompt lookup)."""
+def _drafter(config: BackboneConfig, cfg: Any, model: Model | None = None) -> Any:
+    """The draft model of --draft-model (computed here, experts and all), ``model``'s own MTP layer
+    (--draft mtp: its experts called in the swarm), or None (prompt lookup)."""
+    from ..model.speculative import DraftModel, MtpDraft
+
+    if config.draft == "mtp":
+        if model is None:
+            raise ConfigError("--draft mtp drafts with the loaded model's own MTP layer: give the model")
+        return MtpDraft(model)
     if config.draft_model is None:
         return None
     from ..model import load_model
-    from ..model.speculative import DraftModel
 
     draft = load_model(config.draft_model)
     if draft.config.vocab_size != cfg.vocab_size:

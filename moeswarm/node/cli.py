@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from .._cli_util import friendly_errors, host_port, http_limit_options, http_limits
+from .._cli_util import DEFAULT_MTP_DRAFT, friendly_errors, host_port, http_limit_options, http_limits
 from ..daemon import check_listen, run_daemon
 
 
@@ -52,7 +52,10 @@ def swarm_config(model_dir: str, bootstrap: tuple[str, ...], host: str, announce
 
 @click.command()
 @swarm_options
-@click.option("--layers", default=None, metavar="A-B", help="Layers to hold, inclusive (default: all).")
+@click.option("--layers", default=None, metavar="A-B",
+              help="Layers to hold, inclusive (default: all the decoder's). A range may reach past them into "
+                   "the checkpoint's multi-token-prediction layers (DeepSeek-V3: 61), whose experts a "
+                   "`backbone --draft mtp` calls.")
 @click.option("--experts", default=None, metavar="X-Y|auto",
               help="Experts to hold in each of those layers, inclusive: 0-31 is 32 experts (default: all). "
                    "'auto' asks the swarm's market what it lacks (then --layers is chosen too).")
@@ -203,6 +206,10 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 @click.option("--draft-model", default=None, type=click.Path(exists=True),
               help="With --speculative: a small checkpoint with the same tokenizer, computed here, that "
                    "proposes the drafts.")
+@click.option("--draft", default="lookup", show_default=True, type=click.Choice(["lookup", "mtp"]),
+              help="What proposes the drafts: prompt lookup (or --draft-model), or mtp: the checkpoint's own "
+                   "multi-token-prediction layer (its experts called in the swarm like any layer's); "
+                   f"--draft mtp without --speculative drafts {DEFAULT_MTP_DRAFT} tokens per step.")
 @click.option("--api-key", default=None, envvar="MOESWARM_API_KEY", metavar="KEY",
               help="Require 'Authorization: Bearer KEY' on the HTTP API (required when --http is not loopback; "
                    "also read from MOESWARM_API_KEY).")
@@ -223,8 +230,8 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
 def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_url: str | None,
              ledger_queue: str | None, audit_fraction: float, tiers: str, fetch_cache: str, probe_interval: float,
              verify_fraction: float, probation_calls: int, verify_by: str, spot_check_fraction: float, max_batch: int, prefill_chunk: int,
-             kv_cache: str, max_waiting: int, speculative: int, draft_model: str | None, api_key: str | None,
-             max_tokens_cap: int, gateway: bool, gateway_price: int, gateway_url: str | None,
+             kv_cache: str, max_waiting: int, speculative: int, draft_model: str | None, draft: str,
+             api_key: str | None, max_tokens_cap: int, gateway: bool, gateway_price: int, gateway_url: str | None,
              **swarm: object) -> None:
     """Run a backbone: attention, routers and the LM head here; routed experts from the swarm.
 
@@ -238,6 +245,8 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
     from .scheduler import EngineConfig
     from .verify import VerifyConfig
 
+    if draft == "mtp" and not speculative:
+        speculative = DEFAULT_MTP_DRAFT
     engine = EngineConfig(max_batch=max_batch, prefill_chunk=prefill_chunk, kv_cache_bytes=parse_size(kv_cache),
                           max_waiting=max_waiting, speculative=speculative)
     limits = http_limits(swarm)  # popped: the rest are the swarm's options
@@ -245,9 +254,9 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
                             ledger_url=ledger_url, ledger_queue_dir=ledger_queue, audit_fraction=audit_fraction,
                             tiers=tiers, fetch_cache_bytes=parse_size(fetch_cache), probe_interval_s=probe_interval,
                             verify=VerifyConfig(verify_fraction, probation_calls, verify_by, spot_fraction=spot_check_fraction),
-                            engine=engine, draft_model=draft_model, api_key=api_key, max_tokens_cap=max_tokens_cap,
-                            http_limits=limits, gateway=gateway, gateway_price=gateway_price,
-                            gateway_url=gateway_url)
+                            engine=engine, draft_model=draft_model, draft=draft, api_key=api_key,
+                            max_tokens_cap=max_tokens_cap, http_limits=limits, gateway=gateway,
+                            gateway_price=gateway_price, gateway_url=gateway_url)
     assert config.http is not None
     check_listen(*config.http, "--http")
     check_listen(config.swarm.host, config.swarm.p2p_port, "--p2p-port")

@@ -72,6 +72,7 @@ class BackboneConfig:
     replan_s: float = 10.0  # recompute the tier plan this often
     engine: EngineConfig = field(default_factory=EngineConfig)  # continuous batching, cache pool, speculative
     draft_model: str | None = None  # with engine.speculative > 0: drafts from this local checkpoint, not prompt lookup
+    draft: str = "lookup"  # "lookup" (prompt lookup, or draft_model) or "mtp": the checkpoint's own MTP layer
     api_key: str | None = None  # the HTTP API requires "Authorization: Bearer <api_key>" (needed off loopback)
     max_tokens_cap: int = 4096  # the HTTP API refuses requests for more new tokens than this
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # the HTTP API's header/idle timeouts, conns per address
@@ -91,5 +92,10 @@ class BackboneConfig:
         if self.gateway_price and not (self.gateway and self.ledger_url):
             raise ConfigError("a priced gateway charges people through a ledger: --gateway-price needs --gateway "
                               "and --ledger")
+        if self.draft not in ("lookup", "mtp"):
+            raise ConfigError(f"--draft is 'lookup' or 'mtp', not {self.draft!r}")
+        if self.draft == "mtp" and (self.draft_model is not None or not self.engine.speculative):
+            raise ConfigError("--draft mtp drafts with the checkpoint's own MTP layer: give --speculative K, "
+                              "not --draft-model")
         if self.tiers not in ("remote", "auto", "fetch"):
             raise ConfigError(f"--tiers is 'remote', 'auto' or 'fetch', not {self.tiers!r}")

@@ -219,7 +219,7 @@ def load_expert_digests(path: str | os.PathLike[str], cfg: ModelConfig) -> dict[
         out = {(int(L), int(e)): str(d) for L, experts in doc["layers"].items() for e, d in experts.items()}
     except (ValueError, KeyError, AttributeError, TypeError) as e:
         raise ConfigError(f"{p} is not an expert digest file: {e}") from None
-    bad = [k for k, d in out.items() if not (0 <= k[0] < cfg.num_layers and 0 <= k[1] < cfg.num_experts)
+    bad = [k for k, d in out.items() if not (0 <= k[0] < cfg.all_layers and 0 <= k[1] < cfg.num_experts)
            or len(d) != 64]
     if bad:
         raise ConfigError(f"{p} names experts this model does not have, or malformed digests, e.g. {bad[:4]}")

@@ -347,8 +347,14 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _model_card(service: GenerationService) -> dict[str, Any]:
-    return {"id": service.model_id, "object": "model", "created": 0, "owned_by": "moeswarm",
+    """OpenAI's model object, plus how this backbone drafts (``speculative``: {"draft": "lookup" |
+    "model" | "mtp", "tokens": K}, absent when it does not speculate)."""
+    card = {"id": service.model_id, "object": "model", "created": 0, "owned_by": "moeswarm",
             "max_model_len": service.context_length or None}
+    k = service.engine.config.speculative
+    if k:
+        card["speculative"] = {"draft": getattr(service.engine.drafter, "kind", "lookup"), "tokens": k}
+    return card
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -93,11 +93,13 @@ class BatchEngine:
     def __init__(self, model: Model, config: EngineConfig = EngineConfig(), drafter: Any = None) -> None:
         self.model, self.config = model, config
         self.pool = CachePool(layer_specs(model.config), config.kv_cache_bytes, config.block_tokens)
-        self.drafter = drafter  # PromptLookup / DraftModel when config.speculative > 0
+        self.drafter = drafter  # PromptLookup / DraftModel / MtpDraft when config.speculative > 0
         if config.speculative and drafter is None:
             from ..model.speculative import PromptLookup
 
             self.drafter = PromptLookup()
+        # an MTP drafter reads the model's hidden states of every position fed
+        self._hidden = bool(config.speculative and getattr(self.drafter, "needs_hidden", False))
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.steps = 0  # forward passes run
@@ -215,7 +217,7 @@ class BatchEngine:
                 continue  # its consumer is behind
             if not self._make_room(seq, seq.fed + len(ids)):
                 continue
-            steps.append((Step(seq.cache, ids, all_logits=bool(draft)), seq, draft))
+            steps.append((Step(seq.cache, ids, all_logits=bool(draft), want_hidden=self._hidden), seq, draft))
         return steps
 
     def _make_room(self, seq: Sequence, tokens: int) -> bool:
@@ -249,6 +251,8 @@ class BatchEngine:
     def _advance(self, step: Step, seq: Sequence, draft: list[int]) -> None:
         assert step.logits is not None
         resumed = seq.generated > 0 and seq.fed < seq.prefill_to  # a re-prefill: its next token is known
+        if step.hidden is not None and seq.draft_state is not None:
+            self.drafter.observe(seq.draft_state, seq.fed, step.hidden)
         seq.fed += len(step.ids) - len(draft)
         if seq.fed < seq.prefill_to or seq.cancelled or resumed:
             return  # more prompt to feed first

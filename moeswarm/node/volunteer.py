@@ -46,6 +46,14 @@ from .rebalancer import (
 )
 
 
+def _layers(text: str | None, cfg: ModelConfig) -> tuple[int, int]:
+    """--layers: all (the default) is the decoder's layers; a range may reach into the
+    multi-token-prediction layers after them (``num_layers`` ...), served like any layer's."""
+    if text is None or text == "all":
+        return 0, cfg.num_layers - 1
+    return parse_range(text, cfg.all_layers, "layers")
+
+
 async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None] = ready,
                    stop: asyncio.Event | None = None,
                    on_decision: Callable[[Decision], None] = report_decision) -> None:
@@ -54,7 +62,7 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
     model_id = sc.model_id or model_id_for(sc.model_dir, cfg)
     identity = load_identity(sc.identity_file)
     stop = stop or stop_event()
-    chosen = None if config.experts == "auto" else (Block(parse_range(config.layers, cfg.num_layers, "layers"),
+    chosen = None if config.experts == "auto" else (Block(_layers(config.layers, cfg),
                                                           parse_range(config.experts, cfg.num_experts, "experts")),)
     say(joining(sc))
     async with p2p_node(identity, sc) as p2p:
