@@ -37,6 +37,7 @@ from libp2p.pubsub.pubsub import Pubsub
 
 from moeswarm.errors import ProtocolError
 from moeswarm.net.addresses import address_key
+from moeswarm.net.gossip_view import SYNC_MAX_MODEL_ID_BYTES, sync_answer, sync_request
 from moeswarm.protocol._limits import MAX_RECORD_BYTES
 
 __all__ = ["SYNC_PROTOCOL", "fetch_records", "install_equivocation_bound", "make_pubsub", "serve_records"]
@@ -44,7 +45,6 @@ __all__ = ["SYNC_PROTOCOL", "fetch_records", "install_equivocation_bound", "make
 log = logging.getLogger(__name__)
 
 SYNC_PROTOCOL: Final = TProtocol("/moeswarm/announce-sync/1.0.0")
-MAX_MODEL_ID_BYTES: Final = 128
 EQUIVOCATION_MEMORY: Final = 4096
 """Messages GossipSub remembers to detect equivocation (about a minute of a busy topic)."""
 
@@ -127,10 +127,10 @@ def serve_records(host: IHost, sources: dict[str, Callable[[], list[bytes]]]) ->
     async def handle(stream: Any) -> None:
         try:
             with trio.move_on_after(10):
-                model = (await _read_frame(stream, MAX_MODEL_ID_BYTES)).decode("utf-8", "replace")
+                model = (await _read_frame(stream, SYNC_MAX_MODEL_ID_BYTES)).decode("utf-8", "replace")
                 source = sources.get(model)
                 records = source() if source is not None else []
-                await stream.write(b"".join(struct.pack(">I", len(r)) + r for r in records) + struct.pack(">I", 0))
+                await stream.write(sync_answer(records))
         except Exception as exc:  # noqa: BLE001 -- a stranger's broken request: drop it
             log.debug("first-view request: %r", exc)
         finally:
@@ -143,8 +143,7 @@ async def fetch_records(host: IHost, peer: str, model_id: str, max_records: int)
     """Every record ``peer`` keeps of ``model_id``, at most ``max_records`` (unchecked bytes)."""
     stream = await host.new_stream(ID.from_base58(peer), [SYNC_PROTOCOL])
     try:
-        name = model_id.encode()[:MAX_MODEL_ID_BYTES]
-        await stream.write(struct.pack(">I", len(name)) + name)
+        await stream.write(sync_request(model_id))
         records: list[bytes] = []
         while record := await _read_frame(stream, MAX_RECORD_BYTES):
             if len(records) >= max_records:

@@ -83,7 +83,7 @@ class ModelGossip:
         """Peers of the topic: those connected that said so, else holders found in the DHT
         (connected to, so that GossipSub grafts them into the mesh)."""
         peers = [p for p in await self.node.topic_peers(self.topic) if p != self.node.peer_id]
-        if len(peers) >= FIRST_VIEW_PEERS:
+        if peers:
             return peers
         found: list[str] = []
         for layer in self.rendezvous_layers[:2]:

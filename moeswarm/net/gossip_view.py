@@ -14,6 +14,7 @@ keeps its place through its refreshes (``protocol_spec/discovery.md``).
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -31,11 +32,26 @@ from ..protocol import (
 )
 
 ANNOUNCE_TOPIC_PREFIX: Final = "/moeswarm/v1/"
+SYNC_MAX_MODEL_ID_BYTES: Final = 128  # a first-view request names a model in at most this many UTF-8 bytes
 
 
 def announce_topic(model_id: str) -> str:
     """The GossipSub topic carrying ``model_id``'s announcements."""
     return f"{ANNOUNCE_TOPIC_PREFIX}{model_id}/announce"
+
+
+def _frame(data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + data
+
+
+def sync_request(model_id: str) -> bytes:
+    """A first-view request (``/moeswarm/announce-sync/1.0.0``): one frame naming the model."""
+    return _frame(model_id.encode()[:SYNC_MAX_MODEL_ID_BYTES])
+
+
+def sync_answer(records: list[bytes]) -> bytes:
+    """A first-view answer: one frame per record, then an empty frame."""
+    return b"".join(map(_frame, records)) + _frame(b"")
 
 
 @dataclass(frozen=True)
@@ -153,11 +169,12 @@ class TopicGate:
     """
 
     def __init__(self, model_id: str, limits: GossipLimits, *, num_layers: int | None = None,
-                 num_experts: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 num_experts: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
         self.model_id, self.limits = model_id, limits
         self.num_layers, self.num_experts = num_layers, num_experts
         self.view = RecordView(limits.max_records)
-        self._clock = clock
+        self._clock, self._wall_ms = clock, wall_ms  # rate budgets; record expiry (unix ms)
         n = limits.max_buckets
         self._peers = TokenBuckets(limits.per_peer_rate, limits.per_peer_burst, n)
         self._addresses = TokenBuckets(limits.per_address_rate, limits.per_address_burst, n)
@@ -180,7 +197,8 @@ class TopicGate:
             record = decode(value)
             if not isinstance(record, Announcement) or record.model_id != self.model_id:
                 return self._refuse("not an announcement of this model")
-            validate_record(announcement_key(record.model_id, record.layers[0], record.peer_id), value)
+            now_ms = self._wall_ms()
+            validate_record(announcement_key(record.model_id, record.layers[0], record.peer_id), value, now_ms=now_ms)
         except SwarmError:
             return self._refuse("invalid")
         if not fits_model(record, self.num_layers, self.num_experts):
@@ -193,7 +211,7 @@ class TopicGate:
                 return self._refuse("signer rate")
             if budget and seq is None and address is not None and not self._new_keys.take(address, now):
                 return self._refuse("new-key rate")
-            if not self.view.offer(record, value):
+            if not self.view.offer(record, value, now_ms):
                 return self._refuse("view full")
             self.accepted += 1
         return record
