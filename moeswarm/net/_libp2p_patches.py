@@ -270,8 +270,9 @@ async def bootstrap(host: IHost, dht: MoeswarmDHT, config: P2PConfig) -> None:
         raise Unreachable("no bootstrap peer answered: " + "; ".join(failures)[:500])
     for info in answered:
         await dht.routing_table.add_peer(info)
-    with trio.move_on_after(config.op_timeout_s):
-        await dht.refresh_routing_table()
+    if config.bootstrap_lookup:
+        with trio.move_on_after(config.op_timeout_s):
+            await dht.refresh_routing_table()
 
 
 def _negative_cache(exc: BaseException) -> bool:

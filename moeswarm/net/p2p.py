@@ -111,6 +111,11 @@ class P2PNode:
         """Close every connection, end the trio thread and join it (idempotent, bounded)."""
         if self._thread is None:
             return
+        if self._pubsub is not None and self._nursery is not None and not self._stopping:
+            # connections first, while pubsub still runs: a stream still reading when pubsub's
+            # own tasks are cancelled hands it a message after its nursery has closed (a crash)
+            with contextlib.suppress(SwarmError):
+                await self._call(self._close_connections)
         with self._lock:
             self._stopping = True
             token = self._token
@@ -173,9 +178,6 @@ class P2PNode:
                             await services.enter_async_context(glue.background_trio_service(self._pubsub))
                             await services.enter_async_context(glue.background_trio_service(router))
                             await self._pubsub.wait_until_ready()
-                            # on the way out, connections close before pubsub stops: a stream still
-                            # reading would hand pubsub a message after its task nursery has closed
-                            services.push_async_callback(self._close_connections)
                         nursery = await services.enter_async_context(trio.open_nursery())
                         if not host.get_addrs():
                             raise ConfigError(f"cannot listen on {self.config.listen}")

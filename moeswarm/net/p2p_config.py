@@ -22,6 +22,8 @@ class P2PConfig:
     stop_timeout_s: float = 10.0  # bound on stop(): close connections, end the thread
     max_values: int = 50_000  # DHT values stored here for the swarm, all peers together
     max_values_per_peer: int = 2_048  # ... charged to the peer each key names; over it, its own oldest goes
+    bootstrap_lookup: bool = True  # after the bootstrap dials, look ourselves up to fill the routing table
+    # (seconds of CPU in py-libp2p per node; a node announcing on a topic only may skip it)
     gossip: bool = True  # run GossipSub: announcement topics and first-view answers (moeswarm.net.gossip)
     gossip_degree: int = 6  # GossipSub mesh degree D per topic (D_low = 2D/3, D_high = 2D)
     gossip_heartbeat_s: int = 1  # GossipSub heartbeat: mesh repair, IHAVE gossip (whole seconds)

@@ -10,7 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moeswarm.net.gossip_view import GossipLimits, TopicGate, announce_topic, sync_answer, sync_request
+from moeswarm.net.gossip_view import (
+    GossipLimits,
+    TopicGate,
+    announce_topic,
+    sync_answer,
+    sync_request,
+)
 
 GENERATOR = Path(__file__).resolve().parents[2] / "protocol_spec" / "vectors" / "generate_discovery.py"
 
@@ -35,5 +41,6 @@ def test_discovery_vectors(load_vector: Callable[[str], Any]) -> None:
 
 
 def test_the_vectors_are_up_to_date() -> None:
-    done = subprocess.run([sys.executable, str(GENERATOR), "--check"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(GENERATOR), "--check"], capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 0, "protocol_spec/vectors/discovery.json is out of date: run generate_discovery.py"
