@@ -138,7 +138,7 @@ class Announcer:
     async def start(self) -> None:
         if self.gossip is not None:
             await self.gossip.start()
-            await self.gossip.rendezvous()  # holders of our layers: the topic's mesh forms
+            await self.gossip.first_view()  # the mesh forms; our view answers joiners in full
         await self.publish()
         self._task = asyncio.create_task(self._refresh())
 

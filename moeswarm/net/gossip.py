@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,7 +108,8 @@ class ModelGossip:
     async def first_view(self, peers: int = FIRST_VIEW_PEERS) -> int:
         """Ask up to ``peers`` peers of the topic for their records; returns how many records
         were accepted (0: nobody answered, or nobody knew more than we do)."""
-        candidates = (await self.rendezvous())[:peers]
+        found = await self.rendezvous()
+        candidates = random.sample(found, min(peers, len(found)))  # not always the same few
 
         async def fetch(peer: str) -> list[bytes]:
             try:
