@@ -429,9 +429,16 @@ def seed_table(label: str, runs: dict[int, list[dict]], warmup: int) -> tuple[st
 
 
 # measured elsewhere in this repository (the figures the limits below are computed from)
-DHT_GET_S = 0.25  # py-libp2p get_value, 12 nodes on loopback (shared/spikes/libp2p); 0.52 s at 20 nodes
-ANNOUNCE_EVERY_S = 240.0  # AnnounceConfig.interval_s: each node re-puts its record and re-provides its layers
-DISCOVERY_EVERY_S = 10.0  # Discovery.interval_s: a backbone re-reads every holder's record
+ANNOUNCE_EVERY_S = 240.0  # AnnounceConfig.interval_s: each node re-publishes its record (topic, then DHT)
+# benchmarks/discovery.py (issue 31) and its per-message probe, real libp2p peers on loopback, one 2-core machine
+# shared by ~8 agents (load 37-56), 2026-12-05 (protocol_spec/discovery.md, "Measured"):
+FIRST_VIEW_S = 0.05  # a first view's round trip to 3 peers of the topic (3 holders, one process)
+FIRST_VIEW_S_PER_RECORD = 0.15e-3  # checking one record of it: decode, validate, Ed25519 (TopicGate.check, CPU)
+GOSSIP_IDLE_BPS = 312.0  # bytes/s a holder reads with no announcement in flight (40 peers: heartbeats, DHT upkeep)
+GOSSIP_BYTES_PER_MESSAGE = 5_530.0  # bytes each node reads per announcement on its topic (20 nodes, 100 messages:
+# every copy, py-libp2p's signed peer record on every RPC, IHAVE/IWANT)
+GOSSIP_CPU_S_PER_MESSAGE = 7.0e-3  # CPU each node spends per announcement (same probe; py-libp2p's per-RPC work)
+DEPARTURE_S, DEPARTURE_PEERS = 0.068, 40  # a withdrawal reaching every backbone, at 40 peers (grows with gossip hops)
 # one relay with its shipped defaults (100 MB/s per device and per client address) forwards 269 MB/s,
 # both directions counted: benchmarks/relay.py's "relay forwarded MB/s" at 16 devices, 2026-12-01
 # run on the idle machine (README, relay.py); 209 / 279 at 1 / 4 devices
@@ -440,25 +447,34 @@ KADEMLIA_K, KADEMLIA_ALPHA = 20, 3
 
 
 def limits(rows: list[dict], shape: sm.Shape, sizes: tuple[int, ...] = (1_000, 10_000, 100_000)) -> str:
-    """What limits the swarm as it grows, from the 2T run's last epoch scaled to ``sizes`` volunteers."""
+    """What limits the swarm as it grows, from the 2T run's last epoch scaled to ``sizes`` volunteers.
+
+    Discovery follows ``protocol_spec/discovery.md``: a joiner's first view (one round trip to 3
+    peers of the model's topic, then each record checked), then gossip of every refresh, move and
+    withdrawal; the per-message costs are ``benchmarks/discovery.py``'s measurements above."""
     last = rows[-1]
     blocks, layers = last["blocks_per_node"], last["layers_per_node"]
     calls = np.array(last["calls_by_tier"])
     phone_share = calls[2] / max(calls.sum(), 1e-9)
-    lines = ["| volunteers | records a backbone reads per discovery pass | one pass at 0.25 s per DHT get "
-             "| DHT reads per second per backbone (every 10 s) | announcement: DHT writes per node per hour "
-             "(messages) | relay traffic (phones' calls, both directions) | relays at 269 MB/s (shipped defaults, both "
-             "directions) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| volunteers | records in a backbone's first view | first view (one round trip, then each record "
+             "checked) | announcements per node per minute (topic, refresh every 240 s) | discovery traffic per node "
+             "| discovery CPU per node | a departure reaching every backbone | announcement: DHT writes per node per "
+             "hour (messages) | relay traffic (phones' calls, both directions) | relays at 269 MB/s (shipped defaults, "
+             "both directions) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for n in sizes:
         scale = n / max(last["nodes"], 1)
         records = n  # one record per node process, whatever its blocks (``Announcement.more_blocks``)
         hops = math.log2(max(n, 2))
         writes = 3600 / ANNOUNCE_EVERY_S * (blocks + layers)  # put the record(s), provide every MoE layer held
         msgs = writes * (KADEMLIA_ALPHA * hops + KADEMLIA_K)
+        per_s = n / ANNOUNCE_EVERY_S  # announcements on a model's topic, every node receives each
+        traffic = GOSSIP_IDLE_BPS + per_s * GOSSIP_BYTES_PER_MESSAGE
+        departure = DEPARTURE_S * hops / math.log2(DEPARTURE_PEERS)
         relay = calls[2] * scale * 2 * shape.call_bytes  # hidden state in and out per call: both directions
-        lines.append(f"| {n:,} | {records:,.0f} | {records * DHT_GET_S / 60:,.0f} min "
-                     f"| {(shape.layers + records) / DISCOVERY_EVERY_S:,.0f} | {writes:,.0f} ({msgs:,.0f}) "
+        lines.append(f"| {n:,} | {records:,.0f} | {FIRST_VIEW_S + records * FIRST_VIEW_S_PER_RECORD:,.1f} s "
+                     f"| {60 * per_s:,.0f} | {traffic / 1e3:,.1f} KB/s | {per_s * GOSSIP_CPU_S_PER_MESSAGE:.1%} of a core "
+                     f"| {departure:.2f} s | {writes:,.0f} ({msgs:,.0f}) "
                      f"| {relay / 1e6:,.0f} MB/s ({phone_share:.1%} of calls) | {math.ceil(relay / RELAY_BPS)} |")
     return "\n".join(lines)
 

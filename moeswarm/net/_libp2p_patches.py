@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from .p2p_config import P2PConfig
 
 __all__ = [
-    "Multiaddr", "MoeswarmDHT", "background_trio_service", "bootstrap", "close_host",
+    "Multiaddr", "MoeswarmDHT", "background_trio_service", "bootstrap", "close_connections", "close_host",
     "listen_addrs", "make_host", "noise_only", "translate_error",
 ]
 
@@ -205,6 +205,12 @@ def make_host(identity: Identity, config: P2PConfig, release_slots: bool) -> IHo
 async def close_host(host: IHost) -> None:
     """Close every connection at once (py-libp2p closes them one by one, 0.2 s each), then
     the host: leaving ``host.run()`` alone would leave them open (finding 2)."""
+    await close_connections(host)
+    await host.close()
+
+
+async def close_connections(host: IHost) -> None:
+    """Close every connection of ``host`` at once."""
 
     async def close(conn: INetConn) -> None:
         try:
@@ -216,7 +222,6 @@ async def close_host(host: IHost) -> None:
         for conns in list(host.get_network().connections.values()):
             for conn in list(conns):
                 nursery.start_soon(close, conn)
-    await host.close()
 
 
 def listen_addrs(host: IHost) -> list[str]:
@@ -265,8 +270,9 @@ async def bootstrap(host: IHost, dht: MoeswarmDHT, config: P2PConfig) -> None:
         raise Unreachable("no bootstrap peer answered: " + "; ".join(failures)[:500])
     for info in answered:
         await dht.routing_table.add_peer(info)
-    with trio.move_on_after(config.op_timeout_s):
-        await dht.refresh_routing_table()
+    if config.bootstrap_lookup:
+        with trio.move_on_after(config.op_timeout_s):
+            await dht.refresh_routing_table()
 
 
 def _negative_cache(exc: BaseException) -> bool:

@@ -2,8 +2,11 @@
 
 One record covers the node's blocks (a layer range x an expert range each, ``more_blocks``
 beside the first); it is stored under the node's own key for every MoE layer it holds and the node registers as a provider of each layer's key, which is how
-backbones find it (``protocol_spec/``: DHT keys). With ``catalogue`` set it also keeps its entry
-in the swarm's catalogue (``moeswarm.net.catalogue``): which models it serves, by config digest.
+backbones find it (``protocol_spec/``: DHT keys). On a libp2p node with gossip the same record
+is published first on the model's announcement topic (``moeswarm.net.gossip``), where backbones
+see it within a gossip hop or two, and the node keeps a view of the topic to answer joiners'
+first views. With ``catalogue`` set it also keeps its entry in the swarm's catalogue
+(``moeswarm.net.catalogue``): which models it serves, by config digest.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .catalogue import (
     catalogue_key,
     sign_catalogue_entry,
 )
+from .gossip import ModelGossip, has_gossip
 
 log = logging.getLogger(__name__)
 SOFTWARE = "moeswarm/0.1.0"
@@ -50,6 +54,8 @@ class AnnounceConfig:
     ttl_s: float = 600.0  # records expire this long after each refresh
     more_blocks: BlockRanges = ()  # (layers, experts) beside the first
     catalogue: tuple[CatalogueModel, ...] = ()  # what the swarm catalogue says this node serves (none: no entry)
+    dht: bool = True  # also store the record under each layer's DHT key and provide the layers (DHT readers,
+    # rendezvous); False: the announcement topic only (a node with gossip)
 
     def blocks(self) -> BlockRanges:
         return ((self.layers, self.experts), *self.more_blocks)
@@ -65,6 +71,7 @@ class Announcer:
         self._seq = int(time.time() * 1000)  # monotonic across restarts of this peer
         self._task: asyncio.Task[None] | None = None
         self.last: Announcement | None = None
+        self.gossip = ModelGossip(dht, config.model_id, config.moe_layers) if has_gossip(dht) else None
 
     def record(self, ttl_s: float, config: AnnounceConfig | None = None, seq: int | None = None) -> Announcement:
         """A signed record of ``config`` (default: the current one) with the next ``seq`` (or ``seq``)."""
@@ -82,7 +89,12 @@ class Announcer:
     async def publish(self, ttl_s: float | None = None, *, provide: bool = True) -> None:
         record = self.record(self.config.ttl_s if ttl_s is None else ttl_s)
         value = encode(record)
-        for layer in self.config.moe_layers:
+        if self.gossip is not None:
+            try:
+                await self.gossip.publish(value)
+            except SwarmError as e:  # the DHT still has it
+                log.warning("publishing the announcement on %s failed: %s", self.gossip.topic, e)
+        for layer in self.config.moe_layers if self.config.dht or self.gossip is None else ():
             await self.dht.put(announcement_key(self.config.model_id, layer, self.identity.peer_id), value)
             if provide:
                 await self.dht.provide(provider_key(self.config.model_id, layer))
@@ -114,7 +126,7 @@ class Announcer:
         self.config = replace(old, layers=layers, moe_layers=tuple(moe_layers), experts=experts,
                               capacity_bytes=capacity_bytes, more_blocks=tuple(more))
         await self.publish()
-        for layer, seq in zip(stale, retire_seqs):
+        for layer, seq in zip(stale if self.config.dht or self.gossip is None else (), retire_seqs):
             (first, *rest) = [((layer, layer), E) for L, E in old.blocks() if L[0] <= layer <= L[1]]
             left = replace(old, layers=first[0], experts=first[1], more_blocks=tuple(rest), moe_layers=(layer,))
             record = self.record(retire_ttl_s, left, seq)
@@ -124,6 +136,9 @@ class Announcer:
                 log.warning("retiring the record of layer %d failed: %s", layer, e)
 
     async def start(self) -> None:
+        if self.gossip is not None:
+            await self.gossip.start()
+            await self.gossip.first_view()  # the mesh forms; our view answers joiners in full
         await self.publish()
         self._task = asyncio.create_task(self._refresh())
 
@@ -143,3 +158,5 @@ class Announcer:
         with contextlib.suppress(SwarmError, TimeoutError):
             async with asyncio.timeout(10):
                 await self.publish(ttl_s=1.0, provide=False)
+        if self.gossip is not None:
+            await self.gossip.aclose()

@@ -1,7 +1,10 @@
 """Discovery: keeps a ``SwarmTable`` of who holds which experts, refreshed in the background.
 
-Lookups go to the DHT on a period and never on the per-token path; the table is what the
-backbone's dispatch reads.
+On a libp2p node with gossip (``moeswarm.net.gossip``) the table follows the model's
+announcement topic, and a refresh is a first view from a few peers of the topic: one round trip
+each, whatever the number of holders. The DHT pass (one get per holder) remains for nodes
+without gossip and for a swarm where no peer answers a first view (the first nodes of a swarm).
+Nothing here is on the per-token path; the table is what the backbone's dispatch reads.
 """
 
 from __future__ import annotations
@@ -14,42 +17,72 @@ from collections.abc import Sequence
 from .._tasks import cancel_and_wait
 from ..errors import SwarmError
 from ..protocol import DHT, Announcement, peer_id_to_str, read_announcements
+from .gossip import ModelGossip, has_gossip
+from .gossip_view import GossipLimits, fits_model
 from .routing_table import SwarmTable
 
+__all__ = ["Discovery", "fits_model"]
 log = logging.getLogger(__name__)
-
-
-def fits_model(record: Announcement, num_layers: int | None, num_experts: int | None) -> bool:
-    """Whether a record's ranges lie inside the model (layers below ``num_layers``, experts below
-    ``num_experts``; ``None``: not known). A record claiming more than the model has is a lie
-    (it would win every holder choice), not a holder of what it does have."""
-    return all((num_layers is None or layers[1] < num_layers) and (num_experts is None or experts[1] < num_experts)
-               for layers, experts in record.blocks())
+GOSSIP_RESYNC_S = 120.0  # with gossip, a first view again this often at most (missed messages)
 
 
 class Discovery:
     def __init__(self, dht: DHT, table: SwarmTable, moe_layers: Sequence[int], interval_s: float = 10.0, *,
-                 num_layers: int | None = None, num_experts: int | None = None) -> None:
+                 num_layers: int | None = None, num_experts: int | None = None,
+                 gossip_limits: GossipLimits | None = None) -> None:
         self.dht, self.table = dht, table
         self.num_layers, self.num_experts = num_layers, num_experts
-        self.rejected = 0  # records refused because their ranges exceed the model
+        self._rejected = 0  # records refused because their ranges exceed the model (DHT pass)
         self.moe_layers = list(moe_layers)
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self.refreshes = 0
+        self.dht_passes = 0  # refreshes that read every holder from the DHT
+        self.gossip: ModelGossip | None = None
+        if has_gossip(dht):
+            self.gossip = ModelGossip(dht, table.model_id, self.moe_layers, limits=gossip_limits,
+                                      num_layers=num_layers, num_experts=num_experts, on_record=self._apply)
+        self._joined = False
+
+    def _apply(self, record: Announcement) -> None:
+        """A record the topic's gate accepted: into the table, which stays as bounded as the view."""
+        self.table.update(record)
+        view = self.gossip.view if self.gossip is not None else None
+        if view is not None and len(self.table.holders) > view.max_records:
+            for peer in [p for p in self.table.holders if p not in view]:
+                del self.table.holders[peer]
+
+    @property
+    def rejected(self) -> int:
+        """Records refused because their ranges exceed the model."""
+        gossiped = self.gossip.gate.refused.get("outside the model", 0) if self.gossip is not None else 0
+        return self._rejected + gossiped
 
     async def refresh(self) -> None:
-        """One pass over every MoE layer's providers (``read_announcements``: each peer's newest
-        record, including peers that moved their block)."""
+        """With gossip: join the topic (once) and take a first view from a few of its peers;
+        when none answers, or without gossip, one DHT pass (``read_announcements``)."""
+        if self.gossip is not None:
+            if not self._joined:
+                await self.gossip.start()
+                self._joined = True
+            if await self.gossip.first_view() or len(self.gossip.view):
+                self.refreshes += 1
+                return
+        await self._dht_pass()
+        self.refreshes += 1
+
+    async def _dht_pass(self) -> None:
+        """One pass over every MoE layer's providers (each peer's newest record, including peers
+        that moved their block)."""
+        self.dht_passes += 1
         for record in await read_announcements(self.dht, self.table.model_id, self.moe_layers):
             if not fits_model(record, self.num_layers, self.num_experts):
-                self.rejected += 1
+                self._rejected += 1
                 log.info("ignoring %s: it claims layers %s, experts %s of a model with %s layers, %s experts",
                          peer_id_to_str(record.peer_id), list(record.layers), list(record.experts),
                          self.num_layers, self.num_experts)
                 continue
             self.table.update(record)
-        self.refreshes += 1
 
     async def wait_for_coverage(self, num_experts: int, timeout_s: float) -> set[tuple[int, int]]:
         """Refresh until every (layer, expert) has a live holder or ``timeout_s`` passes; returns what is missing."""
@@ -67,8 +100,9 @@ class Discovery:
         self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
+        period = self.interval_s if self.gossip is None else max(self.interval_s, GOSSIP_RESYNC_S)
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(period)
             try:
                 await self.refresh()
             except SwarmError as e:
@@ -77,3 +111,6 @@ class Discovery:
     async def aclose(self) -> None:
         if self._task is not None:
             await cancel_and_wait(self._task)
+        if self.gossip is not None and self._joined:
+            await self.gossip.aclose()
+            self._joined = False

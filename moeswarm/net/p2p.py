@@ -17,6 +17,7 @@ cancelled in trio when the awaiting asyncio task is cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -74,6 +75,9 @@ class P2PNode:
         self._glue: Any = None  # the _libp2p_patches module, once imported
         self._host: Any = None  # libp2p IHost, touched only in the trio thread
         self._dht: Any = None  # _libp2p_patches.MoeswarmDHT, idem
+        self._gossip: Any = None  # the _libp2p_gossip module, when config.gossip
+        self._pubsub: Any = None  # libp2p Pubsub (GossipSub router), trio thread only
+        self._sync_sources: dict[str, Callable[[], list[bytes]]] = {}  # model -> records for first views
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -107,6 +111,11 @@ class P2PNode:
         """Close every connection, end the trio thread and join it (idempotent, bounded)."""
         if self._thread is None:
             return
+        if self._pubsub is not None and self._nursery is not None and not self._stopping:
+            # connections first, while pubsub still runs: a stream still reading when pubsub's
+            # own tasks are cancelled hands it a message after its nursery has closed (a crash)
+            with contextlib.suppress(SwarmError):
+                await self._call(self._close_connections)
         with self._lock:
             self._stopping = True
             token = self._token
@@ -127,6 +136,10 @@ class P2PNode:
             from . import _libp2p_patches as glue  # the slow import, off the event loop
 
             self._glue = glue
+            if self.config.gossip:
+                from . import _libp2p_gossip
+
+                self._gossip = _libp2p_gossip
             trio.run(self._trio_main, loop, ready)
             if not self._ready_sent:  # stop() came first
                 _deliver(loop, ready, error=NetworkError("the node was stopped while starting"))
@@ -151,10 +164,21 @@ class P2PNode:
                                            max_values_per_peer=self.config.max_values_per_peer)
         if "routing_table" in self._workarounds:
             dht.install_hygiene()
+        router = None
+        if self._gossip is not None:
+            self._pubsub, router = self._gossip.make_pubsub(host, self.config.gossip_degree,
+                                                            self.config.gossip_heartbeat_s)
+            self._gossip.serve_records(host, self._sync_sources)
         async with host.run(listen_addrs=[glue.Multiaddr(self.config.listen)]):
             try:
                 with self._main_scope:
-                    async with glue.background_trio_service(dht), trio.open_nursery() as nursery:
+                    async with contextlib.AsyncExitStack() as services:
+                        await services.enter_async_context(glue.background_trio_service(dht))
+                        if router is not None:
+                            await services.enter_async_context(glue.background_trio_service(self._pubsub))
+                            await services.enter_async_context(glue.background_trio_service(router))
+                            await self._pubsub.wait_until_ready()
+                        nursery = await services.enter_async_context(trio.open_nursery())
                         if not host.get_addrs():
                             raise ConfigError(f"cannot listen on {self.config.listen}")
                         await glue.bootstrap(host, dht, self.config)
@@ -167,6 +191,11 @@ class P2PNode:
                 with trio.move_on_after(self.config.stop_timeout_s / 2) as scope:
                     scope.shield = True
                     await glue.close_host(host)
+
+    async def _close_connections(self) -> None:
+        with trio.move_on_after(self.config.stop_timeout_s / 2) as scope:
+            scope.shield = True
+            await self._glue.close_connections(self._host)
 
     # ------------------------------------------------------------------ operations
 
@@ -201,6 +230,88 @@ class P2PNode:
     async def routing_table(self) -> list[str]:
         """Peer IDs in this node's DHT routing table (for diagnostics and tests)."""
         return await self._call(self._routing_table)
+
+    # ------------------------------------------------------------------ gossip (config.gossip)
+
+    async def subscribe(self, topic: str, check: Callable[[str, str | None, bytes], bool]) -> None:
+        """Join ``topic``'s mesh. ``check(forwarder, address, data)`` runs in the libp2p thread for
+        every message not seen before: ``forwarder`` is the peer ID that sent it to us ("self" for
+        our own), ``address`` the counting key of its address (``None`` for ours); a message is
+        delivered and forwarded only if it returns ``True``. It must be quick and must not block."""
+        gossip = self._require_gossip()
+
+        async def subscribe() -> None:
+            me = self._host.get_id()
+
+            def validator(forwarder: Any, msg: Any) -> bool:
+                if forwarder == me:
+                    peer, address = "self", None
+                else:
+                    peer, address = str(forwarder), gossip.forwarder_address(self._host, forwarder)
+                try:
+                    return bool(check(peer, address, bytes(msg.data)))
+                except Exception:
+                    log.exception("checking a message of %s", topic)
+                    return False
+
+            self._pubsub.set_topic_validator(topic, validator, False)
+            subscription = await self._pubsub.subscribe(topic)
+            if self._nursery is not None:
+                self._nursery.start_soon(_drain, subscription)
+
+        await self._call(subscribe)
+
+    async def unsubscribe(self, topic: str) -> None:
+        self._require_gossip()
+
+        async def unsubscribe() -> None:
+            await self._pubsub.unsubscribe(topic)
+            self._pubsub.remove_topic_validator(topic)
+
+        await self._call(unsubscribe)
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        """Send ``data`` to ``topic``'s subscribers (our own ``check`` sees it first)."""
+        self._require_gossip()
+        await self._call(lambda: self._pubsub.publish(topic, bytes(data)))
+
+    async def topic_peers(self, topic: str) -> list[str]:
+        """Connected peers that told us they subscribe to ``topic``."""
+        self._require_gossip()
+
+        async def peers() -> list[str]:
+            return sorted(str(p) for p in self._pubsub.peer_topics.get(topic, ()))
+
+        return await self._call(peers)
+
+    async def serve_records(self, model_id: str, source: Callable[[], list[bytes]] | None) -> None:
+        """Answer first-view requests for ``model_id`` with ``source()`` (called in the libp2p
+        thread); ``None`` stops answering."""
+        self._require_gossip()
+        if source is None:
+            self._sync_sources.pop(model_id, None)
+        else:
+            self._sync_sources[model_id] = source
+
+    async def fetch_records(self, peer_id: str, model_id: str, max_records: int) -> list[bytes]:
+        """The records ``peer_id`` keeps of ``model_id`` (one round trip; unchecked bytes)."""
+        gossip = self._require_gossip()
+        return await self._call(lambda: gossip.fetch_records(self._host, peer_id, model_id, max_records))
+
+    async def connect(self, peer_id: str) -> None:
+        """Open a connection to ``peer_id`` at the addresses a lookup left in the peerstore."""
+        from libp2p.peer.id import ID
+
+        async def connect() -> None:
+            info = self._host.get_peerstore().peer_info(ID.from_base58(peer_id))
+            await self._host.connect(info)
+
+        await self._call(connect)
+
+    def _require_gossip(self) -> Any:
+        if self._gossip is None:
+            raise ConfigError("this node runs without gossip (P2PConfig.gossip=False)")
+        return self._gossip
 
     async def _connected_peers(self) -> list[str]:
         return sorted({str(p) for p in self._host.get_connected_peers()})
@@ -287,6 +398,13 @@ class P2PNode:
         if isinstance(exc, (SwarmError, KeyboardInterrupt, SystemExit)) or self._glue is None:
             return exc
         return self._glue.translate_error(exc)
+
+
+async def _drain(subscription: Any) -> None:
+    """Empty a subscription's queue: accepted messages were handled by the topic's check."""
+    with contextlib.suppress(Exception):
+        while True:
+            await subscription.get()
 
 
 def _check_port_free(listen: str) -> None:

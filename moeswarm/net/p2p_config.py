@@ -22,6 +22,11 @@ class P2PConfig:
     stop_timeout_s: float = 10.0  # bound on stop(): close connections, end the thread
     max_values: int = 50_000  # DHT values stored here for the swarm, all peers together
     max_values_per_peer: int = 2_048  # ... charged to the peer each key names; over it, its own oldest goes
+    bootstrap_lookup: bool = True  # after the bootstrap dials, look ourselves up to fill the routing table
+    # (seconds of CPU in py-libp2p per node; a node announcing on a topic only may skip it)
+    gossip: bool = True  # run GossipSub: announcement topics and first-view answers (moeswarm.net.gossip)
+    gossip_degree: int = 6  # GossipSub mesh degree D per topic (D_low = 2D/3, D_high = 2D)
+    gossip_heartbeat_s: int = 1  # GossipSub heartbeat: mesh repair, IHAVE gossip (whole seconds)
 
     def __post_init__(self) -> None:
         listen_socket_address(self.listen)  # ConfigError unless /ip4|ip6/<address>/tcp/<port>
@@ -30,6 +35,8 @@ class P2PConfig:
                 raise ConfigError(f"bootstrap address {addr!r} lacks /p2p/<peer id>")
         if self.max_values < 1 or self.max_values_per_peer < 1:
             raise ConfigError("max_values and max_values_per_peer must be at least 1")
+        if self.gossip_degree < 2 or self.gossip_heartbeat_s < 1:
+            raise ConfigError("gossip_degree must be at least 2 and gossip_heartbeat_s at least 1")
         if self.max_connections < 4:
             raise ConfigError(f"max_connections must be at least 4, not {self.max_connections}")
         for name in ("dial_timeout_s", "op_timeout_s", "stop_timeout_s"):

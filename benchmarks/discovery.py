@@ -1,0 +1,121 @@
+"""Discovery with many real libp2p peers on this machine (issue 31, point 5).
+
+    python benchmarks/discovery.py [--peers 100 300 1000] [--per-process 50] [--backbones 3] [--window 60]
+
+For each size, ``tests/peer_swarm.py`` starts that many holders (real TCP, Noise, Yamux,
+GossipSub, the project's Announcer; holder ``i`` serves expert ``i``, so full coverage means every
+record was seen), then measures:
+
+- ``coverage_s``: a new backbone (P2PNode start + Discovery) until every holder's record is live,
+  median over ``--backbones`` backbones joining one after another;
+- ``departure_s``: a holder withdraws; until every backbone holds its withdrawal record;
+- ``move_s``: a holder announces another block; until every backbone holds the new record;
+- over ``--window`` seconds of steady state (holders refreshing every 240 s as shipped):
+  bytes every holder read from its libp2p connections (DHT and gossip together), announcement
+  messages it checked, CPU, per holder; resident memory per holder.
+
+The last line is one JSON object for the largest size that ran. A size that does not start
+within ``--start-timeout`` is reported as such and stops the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from peer_swarm import PeerSwarm  # noqa: E402
+
+BASELINE_KIB = 95_000  # one worker's resident memory before its first peer (python + libp2p imported)
+
+
+async def _until(condition: Any, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+async def run(peers: int, args: argparse.Namespace) -> dict[str, Any]:
+    async with PeerSwarm(peers, per_process=args.per_process) as swarm:
+        coverage: list[float] = []
+        backbones = []
+        for _ in range(args.backbones):
+            t0 = time.monotonic()
+            d = await swarm.backbone()
+            missing = await d.wait_for_coverage(peers, args.timeout)
+            coverage.append(time.monotonic() - t0 if not missing else float("nan"))
+            backbones.append(d)
+        s0, t0 = await swarm.stats(), time.monotonic()
+        await asyncio.sleep(args.window)
+        s1, window = await swarm.stats(), time.monotonic() - t0
+
+        def total(stats: list[dict[str, Any]], key: str) -> float:
+            return float(sum(s[key] for s in stats))
+
+        gone, moved = 1, 3
+        t_ms = int(time.time() * 1000)
+        t0 = time.monotonic()
+        await swarm.withdraw(gone)
+
+        def departed() -> bool:
+            return all(any(h.experts == (gone, gone) and h.expires_at_ms <= t_ms + 5_000 for h in d.table.holders.values())
+                       for d in backbones)
+
+        await _until(departed, args.timeout)
+        departure_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        await swarm.move(moved, (moved, moved + 1))
+        await _until(lambda: all(any(h.experts == (moved, moved + 1) for h in d.table.holders.values())
+                                 for d in backbones), args.timeout)
+        move_s = time.monotonic() - t0
+        return {
+            "peers": peers, "processes": len(swarm.workers), "startup_s": round(swarm.startup_s, 1),
+            "coverage_s": round(statistics.median(coverage), 3), "coverage_each_s": [round(c, 3) for c in coverage],
+            "departure_s": round(departure_s, 3), "move_s": round(move_s, 3),
+            "bytes_per_node_s": round((total(s1, "bytes_in") - total(s0, "bytes_in")) / peers / window, 1),
+            "messages_per_node_min": round((total(s1, "messages") - total(s0, "messages")) / peers / window * 60, 2),
+            "cpu_per_node": round((total(s1, "cpu_s") - total(s0, "cpu_s")) / peers / window, 5),
+            "rss_mib_per_node": round((total(s1, "rss_kib") - BASELINE_KIB * len(swarm.workers)) / peers / 1024, 2),
+            "dht_passes": sum(d.dht_passes for d in backbones),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, nargs="+", default=[100, 300, 1000])
+    parser.add_argument("--per-process", type=int, default=50)
+    parser.add_argument("--backbones", type=int, default=3)
+    parser.add_argument("--window", type=float, default=60.0)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+    for peers in args.peers:
+        try:
+            rows.append(asyncio.run(run(peers, args)))
+        except (TimeoutError, RuntimeError) as e:
+            print(f"{peers} peers: did not run to the end on this machine: {e!r}", flush=True)
+            break
+        print(json.dumps(rows[-1]), flush=True)
+    keys = ["peers", "processes", "startup_s", "coverage_s", "departure_s", "move_s", "bytes_per_node_s",
+            "messages_per_node_min", "cpu_per_node", "rss_mib_per_node", "dht_passes"]
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+    if rows:
+        last = rows[-1]
+        print(json.dumps({k: last[k] for k in ("peers", "coverage_s", "departure_s", "move_s", "bytes_per_node_s",
+                                                "cpu_per_node")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The announcement topic's gate and view (``moeswarm.net.gossip_view``), and the GossipSub patch
+of ``moeswarm.net._libp2p_gossip``: budgets, validation as for DHT values, a view that never
+evicts a live record; GossipSub's equivocation memory bounded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from moeswarm.net.gossip_view import GossipLimits, RecordView, TokenBuckets, TopicGate
+from moeswarm.protocol import Identity, encode, sign_announcement
+
+MODEL = "m/gossip"
+
+
+def record(identity: Identity, *, experts: tuple[int, int] = (0, 3), layers: tuple[int, int] = (0, 1),
+           seq: int = 1, ttl_s: float = 600.0, model: str = MODEL) -> bytes:
+    return encode(sign_announcement(
+        identity, model_id=model, layers=layers, experts=experts, endpoints=("tcp+tls://127.0.0.1:9",),
+        capacity_bytes=1, throughput=0, load_permille=0, software="t", seq=seq,
+        expires_at_ms=int((time.time() + ttl_s) * 1000)))
+
+
+def gate(**limits: float) -> TopicGate:
+    return TopicGate(MODEL, GossipLimits(**limits), num_layers=2, num_experts=4)  # type: ignore[arg-type]
+
+
+def test_a_record_is_validated_as_a_dht_value() -> None:
+    g, me = gate(), Identity.generate()
+    assert g.check("p", "1.2.3.4", record(me)) is not None
+    assert g.check("p", "1.2.3.4", record(me)) is None  # the same seq again
+    assert g.check("p", "1.2.3.4", record(me, seq=2)) is not None  # a refresh
+    forged = bytearray(record(me, seq=3))
+    forged[-5] ^= 1  # the signature no longer verifies
+    assert g.check("p", "1.2.3.4", bytes(forged)) is None
+    assert g.check("p", "1.2.3.4", record(Identity.generate(), experts=(0, 4))) is None  # expert 4 of 4
+    assert g.check("p", "1.2.3.4", record(Identity.generate(), model="other")) is None
+    assert g.check("p", "1.2.3.4", record(Identity.generate(), ttl_s=-1)) is None  # expired
+    assert g.refused == {"stale": 1, "invalid": 2, "outside the model": 1, "not an announcement of this model": 1}
+
+
+def test_budgets_per_peer_address_signer_and_new_key() -> None:
+    g = gate(per_peer_burst=3, per_peer_rate=0.001)
+    assert [g.check("p", None, record(Identity.generate())) is not None for _ in range(4)] == [True] * 3 + [False]
+    g = gate(new_keys_per_address_burst=2, new_keys_per_address_rate=0.001)
+    known = Identity.generate()
+    assert g.check("a", "9.9.9.9", record(known)) is not None
+    assert g.check("b", "9.9.9.9", record(Identity.generate())) is not None
+    assert g.check("c", "9.9.9.9", record(Identity.generate())) is None  # a third new key from the address
+    assert g.check("c", "9.9.9.9", record(known, seq=2)) is not None  # a known signer's refresh passes
+    assert g.check("c", "8.8.8.8", record(Identity.generate())) is not None  # another address has its own
+    g = gate(per_signer_burst=2, per_signer_rate=0.001)
+    me = Identity.generate()
+    assert [g.check("p", None, record(me, seq=s)) is not None for s in (1, 2, 3)] == [True, True, False]
+    assert g.refused == {"signer rate": 1}
+
+
+def test_the_view_never_evicts_a_live_record_to_admit_another() -> None:
+    g = gate(max_records=3)
+    first = [Identity.generate() for _ in range(3)]
+    for identity in first:
+        assert g.check("p", None, record(identity)) is not None
+    assert g.check("p", None, record(Identity.generate())) is None
+    assert g.refused == {"view full": 1} and len(g.view) == 3
+    assert g.check("p", None, record(first[0], seq=2)) is not None  # refreshes still pass
+    g.view.drop(first[1].peer_id)  # its calls failed: room for one more
+    assert g.check("p", None, record(Identity.generate())) is not None
+
+
+def test_expired_records_make_room() -> None:
+    view = RecordView(1)
+    from moeswarm.protocol import decode
+
+    old = decode(record(Identity.generate(), ttl_s=1))
+    assert view.offer(old, b"x", now_ms=old.expires_at_ms - 10)  # type: ignore[arg-type]
+    new = decode(record(Identity.generate()))
+    assert not view.offer(new, b"y", now_ms=old.expires_at_ms - 5)  # type: ignore[arg-type]
+    assert view.offer(new, b"y", now_ms=old.expires_at_ms + 1)  # type: ignore[arg-type]
+    assert view.values(now_ms=old.expires_at_ms + 1) == [b"y"]
+
+
+def test_token_buckets_refill_and_stay_bounded() -> None:
+    buckets = TokenBuckets(rate=1.0, burst=2.0, max_names=2)
+    assert [buckets.take("a", 0.0) for _ in range(3)] == [True, True, False]
+    assert buckets.take("a", 1.0)  # one token back after a second
+    buckets.take("b", 1.0)
+    buckets.take("c", 1.0)
+    assert len(buckets) == 2
+
+
+@pytest.mark.parametrize("patched", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="py-libp2p 0.8.1 keeps every forwarded message for equivocation checks"))],
+    ids=["with-patch", "without-patch"])
+def test_gossipsub_forgets_old_messages(patched: bool) -> None:
+    from libp2p.pubsub.gossipsub import PROTOCOL_ID, GossipSub
+    from libp2p.pubsub.pb import rpc_pb2
+
+    from moeswarm.net._libp2p_gossip import (
+        EQUIVOCATION_MEMORY,
+        install_equivocation_bound,
+    )
+
+    install_equivocation_bound()
+    router = GossipSub([PROTOCOL_ID], degree=6, degree_low=4, degree_high=12)
+    check = GossipSub._check_equivocation if patched else GossipSub._moeswarm_unbounded_check_equivocation
+    for n in range(EQUIVOCATION_MEMORY * 3):
+        assert check(router, rpc_pb2.Message(from_id=b"peer", seqno=n.to_bytes(8, "big"), data=b"x", topicIDs=["t"]))
+    assert len(router.equivocation_detection) <= EQUIVOCATION_MEMORY

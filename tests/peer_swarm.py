@@ -1,0 +1,255 @@
+"""Hundreds of real libp2p peers on this machine, several to a process (tests and benchmarks).
+
+    async with PeerSwarm(holders=200, per_process=50) as swarm:
+        backbone = await swarm.backbone()          # a P2PNode + Discovery in this process
+        await swarm.withdraw(7); await swarm.move(9, experts=(9, 10))
+
+Each holder is a ``P2PNode`` (real TCP, Noise, Yamux, the project's DHT and GossipSub) running
+the project's ``Announcer`` for one model of ``layers`` MoE layers; holder ``i`` serves expert
+``i`` of every layer, so full coverage of the model's ``holders`` experts means every holder's
+record was seen. Holders announce on the model's topic only (``AnnounceConfig.dht=False``; with
+``dht=True`` each also stores its record under its layers' DHT keys, as a node does by default:
+that write, and the lookup of itself that fills a node's routing table at start, are each
+holder's own cost, 1-2 s of CPU per holder at start-up here, and no backbone reads the record
+when the topic answers; without ``dht`` holders skip both, ``P2PConfig.bootstrap_lookup=False``). Worker processes (``python tests/peer_swarm.py``) start their share of holders
+and answer JSON commands on stdin, one line each: ``withdraw``, ``move``, ``stats`` (resident
+memory, CPU seconds, bytes read from libp2p connections, counted in RawConnection.read: every
+control-plane byte, DHT and gossip), ``stop``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL = "swarm/peers"
+ENDPOINT = "tcp+tls://127.0.0.1:9"  # nobody calls it: discovery is what is measured
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+# ---------------------------------------------------------------- worker process
+
+
+class _Counter:
+    bytes_in = 0
+
+
+def _count_bytes() -> None:
+    """Count every byte this process reads from a libp2p TCP connection (instrumentation)."""
+    from libp2p.network.connection.raw_connection import RawConnection
+
+    read = RawConnection.read
+
+    async def counted(self: Any, n: int | None = None) -> bytes:
+        data = await read(self, n)
+        _Counter.bytes_in += len(data)
+        return data
+
+    RawConnection.read = counted  # type: ignore[method-assign]
+
+
+async def _worker(args: argparse.Namespace) -> None:
+    from moeswarm.net.announce import AnnounceConfig, Announcer
+    from moeswarm.net.p2p import P2PConfig, P2PNode
+    from moeswarm.protocol import Identity
+
+    _count_bytes()
+    moe = tuple(range(args.layers))
+    nodes: list[P2PNode] = []
+    announcers: dict[int, Announcer] = {}
+    seeds = tuple(args.bootstrap)
+    gate = asyncio.Semaphore(args.concurrency)
+    rng = random.Random(args.first)
+
+    async def start(i: int) -> None:
+        async with gate:
+            local = [n.multiaddrs[0] for n in nodes if n.multiaddrs]
+            boot = seeds if len(local) < 2 else (*rng.sample(local, 2), rng.choice(seeds))
+            node = P2PNode(Identity.generate(), P2PConfig(bootstrap=boot, max_connections=args.max_connections,
+                                                          dial_timeout_s=60.0, op_timeout_s=60.0,
+                                                          bootstrap_lookup=args.dht))
+            await node.start()
+            nodes.append(node)
+            announcer = Announcer(node, node._identity, AnnounceConfig(
+                MODEL, (0, args.layers - 1), moe, (i, i), (ENDPOINT,), 1 << 20, ttl_s=args.ttl, dht=args.dht))
+            await announcer.start()
+            announcers[i] = announcer
+
+    try:
+        await asyncio.gather(*(start(i) for i in range(args.first, args.first + args.count)))
+        print(json.dumps({"ready": sorted(announcers), "multiaddrs": [n.multiaddrs[0] for n in nodes[:4]],
+                          "rss_kib": _rss_kib(), "cpu_s": _cpu_s()}), flush=True)
+        while line := (await asyncio.to_thread(sys.stdin.readline)).strip():
+            cmd = json.loads(line)
+            if cmd["op"] == "withdraw":
+                await announcers.pop(cmd["holder"]).withdraw()
+                reply: dict[str, Any] = {"ok": True}
+            elif cmd["op"] == "move":
+                experts = tuple(cmd["experts"])
+                await announcers[cmd["holder"]].move([((0, args.layers - 1), experts)], moe, 1 << 20)
+                reply = {"ok": True}
+            elif cmd["op"] == "stats":
+                reply = {"rss_kib": _rss_kib(), "cpu_s": _cpu_s(), "bytes_in": _Counter.bytes_in,
+                         "nodes": len(nodes), "messages": _messages(announcers)}
+            else:
+                break
+            print(json.dumps(reply), flush=True)
+    finally:
+        async def stop(node: P2PNode) -> None:
+            with contextlib.suppress(Exception):
+                await node.stop()
+        await asyncio.gather(*(stop(n) for n in nodes))
+
+
+def _messages(announcers: dict[int, Any]) -> int:
+    """Announcement messages the holders' gates have checked (each first copy a holder received)."""
+    return sum(a.gossip.gate.accepted + sum(a.gossip.gate.refused.values())
+               for a in announcers.values() if a.gossip is not None)
+
+
+# ---------------------------------------------------------------- the coordinator
+
+
+class PeerSwarm:
+    """``holders`` holder peers in worker processes of ``per_process`` each, plus a seed node
+    here; ``backbone()`` adds a backbone (P2PNode + Discovery) in this process."""
+
+    def __init__(self, holders: int, per_process: int = 50, *, layers: int = 1, ttl_s: float = 600.0,
+                 concurrency: int = 4, max_connections: int = 64, dht: bool = False) -> None:
+        self.holders, self.per_process, self.layers, self.ttl_s = holders, per_process, layers, ttl_s
+        self.dht = dht
+        self.concurrency, self.max_connections = concurrency, max_connections
+        self.workers: list[subprocess.Popen[str]] = []
+        self.owner: dict[int, subprocess.Popen[str]] = {}
+        self.seed: Any = None
+        self.bootstrap: tuple[str, ...] = ()
+        self._stack = contextlib.AsyncExitStack()
+        self.startup_s = 0.0
+        self.started: list[dict[str, Any]] = []
+
+    async def __aenter__(self) -> PeerSwarm:
+        from moeswarm.net.p2p import P2PConfig, P2PNode
+        from moeswarm.protocol import Identity
+
+        t0 = time.monotonic()
+        self.seed = await self._stack.enter_async_context(P2PNode(Identity.generate(), P2PConfig(max_connections=256)))
+        self.bootstrap = (self.seed.multiaddrs[0],)
+        try:  # the first worker's holders are every later worker's bootstrap too: one connected topic
+            firsts = list(range(0, self.holders, self.per_process))
+            self._spawn(firsts[0])
+            await self._ready(self.workers[0])
+            self.bootstrap += tuple(self.started[0]["multiaddrs"][:3])
+            for first in firsts[1:]:
+                self._spawn(first)
+            for worker in self.workers[1:]:
+                await self._ready(worker)
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def _spawn(self, first: int) -> None:
+        count = min(self.per_process, self.holders - first)
+        self.workers.append(subprocess.Popen(
+            [sys.executable, __file__, "--first", str(first), "--count", str(count), "--layers",
+             str(self.layers), "--ttl", str(self.ttl_s), "--concurrency", str(self.concurrency),
+             "--max-connections", str(self.max_connections), *(["--dht"] if self.dht else []), *self.bootstrap],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}))
+
+    async def _ready(self, worker: subprocess.Popen[str]) -> None:
+        ready = await self._read(worker, timeout_s=600)
+        self.started.append(ready)
+        for i in ready["ready"]:
+            self.owner[i] = worker
+
+    async def __aexit__(self, *exc: object) -> None:
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                assert worker.stdin is not None
+                worker.stdin.write("\n")
+                worker.stdin.flush()
+        for worker in self.workers:
+            try:
+                await asyncio.to_thread(worker.wait, 60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                await asyncio.to_thread(worker.wait)
+            for pipe in (worker.stdin, worker.stdout):
+                if pipe is not None:
+                    pipe.close()
+        await self._stack.aclose()
+
+    async def _read(self, worker: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
+        assert worker.stdout is not None
+        async with asyncio.timeout(timeout_s):
+            line = await asyncio.to_thread(worker.stdout.readline)
+        if not line.startswith("{"):
+            raise RuntimeError(f"a peer_swarm worker said {line!r} (exit {worker.poll()})")
+        return json.loads(line)
+
+    async def command(self, worker: subprocess.Popen[str], **cmd: Any) -> dict[str, Any]:
+        assert worker.stdin is not None
+        worker.stdin.write(json.dumps(cmd) + "\n")
+        worker.stdin.flush()
+        return await self._read(worker)
+
+    async def withdraw(self, holder: int) -> None:
+        await self.command(self.owner[holder], op="withdraw", holder=holder)
+
+    async def move(self, holder: int, experts: tuple[int, int]) -> None:
+        await self.command(self.owner[holder], op="move", holder=holder, experts=list(experts))
+
+    async def stats(self) -> list[dict[str, Any]]:
+        return [await self.command(w, op="stats") for w in self.workers]
+
+    async def backbone(self, **discovery: Any) -> Any:
+        """A backbone's discovery in this process, closed with the swarm; its table is ``.table``."""
+        from moeswarm.net.discovery import Discovery
+        from moeswarm.net.p2p import P2PConfig, P2PNode
+        from moeswarm.net.routing_table import SwarmTable
+        from moeswarm.protocol import Identity
+
+        node = await self._stack.enter_async_context(P2PNode(Identity.generate(), P2PConfig(bootstrap=self.bootstrap)))
+        found = Discovery(node, SwarmTable(MODEL), range(self.layers), num_layers=self.layers,
+                          num_experts=self.holders, **discovery)
+        self._stack.push_async_callback(found.aclose)
+        return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a worker of tests/peer_swarm.py")
+    parser.add_argument("bootstrap", nargs="+")
+    parser.add_argument("--first", type=int, required=True)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--ttl", type=float, default=600.0)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-connections", type=int, default=64)
+    parser.add_argument("--dht", action="store_true", help="also store each record in the DHT")
+    asyncio.run(_worker(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
