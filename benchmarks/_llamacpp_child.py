@@ -136,7 +136,8 @@ def greedy(step: Callable[[list[int]], int], prompt: list[int], n: int) -> tuple
 
 
 def peak_rss_mib() -> tuple[float, float]:
-    hwm = next((int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")), 0)
+    with open("/proc/self/status") as status:
+        hwm = next((int(line.split()[1]) for line in status if line.startswith("VmHWM:")), 0)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, hwm / 1024
 
 

@@ -12,8 +12,8 @@ Two models (``benchmarks/_llamacpp_models.py``):
   (``llama_model_quantize``) quantizes the F32 file to Q8_0, Q4_K_M and IQ4_XS.
 * ``--depth real``: Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top-8, 151936-token vocabulary)
   built with transformers, ``--layers`` deep (default: as many as fit in 24 GiB at F16 beside both
-  engines, ``layers_that_fit``: 11); the converter writes F16, llama.cpp quantizes it to Q8_0, Q4_K_M and
-  IQ4_XS (F32 only if ``--types`` names it).  The Hugging Face folder is deleted once F16 is written.
+  engines, ``layers_that_fit``: 11); the converter writes F16 (F32 only if ``--types`` names it), llama.cpp
+  quantizes the F16 file to Q8_0, Q4_K_M and IQ4_XS.  The Hugging Face folder is deleted once F16 is written.
 
 Each run is one engine in its own process (``benchmarks/_llamacpp_child.py``), alternating llama.cpp and
 moeswarm, same file, prompt ids and threads, greedy; medians over ``--rounds``.  Per run:
@@ -107,13 +107,14 @@ def hf_folder(work: Path, src: Path) -> Path:
     return qwen3_moe_folder(work / "hf", ARGS.layers, ARGS.small, src)
 
 
-def llama_files(work: Path, src: Path) -> dict[str, Path]:
-    """llama.cpp's converter writes F32 / F16; llama.cpp quantizes F32 (or F16 without F32) to the rest."""
+def llama_file(work: Path, src: Path, name: str) -> Path:
+    """llama.cpp's converter writes F32 and F16 (real depth: F16, F32 only if asked); llama.cpp quantizes
+    the 4-layer model's F32 file and the real-depth model's F16 file to the rest."""
     lc = llama_cpp()
     out: dict[str, Path] = {}
     env = dict(os.environ, PYTHONPATH=f"{src / 'gguf-py'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    converted = [t for t in ("F32", "F16") if t in TYPES] or ["F16"]
-    base = work / f"llama.{converted[0]}.gguf"
+    converted = (["F32"] if "F32" in TYPES else []) + ["F16"] if REAL else ["F32", "F16"]
+    base = work / ("llama.F16.gguf" if REAL else "llama.F32.gguf")
     for outtype in converted:
         path = work / f"llama.{outtype}.gguf"
         if not path.exists():
@@ -126,18 +127,18 @@ def llama_files(work: Path, src: Path) -> dict[str, Path]:
         out[outtype] = path
     if REAL:  # regenerated from its seed if needed; 15 GB at 12 layers
         shutil.rmtree(work / "hf", ignore_errors=True)
-    for name, ftype in FTYPES.items():
-        path = work / f"llama.{name}.gguf"
-        if name in TYPES and not path.exists():
-            print(f"llama.cpp quantize {base.name} -> {name}", flush=True)
+    for q, ftype in FTYPES.items():
+        path = work / f"llama.{q}.gguf"
+        if q == name and not path.exists():
+            print(f"llama.cpp quantize {base.name} -> {q}", flush=True)
             params = lc.llama_model_quantize_default_params()
             params.ftype = getattr(lc, ftype)
             params.nthread = ARGS.threads
             if lc.llama_model_quantize(str(base).encode(), (str(path) + ".part").encode(), params) != 0:
-                raise RuntimeError(f"llama_model_quantize failed for {name}")
+                raise RuntimeError(f"llama_model_quantize failed for {q}")
             os.replace(str(path) + ".part", path)
-        out[name] = path
-    return out
+        out[q] = path
+    return out[name]
 
 
 # ---------------------------------------------------------------- one engine per process, alternating
@@ -147,7 +148,7 @@ def run(engine: str, path: Path, cold: list[int], prompt: list[int], profile: in
     ids = (",".join(map(str, cold)), ",".join(map(str, prompt)))
     cmd = [sys.executable, str(CHILD), engine, str(path), repr(time.time()), str(ARGS.threads), *ids,
            str(ARGS.decode), str(profile)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=ARGS.timeout)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=ARGS.timeout)
     if done.returncode != 0:
         print(f"  {engine} on {path.name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}", flush=True)
         return None
@@ -239,7 +240,6 @@ def main() -> None:
     if REAL:
         print(f"real depth: Qwen3-30B-A3B's layer, {ARGS.layers} layers (layers_that_fit(24 GiB) = "
               f"{layers_that_fit()})", flush=True)
-    files = llama_files(work, src)
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 32000, ARGS.prefill).tolist()
     if not REAL:
@@ -251,7 +251,8 @@ def main() -> None:
     results = []
     for name in TYPES:
         print(f"{name}:", flush=True)
-        results.append(compare(name, files[name], cold, prompt))
+        results.append(compare(name, llama_file(work, src, name), cold, prompt))
+        print(HEAD + "\n" + row(results[-1]), flush=True)
     print("\n" + HEAD + "\n" + "|---" * (HEAD.count("|") - 1) + "|")
     for r in results:
         print(row(r))
