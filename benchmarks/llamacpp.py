@@ -165,6 +165,7 @@ def compare(name: str, path: Path, cold: list[int], prompt: list[int]) -> dict: 
                 print(f"  round {r + 1} {engine}: cold {result['cold_s']:.2f} s (load {result['load_s']:.2f} s), "
                       f"decode {result['decode_tok_s']:.2f} tok/s, prefill {result['prefill_tok_s']:.1f} tok/s, "
                       f"peak RSS {result['maxrss_mib']:.0f} MiB", flush=True)
+                print(f"  run {json.dumps(result)}", flush=True)  # everything, should a later run not finish
     return {"file": name, "MiB": path.stat().st_size / 2**20, "runs": runs}
 
 
