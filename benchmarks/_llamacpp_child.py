@@ -107,7 +107,7 @@ class Ours:
 SECTIONS = (("attention (gqa)", "attention.py", "gqa"), ("router", "routing.py", "route"),
             ("routed experts (backend call)", "transformer.py", "submit"),
             ("  of which expert cache lookups and misses (repack / fp16 -> fp32 copies)", "experts.py", "get"),
-            ("  of which onnxruntime runs", "~", "onnxruntime_pybind11_state.run"),
+            ("onnxruntime runs (routed experts and quantized backbone matrices)", "~", "onnxruntime_pybind11_state.run"),
             ("rms norms", "attention.py", "rms_norm"))
 
 
