@@ -7,7 +7,8 @@ before it started this process, so the cold figure counts interpreter start, imp
 everything a person waits for.  COLD_IDS and PROMPT_IDS are comma-separated token ids.
 
 1. cold: load the file, prefill the short prompt, decode greedily until 32 tokens exist (the prefill's
-   token is the first); ``cold_s`` is the wall time from SPAWNED to the 32nd token.
+   token is the first); ``cold_s`` is the wall time from SPAWNED to the 32nd token, ``imported_s`` to the
+   engine's package imported, ``load_s`` to the model loaded.
 2. steady: a fresh context/KV cache, prefill PROMPT_IDS (timed), DECODE greedy tokens (timed).  The cold
    run has already touched the weights, compiled graphs and filled caches.
 3. peak RSS: ``ru_maxrss`` and /proc/self/status ``VmHWM`` of this process.
@@ -40,6 +41,7 @@ class Llama:
     def __init__(self) -> None:
         import llama_cpp as lc
 
+        self.imported = time.time() - SPAWNED
         self.lc = lc
         self.llm = lc.Llama(model_path=FILE, n_ctx=512, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
                             verbose=False)
@@ -70,6 +72,7 @@ class Ours:
         from moeswarm.model import load_model
         from moeswarm.model._qkernels import set_threads
 
+        self.imported = time.time() - SPAWNED
         set_threads(THREADS)
         self.model = load_model(FILE)
         self.cache = self.model.new_cache()
@@ -148,7 +151,7 @@ def main() -> None:
     cold = time.time() - SPAWNED
     engine.reset()
     tokens, prefill, decode = greedy(engine.step, PROMPT_IDS, DECODE)
-    out: dict[str, object] = {"engine": ENGINE, "load_s": loaded, "cold_s": cold, "cold_tokens": cold_tokens,
+    out: dict[str, object] = {"engine": ENGINE, "imported_s": engine.imported, "load_s": loaded, "cold_s": cold, "cold_tokens": cold_tokens,
                               "prefill_tok_s": len(PROMPT_IDS) / prefill, "decode_tok_s": (DECODE - 1) / decode,
                               "tokens": tokens}
     if PROFILE_STEPS:

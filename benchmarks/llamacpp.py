@@ -162,7 +162,8 @@ def compare(name: str, path: Path, cold: list[int], prompt: list[int]) -> dict: 
             result = run(engine, path, cold, prompt, ARGS.profile_steps if r == 0 else 0)
             if result is not None:
                 runs[engine].append(result)
-                print(f"  round {r + 1} {engine}: cold {result['cold_s']:.2f} s (load {result['load_s']:.2f} s), "
+                print(f"  round {r + 1} {engine}: cold {result['cold_s']:.2f} s (imports {result['imported_s']:.2f} s, "
+                      f"imports + load {result['load_s']:.2f} s), "
                       f"decode {result['decode_tok_s']:.2f} tok/s, prefill {result['prefill_tok_s']:.1f} tok/s, "
                       f"peak RSS {result['maxrss_mib']:.0f} MiB", flush=True)
                 print(f"  run {json.dumps(result)}", flush=True)  # everything, should a later run not finish
