@@ -63,6 +63,7 @@ from ._messages import (
     WeightsResponse,
 )
 from ._receipts import (
+    batch_proof_holds,
     batched_problem,
     check_outputs,
     check_receipt,
@@ -78,6 +79,7 @@ from ._receipts import (
     output_hash,
     verify_countersigned,
     verify_receipt,
+    verify_record,
 )
 from ._records import (
     DHT_NAMESPACE,
@@ -118,7 +120,7 @@ __all__ = [
     # receipts
     "expert_call_flops", "make_receipt", "verify_receipt", "countersign", "verify_countersigned", "check_response",
     "input_hash", "output_hash", "check_outputs", "check_receipt", "receipt_leaf", "sign_batch",
-    "statement_problem", "countersign_batch", "batched_problem",
+    "statement_problem", "countersign_batch", "batched_problem", "batch_proof_holds", "verify_record",
     # DHT records
     "provider_key", "announcement_key", "parse_announcement_key", "sign_announcement",
     "verify_announcement", "validate_record", "select_record", "DHT", "read_announcements",

@@ -216,9 +216,29 @@ def batched_problem(br: BatchedReceipt, body: bytes | None = None) -> str | None
     """Why a ``BatchedReceipt`` does not hold (what the ledger checks): ``"bad_batch_proof"`` when
     its body is not leaf ``index`` under the statement's root, else ``statement_problem``'s
     reasons; None when it holds. ``body``: its canonical receipt body, if already encoded."""
-    leaf = leaf_hash(body if body is not None else canonical(receipt_body(br.receipt)))
-    if br.receipt.client != br.statement.client or br.receipt.server != br.statement.server:
-        return "bad_batch_proof"
-    if root_from_path(leaf, br.index, br.statement.count, br.path) != br.statement.root:
+    if not batch_proof_holds(br, body):
         return "bad_batch_proof"
     return statement_problem(br.statement, br.client_sig)
+
+
+def batch_proof_holds(br: BatchedReceipt, body: bytes | None = None) -> bool:
+    """Whether the receipt (canonical ``body``, if already encoded) is leaf ``index`` under the
+    statement's root, and names the statement's client and server."""
+    if br.receipt.client != br.statement.client or br.receipt.server != br.statement.server:
+        return False
+    leaf = leaf_hash(body if body is not None else canonical(receipt_body(br.receipt)))
+    return root_from_path(leaf, br.index, br.statement.count, br.path) == br.statement.root
+
+
+def verify_record(record: CountersignedReceipt | BatchedReceipt) -> None:
+    """Check a receipt as submitted to the ledger, of either kind: both signatures of a
+    countersigned receipt (v1.2), or a batched one's place under its statement and the statement's
+    two signatures (v1.3); ``BadResponse`` 9 (4 for a batched receipt that is not in its batch)."""
+    if isinstance(record, CountersignedReceipt):
+        verify_countersigned(record)
+        return
+    problem = batched_problem(record)
+    if problem == "bad_batch_proof":
+        raise _bad("the receipt is not the leaf its Merkle path names under the batch statement")
+    if problem is not None:
+        raise _bad(f"batched receipt: {problem.replace('_', ' ')}", ErrorCode.AUTH_FAILED)
