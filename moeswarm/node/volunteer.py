@@ -85,7 +85,8 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
                                         max_conns_per_ip=config.max_conns_per_ip,
                                         max_conns_per_peer=config.max_conns_per_peer,
                                         frame_timeout_s=config.frame_timeout_s,
-                                        idle_timeout_s=config.idle_timeout_s),
+                                        idle_timeout_s=config.idle_timeout_s,
+                                        versions=config.protocol_versions),
                                     weights_handler=(lambda client, request: asyncio.to_thread(
                                         serve_weights, server.weights, model_id, request))
                                     if config.serve_weights else None,
