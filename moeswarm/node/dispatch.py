@@ -36,6 +36,7 @@ from ..model import ExpertWeights, ModelConfig, Weights, expert_ffn
 from ..model.experts import F32Cache
 from ..net.client import Connections
 from ..net.routing_table import Holder, SwarmTable, plan_dispatch
+from .onloop import on_loop_greenlet, wait_on
 from ..protocol import (
     SUPPORTED_VERSIONS,
     BatchedReceipt,
@@ -92,6 +93,14 @@ class _Handle:
         return self._future.result()
 
 
+class _LoopHandle:
+    def __init__(self, task: asyncio.Task[np.ndarray]) -> None:
+        self._task = task
+
+    def result(self) -> np.ndarray:
+        return self._task.result() if self._task.done() else wait_on(self._task)
+
+
 class RemoteExperts:
     """``ExpertExecutor`` over the swarm (see the module docstring)."""
 
@@ -123,9 +132,20 @@ class RemoteExperts:
         self.batches_settled = 0
         self._idle_timer: asyncio.TimerHandle | None = None
 
-    def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> _Handle:
+    def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> _Handle | _LoopHandle:
+        """Start one MoE layer's dispatch. From a forward pass run on the loop by ``onloop.run_on_loop``
+        no thread is involved: the requests are sent (the forward yields to the loop until they
+        are) and ``result`` waits on the loop. From a worker thread: two thread hops."""
+        if on_loop_greenlet() and _on_loop(self.loop):
+            task = self.loop.create_task(self.dispatch(layer, x, ids, weights))
+            for _ in range(2):  # the dispatch starts, then its calls write their requests
+                if task.done():
+                    break
+                wait_on(asyncio.sleep(0))
+            return _LoopHandle(task)
         if _on_loop(self.loop):
-            raise ConfigError("run the model's forward pass in a worker thread, not on the event loop")
+            raise ConfigError("run the model's forward pass in a worker thread or with onloop.run_on_loop, "
+                              "not directly on the event loop")
         return _Handle(asyncio.run_coroutine_threadsafe(self.dispatch(layer, x, ids, weights), self.loop))
 
     async def dispatch(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -369,10 +389,11 @@ class RemoteExperts:
         """After each forward pass: settle receipts once decoding pauses (checking and signing
         them costs ~0.2 ms each, which would otherwise sit on the next step's path), or at once
         when too many are pending."""
+        schedule = self.loop.call_soon if _on_loop(self.loop) else self.loop.call_soon_threadsafe
         if len(self._unchecked) >= self.config.max_unsettled:
-            self.loop.call_soon_threadsafe(self.settle_receipts)
+            schedule(self.settle_receipts)
         else:
-            self.loop.call_soon_threadsafe(self._settle_when_idle)
+            schedule(self._settle_when_idle)
 
     def _settle_when_idle(self) -> None:
         if self._idle_timer is not None:
