@@ -157,7 +157,7 @@ def encode_record(cr: SubmittedReceipt) -> tuple[bytes, bytes]:
     """(canonical receipt body, canonical record) in one pass: the same bytes as
     ``canonical(receipt_body(r))`` and ``encode(cr)``, without encoding the body twice."""
     if isinstance(cr, BatchedReceipt):
-        return canonical(receipt_body(cr.receipt)), encode(cr)
+        return msgpack.packb(receipt_body(cr.receipt), use_bin_type=True), encode(cr)
     body_map = receipt_body(cr.receipt)  # a dict already in canonical key order, ints checked
     body = msgpack.packb(body_map, use_bin_type=True)
     receipt_map = {k: body_map[k] for k in _RECEIPT_KEYS_BEFORE_SIG}

@@ -34,7 +34,7 @@ from ._messages import (
     ReceiptBatch,
 )
 from ._tensor import tensor_canonical_parts, tensor_hash
-from ._wire import canonical, pack
+from ._wire import canonical, pack  # pack: for maps already in canonical order (receipt_body, statement_body)
 
 
 def input_hash(hidden: np.ndarray, experts: Sequence[ExpertRows]) -> bytes:
@@ -164,7 +164,7 @@ def check_receipt(request: ExpertRequest, outputs: np.ndarray, r: Receipt, *, cl
 
 def receipt_leaf(receipt: Receipt) -> bytes:
     """The Merkle leaf of a receipt: its canonical body, tagged (``_merkle``)."""
-    return leaf_hash(canonical(receipt_body(receipt)))
+    return leaf_hash(pack(receipt_body(receipt)))
 
 
 def sign_batch(identity: Identity, client: bytes, receipts: Sequence[Receipt]) -> ReceiptBatch:
@@ -173,7 +173,7 @@ def sign_batch(identity: Identity, client: bytes, receipts: Sequence[Receipt]) -
         raise ConfigError(f"a batch holds 1..{MAX_BATCH_RECEIPTS} receipts, not {len(receipts)}")
     unsigned = tuple(replace(r, sig=b"") if r.sig else r for r in receipts)
     st = BatchStatement(client, identity.peer_id, len(unsigned), merkle_root([receipt_leaf(r) for r in unsigned]))
-    sig = identity.sign(SignatureKind.RECEIPT_BATCH, canonical(statement_body(st)))
+    sig = identity.sign(SignatureKind.RECEIPT_BATCH, pack(statement_body(st)))
     return ReceiptBatch(replace(st, sig=sig), unsigned)
 
 
@@ -186,7 +186,7 @@ def statement_problem(st: BatchStatement, client_sig: bytes | None = None) -> st
         client_key = public_key_from_peer_id(st.client)
     except ProtocolError:
         return "malformed"
-    body = canonical(statement_body(st))
+    body = pack(statement_body(st))
     if not verify(server_key, SignatureKind.RECEIPT_BATCH, body, st.sig):
         return "bad_server_signature"
     if client_sig is not None and not verify(client_key, SignatureKind.RECEIPT_BATCH_COUNTERSIGN,
@@ -207,7 +207,7 @@ def countersign_batch(identity: Identity, batch: ReceiptBatch) -> list[BatchedRe
         raise _bad("the batch statement's Merkle root is not its receipts'")
     if statement_problem(st) is not None:
         raise _bad("receipt batch signature does not verify", ErrorCode.AUTH_FAILED)
-    client_sig = identity.sign(SignatureKind.RECEIPT_BATCH_COUNTERSIGN, canonical(statement_body(st)) + st.sig)
+    client_sig = identity.sign(SignatureKind.RECEIPT_BATCH_COUNTERSIGN, pack(statement_body(st)) + st.sig)
     return [BatchedReceipt(r, st, i, path, client_sig)
             for i, (r, path) in enumerate(zip(batch.receipts, merkle_paths(leaves)))]
 
@@ -226,7 +226,7 @@ def batch_proof_holds(br: BatchedReceipt, body: bytes | None = None) -> bool:
     statement's root, and names the statement's client and server."""
     if br.receipt.client != br.statement.client or br.receipt.server != br.statement.server:
         return False
-    leaf = leaf_hash(body if body is not None else canonical(receipt_body(br.receipt)))
+    leaf = leaf_hash(body if body is not None else pack(receipt_body(br.receipt)))
     return root_from_path(leaf, br.index, br.statement.count, br.path) == br.statement.root
 
 
