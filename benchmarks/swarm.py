@@ -1,8 +1,8 @@
 """The data plane's cost, measured side by side in one run on loopback.
 
 1. raw asyncio TCP round trip of a 4 KB message (the floor);
-2. one MoE layer dispatched through the swarm (TLS, framing, msgpack, receipts signed and
-   countersigned), also from a worker thread as the forward pass does, minus the same experts
+2. one MoE layer dispatched through the swarm (TLS, framing, msgpack, receipts: v1.3 batched
+   beside v1.2 signed per answer), also from a worker thread as the forward pass does, minus the same experts
    computed locally with the same parallelism (one thread per holder called): the per-layer
    dispatch overhead, the CPU each side spends on it, and (``--profile``) where it goes;
 3. decode tokens/s of a backbone + 4 expert-node processes vs the single-process engine;
@@ -15,6 +15,10 @@
 
     python benchmarks/swarm.py [--tokens 32] [--keep DIR] [--only dispatch|overlap|verify] [--rtt-ms 3.4]
                                [--models demo,mixtral] [--profile]
+
+The last line of output is one JSON object: ``{"dispatch_over_rtt_demo", "dispatch_over_rtt_1g",
+"swarm_over_single_demo", "swarm_over_single_1g"}`` (dispatch overhead over a raw TCP round trip,
+a multiple; swarm decode over single-process decode, a fraction; null for a model not measured).
 
 Models: the shipped demo checkpoint (tiny: dispatch overhead dominates), a random 1.1 GB
 Mixtral-style checkpoint written with numpy (expert math dominates, as in real models), and for
@@ -32,6 +36,7 @@ import argparse
 import asyncio
 import cProfile
 import io
+import json
 import pstats
 import statistics
 import subprocess
@@ -52,9 +57,10 @@ from moeswarm.model import SamplingParams, generate, load_config, load_model
 from moeswarm.model.experts import dense_ffn, expert_ffn
 from moeswarm.model.routing import route
 from moeswarm.model.synthetic import random_mixtral, random_qwen2_moe
-from moeswarm.net.client import ExpertClient
+from moeswarm.net.client import Connections, ExpertClient
 from moeswarm.node.backbone import SwarmBackbone
 from moeswarm.node.config import BackboneConfig
+from moeswarm.node.onloop import run_on_loop
 from moeswarm.protocol import Identity
 
 ECHO = """
@@ -124,8 +130,11 @@ def proc_cpu_s(pid: int) -> float:
 
 @dataclass
 class Dispatch:
-    on_loop_s: float  # one MoE layer via the swarm, awaited on the event loop
+    on_loop_s: float  # one MoE layer via the swarm (v1.3, output checks off), awaited on the event loop
     token_path_s: float  # ... submitted from a worker thread, as the forward pass does (thread hops included)
+    v12_token_path_s: float  # ... the same over protocol v1.2 connections (a signed receipt in every answer)
+    checked_token_path_s: float  # ... v1.3 with the default output checks (node/verify.py) on
+    greenlet_s: float  # ... v1.3, checks off, submitted by a forward pass run on the loop (node/onloop.py): no hop
     local_s: float  # the same experts computed here, one thread per holder called, in parallel
     holders: int  # holders one dispatch calls (= threads of the local computation)
     ping_s: float  # data-plane ping (TLS, framing) to the first holder
@@ -149,7 +158,7 @@ def local_same_parallelism(model, plan: dict[bytes, list[int]], layer: int, x: n
 
 
 async def swarm_side(model_dir: str, daemons: list[Daemon], ids: list[int], tokens: int, reps: int,
-                     profile: bool) -> tuple[Dispatch, float]:
+                     profile: bool) -> tuple[Dispatch, float, float]:
     from moeswarm.net.routing_table import plan_dispatch
 
     config = BackboneConfig(SwarmConfig(model_dir, bootstrap=(daemons[0].info["multiaddrs"][0],), client_mode=True))
@@ -162,8 +171,16 @@ async def swarm_side(model_dir: str, daemons: list[Daemon], ids: list[int], toke
         probe = await ExpertClient.connect(daemons[0].info["endpoint"], Identity.generate())
         pings = [await probe.ping() for _ in range(reps)]
         await probe.aclose()
+        verifier = ex.verifier
         for _ in range(10):
-            await ex.dispatch(layer, x, ids1, weights)  # warm: connections, f32 copies
+            await ex.dispatch(layer, x, ids1, weights)  # warm: connections, f32 copies, probation
+        ex.verifier = None  # the data plane alone: the checks' cost is the --only verify table's
+        v13 = ex.connections
+        v12 = Connections(ex.identity, versions=(1,), on_batch=ex._batch_arrived)  # a v1.2 backbone's
+        ex.connections = v12
+        for _ in range(10):
+            await ex.dispatch(layer, x, ids1, weights)  # warm the v1.2 connections
+        ex.connections = v13
         with ThreadPoolExecutor(len(plan)) as pool:
             local_same_parallelism(local, plan, layer, x, ids1, pool)
             on_loop, computed, thread_cpu = [], [], []
@@ -179,15 +196,28 @@ async def swarm_side(model_dir: str, daemons: list[Daemon], ids: list[int], toke
                 computed.append(time.perf_counter() - t0)
             holders_cpu = (sum(proc_cpu_s(p) for p in pids) - cpu0) / reps
 
-        def token_path() -> list[float]:
-            out = []
-            for _ in range(reps):
+        threaded: dict[str, list[float]] = {"v1.3": [], "v1.2": [], "checked": []}
+
+        def token_path() -> None:
+            for case, out in threaded.items():
+                ex.connections = v12 if case == "v1.2" else v13
+                ex.verifier = verifier if case == "checked" else None
                 t0 = time.perf_counter()
                 ex.submit(layer, x, ids1, weights).result()
                 out.append(time.perf_counter() - t0)
-            return out
+                ex.end_step()  # receipts settle between steps, as in decoding
+            ex.connections, ex.verifier = v13, None
 
-        threaded = await asyncio.to_thread(token_path)
+        def from_loop() -> float:
+            t0 = time.perf_counter()
+            ex.submit(layer, x, ids1, weights).result()
+            ex.end_step()
+            return time.perf_counter() - t0
+
+        greenlet = []
+        for _ in range(reps):  # alternate, so drift hits all four alike
+            await asyncio.to_thread(token_path)
+            greenlet.append(await run_on_loop(from_loop))
         text = ""
         if profile:
             prof = cProfile.Profile(time.thread_time)  # CPU time: robust to a loaded machine
@@ -198,19 +228,26 @@ async def swarm_side(model_dir: str, daemons: list[Daemon], ids: list[int], toke
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
             text = out.getvalue()
-        rate = await asyncio.to_thread(decode_rate, bb.model, ids, tokens)
-        d = Dispatch(statistics.median(on_loop), statistics.median(threaded), statistics.median(computed), len(plan),
-                     statistics.median(pings), statistics.median(thread_cpu), holders_cpu, text)
-        return d, rate
+        ex.verifier = verifier  # decoding as shipped: v1.3, default checks
+        rates: dict[str, list[float]] = {"thread": [], "loop": []}
+        for _ in range(3):  # alternate: the forward pass in a worker thread, or on the loop (as the engine decodes)
+            rates["thread"].append(await asyncio.to_thread(decode_rate, bb.model, ids, tokens))
+            rates["loop"].append(await run_on_loop(decode_rate, bb.model, ids, tokens))
+        await v12.aclose()
+        d = Dispatch(statistics.median(on_loop), statistics.median(threaded["v1.3"]),
+                     statistics.median(threaded["v1.2"]), statistics.median(threaded["checked"]),
+                     statistics.median(greenlet), statistics.median(computed), len(plan), statistics.median(pings),
+                     statistics.median(thread_cpu), holders_cpu, text)
+        return d, statistics.median(rates["thread"]), statistics.median(rates["loop"])
 
 
-def measure(model_dir: str, tokens: int, reps: int, profile: bool) -> tuple[Dispatch, float, float]:
+def measure(model_dir: str, tokens: int, reps: int, profile: bool) -> tuple[Dispatch, float, float, float]:
     model = load_model(model_dir)
     ids = list(range(3, 19))
-    single = decode_rate(model, ids, tokens)
     with local_swarm(model_dir, 4, experts_per_layer=model.config.num_experts) as daemons:
-        dispatch, swarm = asyncio.run(swarm_side(model_dir, daemons, ids, tokens, reps, profile))
-    return dispatch, single, swarm
+        dispatch, threaded, on_loop = asyncio.run(swarm_side(model_dir, daemons, ids, tokens, reps, profile))
+    single = statistics.median(decode_rate(model, ids, tokens) for _ in range(3))  # the nodes are gone: same load
+    return dispatch, single, threaded, on_loop
 
 
 # ---------------------------------------------------------------- 4. shared-expert overlap
@@ -271,32 +308,47 @@ def overlap_section(folder: Path, tokens: int, rounds: int, rtt_ms: float) -> No
     print(f"runs, tok/s: on {[round(v, 2) for v in r.rates[True]]}, off {[round(v, 2) for v in r.rates[False]]}")
 
 
-def dispatch_section(folder: Path, tokens: int, reps: int, models: list[str], profile: bool) -> None:
+def dispatch_section(folder: Path, tokens: int, reps: int, models: list[str], profile: bool) -> dict[str, float]:
     rtt = asyncio.run(raw_tcp_rtt())
     rows = []
+    keys = []
     if "demo" in models:
         rows.append(("demo (4.4M params, fp16)", measure(str(CHECKPOINT), tokens, reps, profile)))
+        keys.append("demo")
     if "mixtral" in models:
         big = random_mixtral(folder / "mixtral-1.1GB")
         rows.append(("random Mixtral 1.1 GB (H 1024, I 2816)", measure(str(big), tokens // 2, reps // 3, profile)))
+        keys.append("1g")
     print(f"\nloopback, medians of alternating runs; raw asyncio TCP 4 KB round trip to another process: "
           f"{rtt * 1e3:.3f} ms.  Threads: every process OPENBLAS_NUM_THREADS=1; the swarm computes a layer's experts "
           f"in the holder processes it calls, in parallel; 'locally' computes each holder's share in its own thread "
           f"of this process, in parallel (the same parallelism); 'token path' submits from a worker thread, as the "
-          f"forward pass does (two thread hops per layer).  {os.cpu_count()} CPUs.")
-    print("| model | holders called (= local threads) | data-plane ping | one MoE layer via swarm, on the loop "
-          "| ... on the token path | same experts locally | dispatch overhead (token path - local) | overhead / raw RTT "
-          "| CPU per layer: backbone loop / holders | decode single process | decode backbone + 4 nodes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, (d, single, swarm) in rows:
-        overhead = d.token_path_s - d.local_s
+          f"forward pass does (two thread hops per layer).  Dispatch columns: protocol v1.3 (receipts in batches) "
+          f"with output checks off, beside v1.2 (a signed receipt per answer) and v1.3 with the default checks "
+          f"(their cost in decoding: --only verify); decode: v1.3, default checks, medians of 3 alternating runs, "
+          f"swarm / single with the forward on the loop (as the batch engine decodes).  {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f} at the end (the machine is shared).")
+    print("| model | holders called (= local threads) | data-plane ping | one MoE layer via swarm, awaited on the loop "
+          "| ... from a forward pass on the loop (no hop) | ... from a worker thread (2 hops) | ... thread, v1.2 "
+          "| ... thread, v1.3 + checks | same experts locally | dispatch overhead (forward on the loop - local) "
+          "| overhead / raw RTT | CPU per layer: backbone loop / holders | decode single process "
+          "| decode backbone + 4 nodes: forward in a thread / on the loop | swarm / single |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ratios: dict[str, float] = {}
+    for key, (name, (d, single, threaded, looped)) in zip(keys, rows):
+        overhead = d.greenlet_s - d.local_s
+        swarm = looped  # as the batch engine decodes (node/scheduler.py: small steps on the loop)
         print(f"| {name} | {d.holders} | {d.ping_s * 1e3:.3f} ms | {d.on_loop_s * 1e3:.2f} ms | "
-              f"{d.token_path_s * 1e3:.2f} ms | {d.local_s * 1e3:.2f} ms | {overhead * 1e3:.2f} ms | "
+              f"{d.greenlet_s * 1e3:.2f} ms | {d.token_path_s * 1e3:.2f} ms | {d.v12_token_path_s * 1e3:.2f} ms | "
+              f"{d.checked_token_path_s * 1e3:.2f} ms | {d.local_s * 1e3:.2f} ms | {overhead * 1e3:.2f} ms | "
               f"{overhead / rtt:.1f}x | {d.backbone_cpu_s * 1e3:.2f} / {d.holders_cpu_s * 1e3:.2f} ms | "
-              f"{single:.1f} tok/s | {swarm:.1f} tok/s |")
-    for name, (d, _, _) in rows:
+              f"{single:.1f} tok/s | {threaded:.1f} / {looped:.1f} tok/s | {swarm / single:.1%} |")
+        ratios[f"dispatch_over_rtt_{key}"] = round(overhead / rtt, 2)
+        ratios[f"swarm_over_single_{key}"] = round(swarm / single, 3)
+    for name, (d, *_) in rows:
         if d.profile:
             print(f"\ncProfile of the backbone's loop thread, {name}, {reps} dispatches:\n" + d.profile)
+    return ratios
 
 
 # ---------------------------------------------------------------- 5. the cost of checking outputs
@@ -350,12 +402,16 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="dispatch section: print a cProfile of the dispatches")
     args = ap.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="moeswarm-bench-"))
+    ratios: dict[str, float] = {}
     if args.only in (None, "dispatch"):
-        dispatch_section(folder, args.tokens, args.reps, args.models.split(","), args.profile)
+        ratios = dispatch_section(folder, args.tokens, args.reps, args.models.split(","), args.profile)
     if args.only in (None, "overlap"):
         overlap_section(folder, args.tokens, args.rounds, args.rtt_ms)
     if args.only in (None, "verify"):
         verify_section(folder, args.tokens, args.rounds)
+    # the last line: the issue's four ratios (null where a model was not measured in this run)
+    print(json.dumps({k: ratios.get(k) for k in ("dispatch_over_rtt_demo", "dispatch_over_rtt_1g",
+                                                 "swarm_over_single_demo", "swarm_over_single_1g")}))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from moeswarm._tasks import cancel_and_wait
 from moeswarm.errors import BadResponse, ConfigError, ProtocolError
 from moeswarm.model import Weights, expert_ffn
 from moeswarm.protocol import (
+    BatchedReceipt,
     CountersignedReceipt,
     DecodeLimits,
     ErrorCode,
@@ -39,7 +40,7 @@ from moeswarm.protocol import (
     tensor_from_wire,
     tensor_to_wire,
     unpack,
-    verify_countersigned,
+    verify_record,
 )
 
 from ._chain import receipt_id
@@ -78,7 +79,7 @@ class AuditSample:
 
     request: ExpertRequest
     outputs: np.ndarray  # (P, H) as the server returned them
-    receipt: CountersignedReceipt
+    receipt: CountersignedReceipt | BatchedReceipt
 
     def encode(self) -> bytes:
         return canonical({"outputs": tensor_to_wire(self.outputs), "receipt": encode(self.receipt),
@@ -94,8 +95,8 @@ class AuditSample:
         if type(m) is not dict or not all(type(m.get(k)) is bytes for k in ("request", "receipt")):
             raise ProtocolError("audit sample must map request and receipt to bin", code=ErrorCode.BAD_FIELD)
         request, receipt = decode(m["request"]), decode(m["receipt"])
-        if not isinstance(request, ExpertRequest) or not isinstance(receipt, CountersignedReceipt):
-            raise ProtocolError("audit sample must hold an expert_request and a countersigned_receipt",
+        if not isinstance(request, ExpertRequest) or not isinstance(receipt, (CountersignedReceipt, BatchedReceipt)):
+            raise ProtocolError("audit sample must hold an expert_request and a countersigned or batched receipt",
                                 code=ErrorCode.BAD_FIELD)
         return cls(request, tensor_from_wire(m.get("outputs"), "outputs", rank=2), receipt)
 
@@ -121,7 +122,7 @@ class AuditVerdict:
 
 def check_sample(sample: AuditSample) -> None:
     """That the sample is the call its receipt describes; ``BadResponse`` (the sample's fault) if not."""
-    verify_countersigned(sample.receipt)
+    verify_record(sample.receipt)
     req, r = sample.request, sample.receipt.receipt
     expected = {"request_id": req.request_id, "model_id": req.model_id, "layer": req.layer,
                 "experts": tuple(int(e.expert) for e in req.experts), "tokens": int(req.hidden.shape[0]),
@@ -180,7 +181,8 @@ class AuditRunner:
         self._queue = asyncio.Queue(self.config.max_queue)
         self._task = asyncio.create_task(self._work())
 
-    def offer(self, request: ExpertRequest, outputs: np.ndarray, receipt: CountersignedReceipt) -> bool:
+    def offer(self, request: ExpertRequest, outputs: np.ndarray,
+              receipt: CountersignedReceipt | BatchedReceipt) -> bool:
         """Non-blocking, from any thread: maybe queue this call for an audit. True if sampled."""
         self.offered += 1
         if self._loop is None or self._rng.random() >= self.config.fraction:

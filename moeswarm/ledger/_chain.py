@@ -7,7 +7,9 @@ Hashes (SHA-256, each domain-separated by a tag that no other hash in the projec
                          || received_ms (u64 BE) || record)
 
 ``record`` is the canonical encoding of the ``countersigned_receipt`` message (both
-signatures included): the bytes the chain stores and commits to. The receipt body is what both
+signatures included), or (v1.3) of the ``batched_receipt`` message (the receipt body, its batch's
+statement with both signatures, and the Merkle path from the body to the statement's root): the
+bytes the chain stores and commits to. The receipt body is what both
 signatures cover (``protocol.receipt_body``), so two records of the same body are one receipt.
 The first entry's ``prev_hash`` is ``GENESIS_HASH`` (32 zero bytes).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Final, Literal
 
 import msgpack
@@ -24,6 +27,8 @@ import msgpack
 from moeswarm.errors import ProtocolError
 from moeswarm.protocol import (
     DEFAULT_MAX_FRAME,
+    BatchedReceipt,
+    BatchStatement,
     CountersignedReceipt,
     Receipt,
     SignatureKind,
@@ -31,9 +36,15 @@ from moeswarm.protocol import (
     decode,
     expert_call_flops,
     public_key_from_peer_id,
+    batch_proof_holds,
+    encode,
     receipt_body,
+    statement_problem,
     verify,
 )
+
+SubmittedReceipt = CountersignedReceipt | BatchedReceipt
+"""What the ledger takes: a v1.2 countersigned receipt or a v1.3 batched one."""
 
 GENESIS_HASH: Final = bytes(32)
 MAX_STORED_INT: Final = 2**63 - 1  # SQL BIGINT; larger counters are refused ("out_of_range")
@@ -60,6 +71,7 @@ class Reason:
     REPLAY: Final = "replay"  # same (client, request_id), different content
     SEQ_REUSED: Final = "seq_reused"  # same (client, server, seq), another request
     SEQ_REGRESSION: Final = "seq_regression"  # seq older than the pair's window
+    BAD_BATCH_PROOF: Final = "bad_batch_proof"  # v1.3: the receipt is not the leaf its path names under its statement
 
 
 @dataclass(frozen=True)
@@ -90,7 +102,7 @@ class Prepared:
     """A countersigned receipt whose signatures and FLOPs passed, with its hashes precomputed."""
 
     receipt: Receipt
-    record: bytes  # canonical countersigned_receipt encoding: what the chain stores
+    record: bytes  # canonical countersigned_receipt (or batched_receipt) encoding: what the chain stores
     receipt_id: bytes  # 32 bytes, see the module docstring
 
     @property
@@ -137,12 +149,15 @@ _SIGNATURE_MESSAGES: Final = {
     Reason.MALFORMED: "a peer ID is not an Ed25519 peer ID",
     Reason.BAD_SERVER_SIGNATURE: "the server's signature does not verify",
     Reason.BAD_CLIENT_SIGNATURE: "the client's countersignature does not verify",
+    Reason.BAD_BATCH_PROOF: "the receipt is not the leaf its Merkle path names under its batch's signed root",
 }
 
 
-def encode_record(cr: CountersignedReceipt) -> tuple[bytes, bytes]:
+def encode_record(cr: SubmittedReceipt) -> tuple[bytes, bytes]:
     """(canonical receipt body, canonical record) in one pass: the same bytes as
     ``canonical(receipt_body(r))`` and ``encode(cr)``, without encoding the body twice."""
+    if isinstance(cr, BatchedReceipt):
+        return msgpack.packb(receipt_body(cr.receipt), use_bin_type=True), encode(cr)
     body_map = receipt_body(cr.receipt)  # a dict already in canonical key order, ints checked
     body = msgpack.packb(body_map, use_bin_type=True)
     receipt_map = {k: body_map[k] for k in _RECEIPT_KEYS_BEFORE_SIG}
@@ -158,8 +173,15 @@ _RECEIPT_KEYS_BEFORE_SIG: Final = ("client", "expert_flops", "experts", "input_h
 _RECEIPT_KEYS_AFTER_SIG: Final = ("time_ms", "tokens")
 
 
-def signature_problem(cr: CountersignedReceipt, body: bytes) -> str | None:
-    """The reason both signatures do not verify over ``body`` (canonical receipt body), or None."""
+def signature_problem(cr: SubmittedReceipt, body: bytes) -> str | None:
+    """The reason both signatures do not verify over ``body`` (canonical receipt body), or None.
+    A batched receipt: its body must be the leaf its path names under its statement's root
+    (``bad_batch_proof``), and the statement's two signatures must verify (checked once per
+    statement while it is recent: a batch's receipts share it)."""
+    if isinstance(cr, BatchedReceipt):
+        if not batch_proof_holds(cr, body):
+            return Reason.BAD_BATCH_PROOF
+        return _statement_problem(cr.statement, cr.client_sig)
     r = cr.receipt
     try:
         server_key = public_key_from_peer_id(r.server)
@@ -171,6 +193,13 @@ def signature_problem(cr: CountersignedReceipt, body: bytes) -> str | None:
     if not verify(client_key, SignatureKind.RECEIPT_COUNTERSIGN, body + r.sig, cr.client_sig):
         return Reason.BAD_CLIENT_SIGNATURE
     return None
+
+
+@lru_cache(maxsize=1024)
+def _statement_problem(statement: BatchStatement, client_sig: bytes) -> str | None:
+    problem = statement_problem(statement, client_sig)
+    return {"malformed": Reason.MALFORMED, "bad_server_signature": Reason.BAD_SERVER_SIGNATURE,
+            "bad_client_signature": Reason.BAD_CLIENT_SIGNATURE, None: None}[problem]
 
 
 def content_problem(r: Receipt, shapes: Mapping[str, ModelShape], *,
@@ -204,15 +233,16 @@ def content_problem(r: Receipt, shapes: Mapping[str, ModelShape], *,
     return None
 
 
-def prepare(item: bytes | CountersignedReceipt, shapes: Mapping[str, ModelShape]) -> Prepared | Refused:
+def prepare(item: bytes | SubmittedReceipt, shapes: Mapping[str, ModelShape]) -> Prepared | Refused:
     """Decode (if bytes), check both signatures and the FLOPs bound, precompute the hashes."""
     if isinstance(item, bytes):
         try:
             cr = decode(item)
         except ProtocolError as e:
             return Refused("rejected", Reason.MALFORMED, str(e))
-        if not isinstance(cr, CountersignedReceipt):
-            return Refused("rejected", Reason.MALFORMED, f"expected a countersigned_receipt, got {cr.TYPE}")
+        if not isinstance(cr, (CountersignedReceipt, BatchedReceipt)):
+            return Refused("rejected", Reason.MALFORMED,
+                           f"expected a countersigned_receipt or a batched_receipt, got {cr.TYPE}")
     else:
         cr = item
     try:

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import or_, select
 
 from moeswarm._keys import load_key_file
-from moeswarm.protocol import CountersignedReceipt, Identity, decode, peer_id_to_str
+from moeswarm.protocol import BatchedReceipt, CountersignedReceipt, Identity, decode, peer_id_to_str
 
 from ._store import ENTRIES, Ledger
 
@@ -66,7 +66,7 @@ def list_receipts(ledger: Ledger, *, peer: bytes | None = None, model: str | Non
     out = []
     for r in rows:
         cr = decode(r.record)
-        experts = cr.receipt.experts if isinstance(cr, CountersignedReceipt) else ()
+        experts = cr.receipt.experts if isinstance(cr, (CountersignedReceipt, BatchedReceipt)) else ()
         out.append(ReceiptRow(r.position, r.receipt_id, r.epoch, r.received_ms, r.client, r.server, r.model_id,
                               r.layer, experts, r.tokens, r.pairs, r.expert_flops, r.time_ms, r.seq))
     return out

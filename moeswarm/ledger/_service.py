@@ -1,6 +1,6 @@
 """The ingestion service: an aiohttp HTTP server in front of a ``Ledger``.
 
-    POST /v1/receipts          body: msgpack {"receipts": [bin, ...]}, each a countersigned_receipt
+    POST /v1/receipts          body: msgpack {"receipts": [bin, ...]}, each a countersigned_receipt or (v1.3) batched_receipt
                                frame body; answer (JSON, after the commit): {"results": [...], "head": n}
     GET  /v1/accounts/{peer}   a peer's standing (JSON): {"peer", "balance", "paid", "receipts", "funded"};
                                ``?since_ms=`` counts paid calls from then (a node's ``--require-funded``)

@@ -15,6 +15,7 @@ from sqlalchemy import func, insert, select, update
 
 from moeswarm.errors import ConfigError
 from moeswarm.protocol import (
+    BatchedReceipt,
     CountersignedReceipt,
     decode,
     peer_id_from_str,
@@ -146,7 +147,7 @@ def check_proof(proof: Proof, *, ledger_key: bytes | None = None) -> str | None:
         cr = decode(proof.record)
     except Exception as e:  # noqa: BLE001 - any decoding failure is a bad proof
         return f"record does not decode: {e}"
-    if not isinstance(cr, CountersignedReceipt) or receipt_id(cr.receipt) != proof.receipt_id:
+    if not isinstance(cr, (CountersignedReceipt, BatchedReceipt)) or receipt_id(cr.receipt) != proof.receipt_id:
         return "record is not the receipt the proof names"
     if not verify_inclusion(leaf_hash(proof.record), proof.leaf_index, proof.tree_size, proof.path,
                             proof.merkle_root):

@@ -26,6 +26,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from moeswarm.errors import ConfigError
 from moeswarm.protocol import (
+    BatchedReceipt,
     CountersignedReceipt,
     Identity,
     Receipt,
@@ -253,7 +254,7 @@ class Ledger:
 
     # ------------------------------------------------------------------ ingest
 
-    def prepare(self, items: Sequence[bytes | CountersignedReceipt]) -> list[Prepared | Refused]:
+    def prepare(self, items: Sequence[bytes | CountersignedReceipt | BatchedReceipt]) -> list[Prepared | Refused]:
         """Decode and check signatures and FLOPs (CPU only, no database, no lock)."""
         shapes = self._shapes
         threads = min(self.config.verify_threads, len(items) // 64)
@@ -272,7 +273,7 @@ class Ledger:
                    else p for item, p in zip(items, out)]
         return out
 
-    def ingest(self, items: Sequence[bytes | CountersignedReceipt]) -> list[IngestResult]:
+    def ingest(self, items: Sequence[bytes | CountersignedReceipt | BatchedReceipt]) -> list[IngestResult]:
         """Append a batch in one transaction; one result per item, in order, after the commit."""
         if len(items) > self.config.max_batch:
             raise ConfigError(f"a batch holds at most {self.config.max_batch} receipts, not {len(items)}")

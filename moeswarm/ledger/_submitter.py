@@ -30,7 +30,7 @@ import aiohttp
 import msgpack
 
 from moeswarm.errors import ConfigError
-from moeswarm.protocol import CountersignedReceipt, encode
+from moeswarm.protocol import BatchedReceipt, CountersignedReceipt, encode
 
 from .._tasks import cancel_and_wait
 from ._ingest import IngestResult
@@ -80,7 +80,7 @@ class ReceiptSubmitter:
 
     # ------------------------------------------------------------------ the sink
 
-    def __call__(self, receipt: CountersignedReceipt) -> None:
+    def __call__(self, receipt: CountersignedReceipt | BatchedReceipt) -> None:
         """Queue one countersigned receipt; returns at once (from any thread)."""
         data = encode(receipt)
         if self._closed:  # after aclose (e.g. a backbone settling its last receipts): straight to disk

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import Row, select
 
 from moeswarm.errors import ProtocolError
-from moeswarm.protocol import CountersignedReceipt, decode
+from moeswarm.protocol import BatchedReceipt, CountersignedReceipt, decode
 
 from ._accounts import accounts_problem
 from ._chain import (
@@ -81,8 +81,8 @@ def check_entry(row: Row[Any], *, position: int, prev_hash: bytes, prev_received
         cr = decode(row.record)
     except ProtocolError as e:
         return f"record is not a valid countersigned receipt: {e}"
-    if not isinstance(cr, CountersignedReceipt):
-        return "record is not a countersigned receipt"
+    if not isinstance(cr, (CountersignedReceipt, BatchedReceipt)):
+        return "record is not a countersigned or batched receipt"
     body, record = encode_record(cr)
     if record != row.record:
         return "record is not a canonical countersigned receipt"

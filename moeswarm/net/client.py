@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .._tasks import cancel_and_wait
@@ -37,6 +38,8 @@ from ..protocol import (
     Identity,
     Ping,
     Pong,
+    ReceiptBatch,
+    SUPPORTED_VERSIONS,
     WeightsRequest,
     WeightsResponse,
     decode,
@@ -53,13 +56,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BatchHandler = Callable[[bytes, ReceiptBatch], None]
+"""Told every ``receipt_batch`` a server sends (v1.3): (the server's peer ID, the batch)."""
+
+
 class ExpertClient:
-    """One authenticated connection to an expert server; calls are multiplexed by request id."""
+    """One authenticated connection to an expert server; calls are multiplexed by request id.
+
+    ``version`` is the protocol version the handshake chose: from 2 (v1.3) on, answers may come
+    without a receipt, and the server's ``receipt_batch``es go to ``on_batch``."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server_peer: bytes,
-                 max_frame: int) -> None:
+                 max_frame: int, version: int = 1, on_batch: BatchHandler | None = None) -> None:
         self.reader, self.writer = reader, writer
         self.server_peer = server_peer
+        self.version = version
+        self.on_batch = on_batch
         self.max_frame = max_frame
         self._pending: dict[bytes, asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse]] = {}
         self._pings: dict[int, asyncio.Future[float]] = {}
@@ -69,7 +81,9 @@ class ExpertClient:
 
     @classmethod
     async def connect(cls, endpoint: str, identity: Identity, *, expected_peer: bytes | None = None,
-                      timeout: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME) -> "ExpertClient":
+                      timeout: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME,
+                      versions: Sequence[int] = SUPPORTED_VERSIONS, on_batch: BatchHandler | None = None,
+                      ) -> "ExpertClient":
         # --- begin relay dispatch (issue 5): relay+wss:// endpoints are dialled through the relay,
         # whose WebSocket carries the same frames; channel binding is empty (no TLS to the device).
         if endpoint.startswith(("relay+wss://", "relay+ws://")):
@@ -88,20 +102,22 @@ class ExpertClient:
                 raise Unreachable(f"cannot connect to {endpoint}: {e}") from None
         try:
             async with asyncio.timeout(timeout):
-                server_peer = await cls._handshake(reader, writer, identity, expected_peer, max_frame)
+                server_peer, version = await cls._handshake(reader, writer, identity, expected_peer, max_frame,
+                                                            versions)
         except BaseException as e:
             writer.transport.abort()  # no TLS goodbye for a connection that never worked
             if isinstance(e, TimeoutError):
                 raise Timeout(f"handshake with {endpoint} timed out") from None
             raise
-        return cls(reader, writer, server_peer, max_frame)
+        return cls(reader, writer, server_peer, max_frame, version, on_batch)
 
     @staticmethod
     async def _handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, identity: Identity,
-                         expected: bytes | None, max_frame: int) -> bytes:
+                         expected: bytes | None, max_frame: int, versions: Sequence[int]) -> tuple[bytes, int]:
         ssl_obj = writer.get_extra_info("ssl_object")
         cert = ssl_obj.getpeercert(binary_form=True) if ssl_obj is not None else None
-        hs = ClientHandshake(identity, expected_server=expected, channel_binding=channel_binding(cert))
+        hs = ClientHandshake(identity, expected_server=expected, channel_binding=channel_binding(cert),
+                             versions=versions)
         await write_message(writer, hs.hello, max_size=max_frame)
         ack = await read_message(reader, max_size=min(max_frame, MAX_HANDSHAKE_FRAME))  # the server is a stranger yet
         if isinstance(ack, Error):
@@ -109,14 +125,18 @@ class ExpertClient:
         if not isinstance(ack, HelloAck):
             raise ProtocolError("expected HelloAck", code=ErrorCode.UNEXPECTED_MESSAGE)
         await write_message(writer, hs.receive_ack(ack), max_size=max_frame)
-        assert hs.server_peer is not None
-        return hs.server_peer
+        assert hs.server_peer is not None and hs.version is not None
+        return hs.server_peer, hs.version
 
     @property
     def closed(self) -> bool:
         return self._closed is not None
 
     async def call(self, request: ExpertRequest, timeout: float) -> ExpertResponse:
+        """The answer to ``request``. Its receipt is in it unless this is a v1.3 connection whose
+        ``on_batch`` takes receipt batches and the request did not ask for it (``signed``)."""
+        if self.on_batch is None and self.version >= 2 and not request.signed:
+            request = dataclasses.replace(request, signed=True)  # nobody here would take a batch
         response = await self._request(request, timeout, "expert call")
         if not isinstance(response, ExpertResponse):
             raise ProtocolError("a weights_response answered an expert_request", code=ErrorCode.UNEXPECTED_MESSAGE)
@@ -198,6 +218,11 @@ class ExpertClient:
                         fut.set_exception(err)
                     elif msg.code in FATAL_CODES:
                         raise err
+                elif isinstance(msg, ReceiptBatch) and self.version >= 2:
+                    if msg.statement.server != self.server_peer:
+                        raise ProtocolError("a receipt batch names another server", code=ErrorCode.AUTH_FAILED)
+                    if self.on_batch is not None:
+                        self.on_batch(self.server_peer, msg)
                 elif isinstance(msg, Pong):
                     pf = self._pings.get(msg.ts)
                     if pf is not None and not pf.done():
@@ -233,8 +258,11 @@ class Connections:
     replaced when it breaks; once closed, it opens none (a dial that finishes after ``aclose`` is
     dropped at once: nobody would close it, and its socket would outlive the event loop)."""
 
-    def __init__(self, identity: Identity) -> None:
+    def __init__(self, identity: Identity, *, versions: Sequence[int] = SUPPORTED_VERSIONS,
+                 on_batch: BatchHandler | None = None) -> None:
         self.identity = identity
+        self.versions = tuple(versions)  # offered in every handshake ((1,): a v1.2 client)
+        self.on_batch = on_batch  # v1.3: told every receipt batch of every connection
         self._clients: dict[bytes, ExpertClient] = {}
         self._locks: dict[bytes, asyncio.Lock] = {}
         self._closed = False
@@ -257,7 +285,8 @@ class Connections:
                     raise Unreachable("these connections are closed")
                 try:
                     client = await ExpertClient.connect(endpoint, self.identity, expected_peer=holder.peer_id,
-                                                        timeout=timeout)
+                                                        timeout=timeout, versions=self.versions,
+                                                        on_batch=self.on_batch)
                 except (NetworkError, ProtocolError, ConfigError) as e:
                     error = e
                     continue
@@ -267,6 +296,9 @@ class Connections:
                 self._clients[holder.peer_id] = client
                 return client
             raise error or NetworkError("holder announced no endpoint")
+
+    def open_clients(self) -> list[ExpertClient]:
+        return [c for c in self._clients.values() if not c.closed]
 
     def is_open(self, peer: bytes) -> bool:
         """Whether a connection to ``peer`` was opened earlier (it may have died since)."""

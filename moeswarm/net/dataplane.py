@@ -3,7 +3,10 @@ Ed25519 handshake of ``moeswarm.protocol``.
 
 ``DataPlaneServer`` accepts connections, runs the handshake, then answers ``ExpertRequest``s
 and ``WeightsRequest``s (concurrently, through handlers), ``Ping``s (link probes too) and ``ConfigRequest``s (the
-config.json of a model served here, for the swarm catalogue).  A bad frame gets an ``Error`` with the
+config.json of a model served here, for the swarm catalogue).  On a connection of version 2
+(v1.3) expert requests go to the ``batched_handler``, whose answers carry no receipt, and the
+``receipts`` source's ``receipt_batch``es are sent on the client's connections (and before any
+``pong``, so a ping tells a client its receipts are all in).  A bad frame gets an ``Error`` with the
 spec's code; after a fatal code the connection is closed, otherwise it keeps going; the server
 keeps serving other connections either way.  ``ExpertClient`` is one authenticated,
 multiplexed connection: many calls in flight, answered by ``request_id``.
@@ -24,6 +27,7 @@ from urllib.parse import urlsplit
 
 from ..errors import ConfigError, NetworkError, ProtocolError
 from ..protocol import (
+    BATCHED_RECEIPTS_VERSION,
     DEFAULT_MAX_FRAME,
     FATAL_CODES,
     MAX_HANDSHAKE_FRAME,
@@ -38,7 +42,9 @@ from ..protocol import (
     Identity,
     Ping,
     Pong,
+    ReceiptBatch,
     ServerHandshake,
+    SUPPORTED_VERSIONS,
     WeightsRequest,
     WeightsResponse,
     decode,
@@ -52,11 +58,14 @@ from .addresses import address_key
 from .tls import channel_binding, self_signed_server_context
 
 if TYPE_CHECKING:
-    pass
+    from .expert_service import ExpertService
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, ExpertRequest], Awaitable[ExpertResponse]]
+BatchedHandler = Callable[[bytes, ExpertRequest, object], Awaitable[ExpertResponse]]
+"""v1.3: (client, request, channel): the answer without a receipt, which follows in a
+``receipt_batch`` on ``channel`` (the connection, handed back to ``DataPlaneServer.send_batch``)."""
 WeightsHandler = Callable[[bytes, WeightsRequest], Awaitable[WeightsResponse]]
 HANDSHAKE_TIMEOUT_S = 10.0
 
@@ -82,6 +91,7 @@ class ServerConfig:
     frame_timeout_s: float = 10.0  # once a frame's header arrived, its body must follow within this ...
     min_frame_bps: float = 1e6  # ... plus its length at this many bytes per second
     idle_timeout_s: float = 300.0  # a connection with no frame from the peer and nothing in flight is closed
+    versions: tuple[int, ...] = SUPPORTED_VERSIONS  # protocol versions spoken ((1,): a v1.2 server)
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "max_connections", "max_conns_per_ip", "max_conns_per_peer"):
@@ -99,10 +109,15 @@ class ServerConfig:
 
 class DataPlaneServer:
     def __init__(self, identity: Identity, handler: Handler, config: ServerConfig = ServerConfig(),
-                 weights_handler: WeightsHandler | None = None, configs: Mapping[str, bytes] | None = None) -> None:
+                 weights_handler: WeightsHandler | None = None, configs: Mapping[str, bytes] | None = None,
+                 *, batched_handler: BatchedHandler | None = None, receipts: "ExpertService | None" = None) -> None:
         self.identity = identity
         self.configs = dict(configs or {})  # model id -> the config bytes its id hashes (config_request)
         self.handler = handler
+        self.batched_handler = batched_handler  # v1.3 connections: answers without receipts (None: handler)
+        self.receipts = receipts  # v1.3: whose receipt batches go to clients (its batch_sink is set here)
+        if receipts is not None:
+            receipts.batch_sink = self.send_batch
         self.weights_handler = weights_handler  # None: weight fetches get UNKNOWN_EXPERT
         self.config = config
         self._ssl: ssl.SSLContext | None = None
@@ -210,6 +225,16 @@ class DataPlaneServer:
         if left:
             self._per_peer[peer] = left
 
+    async def send_batch(self, channel: object, batch: ReceiptBatch) -> bool:
+        """Send a receipt batch on the connection ``channel``; False if it is gone."""
+        if not isinstance(channel, _ServerConnection) or channel.closed:
+            return False
+        try:
+            await channel.send(batch)
+            return True
+        except (NetworkError, ConfigError, ConnectionError, OSError):
+            return False
+
 
 class _ServerConnection:
     def __init__(self, server: DataPlaneServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -217,6 +242,8 @@ class _ServerConnection:
         self.reader, self.writer = reader, writer
         self.write_lock = asyncio.Lock()
         self.in_flight: set[asyncio.Task[None]] = set()
+        self.version = 0  # negotiated in the handshake
+        self.closed = False
 
     async def send(self, msg: object) -> None:
         async with self.write_lock:
@@ -246,6 +273,9 @@ class _ServerConnection:
         try:
             await self._serve(client)
         finally:
+            self.closed = True
+            if self.server.receipts is not None:
+                self.server.receipts.forget(self)
             self.server._release_peer(client)
             for task in self.in_flight:
                 task.cancel()
@@ -273,7 +303,7 @@ class _ServerConnection:
 
     async def _handshake(self) -> bytes | None:
         binding = channel_binding(self.server._cert)
-        hs = ServerHandshake(self.server.identity, channel_binding=binding)
+        hs = ServerHandshake(self.server.identity, channel_binding=binding, versions=self.server.config.versions)
         # nothing a peer sends before it authenticated may be larger than a hello needs
         body = await self._read(MAX_HANDSHAKE_FRAME, None)
         if body is None:
@@ -288,7 +318,9 @@ class _ServerConnection:
         auth = decode(body)
         if not isinstance(auth, Auth):
             raise ProtocolError("expected Auth", code=ErrorCode.UNEXPECTED_MESSAGE)
-        return hs.receive_auth(auth)
+        client = hs.receive_auth(auth)
+        self.version = hs.version or 0
+        return client
 
     async def _serve(self, client: bytes) -> None:
         config = self.server.config
@@ -314,10 +346,14 @@ class _ServerConnection:
                 if len(self.in_flight) >= self.server.config.max_in_flight:
                     await self.send(Error(ErrorCode.OVERLOADED, "too many requests in flight", msg.request_id))
                     continue
-                task = asyncio.create_task(self._answer(client, msg))
+                task = asyncio.create_task(self._answer(client, msg, self.version >= BATCHED_RECEIPTS_VERSION))
                 self.in_flight.add(task)
                 task.add_done_callback(self.in_flight.discard)
             elif isinstance(msg, Ping):
+                if self.version >= BATCHED_RECEIPTS_VERSION and self.server.receipts is not None:
+                    await asyncio.sleep(0)  # answers already computed are sent before their receipts
+                    for batch in self.server.receipts.flush(self):  # v1.3: receipts first, then the pong
+                        await self.send(batch)
                 await self.send(Pong(msg.ts, bytes(msg.want)))
             elif isinstance(msg, ConfigRequest):
                 held = self.server.configs.get(msg.model_id)
@@ -329,12 +365,14 @@ class _ServerConnection:
                 await self.send(Error(ErrorCode.UNEXPECTED_MESSAGE, f"unexpected {type(msg).__name__}"))
                 return
 
-    async def _answer(self, client: bytes, request: ExpertRequest | WeightsRequest) -> None:
+    async def _answer(self, client: bytes, request: ExpertRequest | WeightsRequest, batched: bool) -> None:
         try:
             if isinstance(request, WeightsRequest):
                 if self.server.weights_handler is None:
                     raise ProtocolError("this server does not hand out weights", code=ErrorCode.UNKNOWN_EXPERT)
                 reply: object = await self.server.weights_handler(client, request)
+            elif batched and self.server.batched_handler is not None:
+                reply = await self.server.batched_handler(client, request, self)
             else:
                 reply = await self.server.handler(client, request)
         except ProtocolError as e:

@@ -123,6 +123,8 @@ class OutputEvidence:
         responses = tuple(decode(_bin(r)) for r in f.array("responses", lo=2, hi=1 + MAX_WITNESSES))
         if not isinstance(request, ExpertRequest) or not all(isinstance(r, ExpertResponse) for r in responses):
             bad("output_evidence must hold an expert_request and expert_responses")
+        if any(r.receipt is None for r in responses):  # type: ignore[union-attr]
+            bad("every response of output_evidence must carry its signed receipt")
         return cls(model_id, accused, reporter, f.uint("detected_ms"), request, responses,  # type: ignore[arg-type]
                    f.bin("sig", size=64))
 

@@ -8,13 +8,20 @@ Requests that arrive while a batch is computing wait in a queue; the worker then
 requests at once and hands them to the backend together, so concurrent backbones share one matmul
 per expert.  Large batches compute in a worker thread; the event loop only decodes, queues and
 answers.
+
+On a v1.3 connection (``handle_batched``) the answer goes out without a receipt: once it is sent,
+the receipt's body (its two hashes) is made on the event loop, and the client's receipts are
+signed together in a ``receipt_batch`` (``flush``) sent on the connection the calls came on: one
+signature for up to ``batch_receipts`` calls, at most ``batch_interval_s`` after the first of
+them, or before a ``pong`` (the data plane's ``receipts`` hook).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,8 +30,11 @@ import numpy as np
 from .._tasks import cancel_and_wait
 from ..errors import ProtocolError
 from ..protocol import (
-    DEFAULT_MAX_FRAME, ErrorCode, ExpertRequest, ExpertResponse, Identity, expert_call_flops, make_receipt,
+    DEFAULT_MAX_FRAME, MAX_BATCH_RECEIPTS, ErrorCode, ExpertRequest, ExpertResponse, Identity, Receipt, ReceiptBatch,
+    expert_call_flops, make_receipt, sign_batch,
 )
+
+log = logging.getLogger(__name__)
 
 RESPONSE_OVERHEAD = 1024
 """Bytes of an expert_response besides its outputs and its receipt's expert list."""
@@ -51,6 +61,8 @@ class ExpertServerConfig:
     inline_macs: int = 4_000_000  # batches smaller than this many multiply-adds run on the event loop
     f32_cache_bytes: int = 512 << 20  # numpy backend: float32 copies of fp16/bf16 experts kept between calls
     max_response_bytes: int = DEFAULT_MAX_FRAME  # largest frame the answer may take (the client's limit)
+    batch_receipts: int = 256  # v1.3: a client's receipts signed together once this many wait ...
+    batch_interval_s: float = 0.2  # ... or this long after the first of them
 
 
 @dataclass
@@ -60,6 +72,7 @@ class Job:
     future: asyncio.Future[ExpertResponse]
     held: Mapping[int, Any]  # the layer's experts when the request was accepted (backend's own objects)
     arrived: float = field(default_factory=time.monotonic)
+    channel: object = None  # v1.3: the connection whose receipt_batch carries this call's receipt (None: signed inline)
 
 
 class ExpertService:
@@ -74,6 +87,12 @@ class ExpertService:
         self.pairs_served = 0
         self.requests_served = 0
         self._rate = 0.0  # (expert, token) pairs per second of compute, smoothed
+        self._to_receipt: list[tuple[Job, np.ndarray, int, int]] = []  # answered, receipt body not yet made
+        self._unbatched: dict[object, tuple[bytes, list[Receipt]]] = {}  # channel -> (client, receipts not batched)
+        self._batch_timer: asyncio.TimerHandle | None = None
+        self.batch_sink: Callable[[object, ReceiptBatch], Awaitable[bool]] | None = None  # sends a batch on a channel
+        self.batches_signed = 0
+        self.receipts_dropped = 0  # receipts not sent: their channel closed first
 
     @property
     def load_permille(self) -> int:
@@ -87,6 +106,8 @@ class ExpertService:
         self._worker = asyncio.create_task(self._work())
 
     async def aclose(self) -> None:
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
         if self._worker is not None:
             await cancel_and_wait(self._worker)
         while not self._queue.empty():
@@ -134,10 +155,20 @@ class ExpertService:
                                 f"{self.config.max_response_bytes} bytes", code=ErrorCode.BAD_FIELD)
 
     async def handle(self, client: bytes, request: ExpertRequest) -> ExpertResponse:
+        """The answer with its signed receipt (v1.2, or a v1.3 request with ``signed``)."""
+        return await self._handle(client, request, None)
+
+    async def handle_batched(self, client: bytes, request: ExpertRequest, channel: object) -> ExpertResponse:
+        """v1.3: the answer without a receipt (unless ``request.signed``); the receipt follows in a
+        ``receipt_batch`` sent on ``channel`` (the connection the request came on: ``batch_sink``)."""
+        return await self._handle(client, request, None if request.signed else channel)
+
+    async def _handle(self, client: bytes, request: ExpertRequest, channel: object) -> ExpertResponse:
         self.validate(request)
         if self._queue.qsize() >= self.config.max_queue:
             raise ProtocolError("expert queue is full", code=ErrorCode.OVERLOADED)
-        job = Job(client, request, asyncio.get_running_loop().create_future(), self._experts(request.layer))
+        job = Job(client, request, asyncio.get_running_loop().create_future(), self._experts(request.layer),
+                  channel=channel)
         self._queue.put_nowait(job)
         return await job.future
 
@@ -174,6 +205,7 @@ class ExpertService:
             self._rate = 0.8 * self._rate + 0.2 * (pairs / max(seconds, 1e-6)) if self._rate else pairs / max(seconds, 1e-6)
             self.pairs_served += pairs
             self.requests_served += len(live)
+            now_ms = int(time.time() * 1000)
             for job, response in zip(live, responses):
                 if job.future.done():
                     continue
@@ -181,6 +213,61 @@ class ExpertService:
                     job.future.set_exception(response)
                 else:
                     job.future.set_result(response)
+                    if response.receipt is None:
+                        self._to_receipt.append((job, response.outputs, self._flops(job.request), now_ms))
+            if self._to_receipt:  # after the answers: their tasks send them first
+                asyncio.get_running_loop().call_soon(self._make_receipts)
+
+    # ------------------------------------------------------------------ v1.3 receipt batches
+
+    def _make_receipts(self) -> None:
+        """The receipt bodies of calls answered without one (two hashes each), queued per channel."""
+        made, self._to_receipt = self._to_receipt, []
+        for job, out, flops, now_ms in made:
+            receipt = make_receipt(self.identity, job.request, out, client=job.client, expert_flops=flops,
+                                   time_ms=now_ms, sign=False)
+            waiting = self._unbatched.setdefault(job.channel, (job.client, []))[1]
+            waiting.append(receipt)
+            if len(waiting) >= self.config.batch_receipts:
+                self._send(job.channel)
+        if self._unbatched and self._batch_timer is None:
+            self._batch_timer = asyncio.get_running_loop().call_later(self.config.batch_interval_s, self._send_all)
+
+    def flush(self, channel: object) -> list[ReceiptBatch]:
+        """Sign every receipt waiting for ``channel`` now (at most ``MAX_BATCH_RECEIPTS`` a batch)."""
+        if self._to_receipt:
+            self._make_receipts()
+        client, waiting = self._unbatched.pop(channel, (b"", []))
+        batches = []
+        for i in range(0, len(waiting), MAX_BATCH_RECEIPTS):
+            batches.append(sign_batch(self.identity, client, waiting[i : i + MAX_BATCH_RECEIPTS]))
+            self.batches_signed += 1
+        return batches
+
+    def forget(self, channel: object) -> None:
+        """The channel closed: the receipts not yet sent on it are dropped (counted)."""
+        self.receipts_dropped += len(self._unbatched.pop(channel, (b"", []))[1])
+
+    def _send_all(self) -> None:
+        self._batch_timer = None
+        for channel in list(self._unbatched):
+            self._send(channel)
+
+    def _send(self, channel: object) -> None:
+        if self.batch_sink is None or channel not in self._unbatched:
+            return
+        task = asyncio.ensure_future(self._deliver(channel, self.flush(channel)))
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    async def _deliver(self, channel: object, batches: list[ReceiptBatch]) -> None:
+        assert self.batch_sink is not None
+        for batch in batches:
+            if not await self.batch_sink(channel, batch):  # the channel closed meanwhile
+                self.receipts_dropped += len(batch.receipts)
+
+    def _flops(self, request: ExpertRequest) -> int:
+        return sum(expert_call_flops(self.cfg.hidden_size, self.cfg.moe_intermediate_size, len(e.rows))
+                   for e in request.experts)
 
     def _respond(self, jobs: Sequence[Job], outputs: list[np.ndarray],
                  t0: float) -> list[ExpertResponse | ProtocolError]:
@@ -199,8 +286,10 @@ class ExpertService:
                 responses.append(ProtocolError(f"the outputs overflow {req.hidden.dtype} (hidden states too large)",
                                                code=ErrorCode.NON_FINITE))
                 continue
-            flops = sum(expert_call_flops(self.cfg.hidden_size, self.cfg.moe_intermediate_size, len(e.rows))
-                        for e in req.experts)
-            receipt = make_receipt(self.identity, req, out, client=job.client, expert_flops=flops, time_ms=now_ms)
+            if job.channel is not None:  # v1.3: the receipt is made once the answer is sent (``_work``), signed in a batch
+                responses.append(ExpertResponse(req.request_id, out, None, compute_us, self.load_permille))
+                continue
+            receipt = make_receipt(self.identity, req, out, client=job.client, expert_flops=self._flops(req),
+                                   time_ms=now_ms)
             responses.append(ExpertResponse(req.request_id, out, receipt, compute_us, self.load_permille))
         return responses

@@ -102,12 +102,15 @@ def swarm_config(model_dir: str, bootstrap: tuple[str, ...], host: str, announce
 @click.option("--idle-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               metavar="SECONDS", help="Data plane: close a connection that sent nothing this long with no "
                                       "request in flight.")
+@click.option("--protocol-versions", default="1,2", show_default=True, metavar="N[,N]",
+              help="Data plane: the protocol versions offered, ascending. 2 (spec v1.3) signs receipts in batches, "
+                   "off the answer's path; '1' answers every call with its own signed receipt, as v1.2 nodes do.")
 @friendly_errors
 def node(layers: str | None, experts: str | None, capacity: str | None, device_class: str, max_blocks: int,
          rebalance_interval: float, data_port: int, announce_port: int | None, memory_budget: str | None,
          status: str, probe_interval: float, no_weight_fetches: bool, require_funded: str | None,
          market_ledger: str | None, max_connections: int, max_conns_per_ip: int, max_conns_per_peer: int,
-         frame_timeout: float, idle_timeout: float, **swarm: object) -> None:
+         frame_timeout: float, idle_timeout: float, protocol_versions: str, **swarm: object) -> None:
     """Volunteer a share of a model's experts to the swarm.
 
     Loads only the chosen experts (memory-mapped), serves them over TLS, and announces them in
@@ -143,7 +146,8 @@ def node(layers: str | None, experts: str | None, capacity: str | None, device_c
                         serve_weights=not no_weight_fetches, require_funded=require_funded,
                         market_ledger=market_ledger, max_connections=max_connections,
                         max_conns_per_ip=max_conns_per_ip, max_conns_per_peer=max_conns_per_peer,
-                        frame_timeout_s=frame_timeout, idle_timeout_s=idle_timeout)
+                        frame_timeout_s=frame_timeout, idle_timeout_s=idle_timeout,
+                        protocol_versions=parse_versions(protocol_versions))
     check_listen(config.swarm.host, data_port, "--port")
     if config.status is not None:
         check_listen(*config.status, "--status")
@@ -261,6 +265,20 @@ def backbone(http: str, local_fallback: bool, coverage_timeout: float, ledger_ur
     check_listen(*config.http, "--http")
     check_listen(config.swarm.host, config.swarm.p2p_port, "--p2p-port")
     run_daemon(run_backbone(config))
+
+
+def parse_versions(text: str) -> tuple[int, ...]:
+    """``--protocol-versions``: "1,2" -> (1, 2), each one this build speaks, ascending."""
+    from ..protocol import SUPPORTED_VERSIONS
+
+    try:
+        versions = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of versions", param_hint="--protocol-versions")
+    if not versions or list(versions) != sorted(set(versions)) or not set(versions) <= set(SUPPORTED_VERSIONS):
+        raise click.BadParameter(f"give versions from {list(SUPPORTED_VERSIONS)}, ascending, not {text!r}",
+                                 param_hint="--protocol-versions")
+    return versions
 
 
 @click.command("status")

@@ -43,6 +43,7 @@ class NodeConfig:
     max_conns_per_peer: int = 4  # ... by one authenticated peer
     frame_timeout_s: float = 10.0  # ... a frame's body must arrive within this plus 1 s per MB once its header did
     idle_timeout_s: float = 300.0  # ... a connection silent this long with nothing in flight is closed
+    protocol_versions: tuple[int, ...] = (1, 2)  # ... versions offered ((1,): every answer carries its signed receipt)
 
     def __post_init__(self) -> None:
         from ..protocol import MAX_BLOCKS

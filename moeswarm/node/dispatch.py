@@ -7,6 +7,11 @@ holder, sends one request per holder in parallel, checks and countersigns every 
 retries failed experts on other replicas, optionally falls back to the local memory-mapped
 checkpoint, and otherwise fails with an error that names the missing experts.  Outputs are
 combined in slot order, the same on every run.
+
+Receipts are settled off the token path (``settle_receipts``, between steps). On a v1.3
+connection the answers come without receipts and the server signs them in batches: each
+batch's receipts are checked against the calls they name, its statement is countersigned once,
+and every call's ``BatchedReceipt`` goes to the ledger sink.
 """
 
 from __future__ import annotations
@@ -31,15 +36,21 @@ from ..model import ExpertWeights, ModelConfig, Weights, expert_ffn
 from ..model.experts import F32Cache
 from ..net.client import Connections
 from ..net.routing_table import Holder, SwarmTable, plan_dispatch
+from .onloop import on_loop_greenlet, wait_on
 from ..protocol import (
+    SUPPORTED_VERSIONS,
+    BatchedReceipt,
     CountersignedReceipt,
     ErrorCode,
     ExpertRequest,
     ExpertResponse,
     ExpertRows,
     Identity,
+    ReceiptBatch,
+    check_receipt,
     check_response,
     countersign,
+    countersign_batch,
 )
 
 if TYPE_CHECKING:
@@ -65,10 +76,12 @@ class DispatchConfig:
     wire_dtype: str = "float32"  # hidden states on the wire: float32 (exact) or float16
     settle_idle_s: float = 0.05  # settle receipts after this long without a forward pass
     max_unsettled: int = 4096  # ... or as soon as this many are waiting
+    versions: tuple[int, ...] = SUPPORTED_VERSIONS  # protocol versions offered ((1,): receipts in every answer)
+    max_awaiting: int = 16384  # v1.3: calls kept waiting for their receipt batch (the oldest are dropped)
 
 
-ReceiptSink = Callable[[CountersignedReceipt], None]
-AuditHook = Callable[[ExpertRequest, np.ndarray, CountersignedReceipt], None]
+ReceiptSink = Callable[[CountersignedReceipt | BatchedReceipt], None]
+AuditHook = Callable[[ExpertRequest, np.ndarray, CountersignedReceipt | BatchedReceipt], None]
 """Offered every countersigned call: the request, the outputs as received (P, H), the receipt."""
 
 
@@ -78,6 +91,14 @@ class _Handle:
 
     def result(self) -> np.ndarray:
         return self._future.result()
+
+
+class _LoopHandle:
+    def __init__(self, task: asyncio.Task[np.ndarray]) -> None:
+        self._task = task
+
+    def result(self) -> np.ndarray:
+        return self._task.result() if self._task.done() else wait_on(self._task)
 
 
 class RemoteExperts:
@@ -99,18 +120,32 @@ class RemoteExperts:
         self.verifier: "Verifier | None" = None  # checks a sample of responses and chooses holders (verify.py)
         self._f32 = F32Cache(256 << 20)
         self.local_pairs = 0  # (token, expert) pairs computed here on the planner's word
-        self.connections = Connections(identity)
+        self.connections = Connections(identity, versions=config.versions, on_batch=self._batch_arrived)
         self._seq = itertools.count(int(time.time() * 1000) * 1000)  # never reused across restarts
         self.served_by: dict[bytes, set[tuple[int, int]]] = {}  # peer -> (layer, expert) it computed
         self.calls = 0
         self.fallbacks = 0
         self.bad_receipts = 0
         self._unchecked: deque[tuple[ExpertRequest, ExpertResponse, bytes]] = deque()
+        self._awaiting: dict[tuple[bytes, bytes], tuple[ExpertRequest, ExpertResponse]] = {}  # (peer, request id)
+        self._batches: deque[tuple[bytes, ReceiptBatch]] = deque()
+        self.batches_settled = 0
         self._idle_timer: asyncio.TimerHandle | None = None
 
-    def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> _Handle:
+    def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> _Handle | _LoopHandle:
+        """Start one MoE layer's dispatch. From a forward pass run on the loop by ``onloop.run_on_loop``
+        no thread is involved: the requests are sent (the forward yields to the loop until they
+        are) and ``result`` waits on the loop. From a worker thread: two thread hops."""
+        if on_loop_greenlet() and _on_loop(self.loop):
+            task = self.loop.create_task(self.dispatch(layer, x, ids, weights))
+            for _ in range(2):  # the dispatch starts, then its calls write their requests
+                if task.done():
+                    break
+                wait_on(asyncio.sleep(0))
+            return _LoopHandle(task)
         if _on_loop(self.loop):
-            raise ConfigError("run the model's forward pass in a worker thread, not on the event loop")
+            raise ConfigError("run the model's forward pass in a worker thread or with onloop.run_on_loop, "
+                              "not directly on the event loop")
         return _Handle(asyncio.run_coroutine_threadsafe(self.dispatch(layer, x, ids, weights), self.loop))
 
     async def dispatch(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -242,7 +277,7 @@ class RemoteExperts:
                           ) -> tuple[ExpertRequest, ExpertResponse]:
         """``request`` (with a new id and seq) to one holder, for checks: returns it and the response
         whose receipt was checked; with ``settle`` the receipt is countersigned like any other."""
-        sent = dataclasses.replace(request, request_id=os.urandom(16), seq=next(self._seq))
+        sent = dataclasses.replace(request, request_id=os.urandom(16), seq=next(self._seq), signed=True)
         response = await self._call_once_or_reconnect(self.table.holders[peer], sent)
         check_response(sent, response, client=self.identity.peer_id, server=peer)
         if settle:
@@ -257,6 +292,11 @@ class RemoteExperts:
         bad = 0
         while self._unchecked:
             request, response, peer = self._unchecked.popleft()
+            if response.receipt is None:  # v1.3: its receipt comes in a batch
+                self._awaiting[(peer, request.request_id)] = (request, response)
+                if len(self._awaiting) > self.config.max_awaiting:
+                    del self._awaiting[next(iter(self._awaiting))]
+                continue
             try:
                 receipt = check_response(request, response, client=self.identity.peer_id, server=peer)
             except BadResponse as e:
@@ -270,7 +310,50 @@ class RemoteExperts:
                 self.receipts(countersigned)
             if self.audit is not None:
                 self.audit(request, response.outputs, countersigned)
+        while self._batches:
+            bad += self._settle_batch(*self._batches.popleft())
         return bad
+
+    def _batch_arrived(self, peer: bytes, batch: ReceiptBatch) -> None:
+        self._batches.append((peer, batch))
+        self._settle_when_idle()
+
+    def _settle_batch(self, peer: bytes, batch: ReceiptBatch) -> int:
+        """Check every receipt of a batch against the call it names, then the batch's root and
+        signature; countersign it once and hand each call's ``BatchedReceipt`` over. Returns how
+        many receipts were refused (all of a batch that fails any check: its statement covers all)."""
+        calls: list[tuple[ExpertRequest, ExpertResponse]] = []
+        problem = ""
+        for r in batch.receipts:
+            held = self._awaiting.pop((peer, r.request_id), None)
+            if held is None:
+                problem = f"it names request {r.request_id.hex()}, not a call of ours awaiting a receipt"
+                break
+            try:
+                check_receipt(held[0], held[1].outputs, r, client=self.identity.peer_id, server=peer)
+            except BadResponse as e:
+                problem = str(e)
+                break
+            calls.append(held)
+        records: list[BatchedReceipt] = []
+        if not problem:
+            try:
+                records = countersign_batch(self.identity, batch)
+            except BadResponse as e:
+                problem = str(e)
+        if problem:
+            self.bad_receipts += len(batch.receipts)
+            log.warning("refusing a batch of %d receipts from %s: %s", len(batch.receipts), peer.hex()[-12:], problem)
+            if peer in self.table.holders:
+                self.table.holders[peer].fail(time.monotonic())
+            return len(batch.receipts)
+        self.batches_settled += 1
+        for (request, response), record in zip(calls, records):
+            if self.receipts is not None:
+                self.receipts(record)
+            if self.audit is not None:
+                self.audit(request, response.outputs, record)
+        return 0
 
     async def _call_once_or_reconnect(self, holder: Holder, request: ExpertRequest) -> ExpertResponse:
         """A connection that was already open may have died since its last use (a relay restarted,
@@ -278,13 +361,16 @@ class RemoteExperts:
         reused = self.connections.is_open(holder.peer_id)
         client = await self.connections.get(holder, self.config.timeout_s)
         try:
-            return await client.call(request, self.config.timeout_s)
+            response = await client.call(request, self.config.timeout_s)
         except NetworkError:
             if not reused:
                 raise
             await self.connections.drop(holder.peer_id)
             client = await self.connections.get(holder, self.config.timeout_s)
-            return await client.call(request, self.config.timeout_s)
+            response = await client.call(request, self.config.timeout_s)
+        if response.receipt is None and (client.version < 2 or request.signed):
+            raise BadResponse("the answer carries no receipt (it must: v1.2 connection, or asked for)")
+        return response
 
     def _compute_locally(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int], y: np.ndarray,
                          source: Callable[[int, int], ExpertWeights | None] | None = None) -> None:
@@ -303,20 +389,31 @@ class RemoteExperts:
         """After each forward pass: settle receipts once decoding pauses (checking and signing
         them costs ~0.2 ms each, which would otherwise sit on the next step's path), or at once
         when too many are pending."""
+        schedule = self.loop.call_soon if _on_loop(self.loop) else self.loop.call_soon_threadsafe
         if len(self._unchecked) >= self.config.max_unsettled:
-            self.loop.call_soon_threadsafe(self.settle_receipts)
+            schedule(self.settle_receipts)
         else:
-            self.loop.call_soon_threadsafe(self._settle_when_idle)
+            schedule(self._settle_when_idle)
 
     def _settle_when_idle(self) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
         self._idle_timer = self.loop.call_later(self.config.settle_idle_s, self.settle_receipts)
 
+    async def flush_receipts(self, timeout: float = 2.0) -> None:
+        """v1.3: ask every server for the receipts it has not batched yet (a ping: it sends them
+        before its pong), then settle them."""
+        for client in self.connections.open_clients():
+            if client.version >= 2:
+                with contextlib.suppress(NetworkError, ProtocolError):
+                    await client.ping(timeout)
+        self.settle_receipts()
+
     async def aclose(self) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
         self.settle_receipts()
+        await self.flush_receipts()
         await self.connections.aclose()
 
 

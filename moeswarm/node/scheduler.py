@@ -33,6 +33,7 @@ from ..errors import ConfigError
 from ..model import Model, SamplingParams, sample
 from ..model.batch import CachePool, Step, forward_batch, layer_specs
 from ..model.speculative import SpeculativeStats, verify
+from .onloop import run_on_loop
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class EngineConfig:
     max_waiting: int = 64  # requests waiting for a slot or cache beyond which new ones are refused (503)
     speculative: int = 0  # draft tokens verified per step and sequence (0: off)
     backlog: int = 8  # unread tokens after which a sequence sits out steps until its consumer catches up
+    on_loop_tokens: int = 64  # steps of at most this many new tokens run on the event loop (swarm executors)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "prefill_chunk", "kv_cache_bytes", "block_tokens", "max_waiting", "backlog"):
@@ -156,7 +158,7 @@ class BatchEngine:
                     self._cond.wait(0.05)  # everyone is backlogged, or waits for cache
                 continue
             try:
-                forward_batch(self.model, [s for s, _, _ in steps])
+                self._forward([s for s, _, _ in steps])
             except Exception as e:  # noqa: BLE001 - the step's sequences fail, the engine keeps serving
                 log.info("a batched step failed: %s", e)
                 for _, seq, _ in steps:
@@ -168,6 +170,16 @@ class BatchEngine:
                     self._advance(step, seq, draft)
                 except Exception as e:  # noqa: BLE001 - e.g. detokenizing: this sequence fails, the others go on
                     self._leave(seq, e)
+
+    def _forward(self, steps: list[Step]) -> None:
+        """One forward pass. A small one (decode: at most ``on_loop_tokens`` new tokens) through the
+        swarm runs on the event loop (``onloop.run_on_loop``): one thread hop for the step instead
+        of two per MoE layer; larger ones (prefill) here, so the loop is never blocked for long."""
+        loop = getattr(self.model.experts, "loop", None)
+        if loop is not None and sum(len(s.ids) for s in steps) <= self.config.on_loop_tokens:
+            asyncio.run_coroutine_threadsafe(run_on_loop(forward_batch, self.model, steps), loop).result()
+        else:
+            forward_batch(self.model, steps)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.waiting if s.cancelled]:

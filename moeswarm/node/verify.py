@@ -69,6 +69,10 @@ from ..protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+INLINE_MACS = 4_000_000
+"""Recomputations of at most this many multiply-adds run on the event loop: a thread hop costs
+more (the expert server's ``inline_macs`` rule)."""
 METHODS = ("auto", "local", "holders")
 
 
@@ -216,7 +220,7 @@ class Verifier:
             offset += len(e.rows)
         sample = ExpertRequest(request.request_id, request.model_id, request.layer, request.seq, request.hidden,
                                tuple(ExpertRows(e, np.array([row], np.uint32)) for _, e, row in picks))
-        reference = await asyncio.to_thread(self._compute, sample, held)  # (k, H)
+        reference = await self._run(self._compute, sample, held)  # (k, H)
         self.spot_checked += 1
         error = relative_error(response.outputs[[p for p, _, _ in picks]], reference)
         if error <= self.tolerance:
@@ -313,7 +317,16 @@ class Verifier:
         held = self.weights.experts.get(request.layer, {})
         if any(int(e.expert) not in held for e in request.experts):
             return None
-        return await asyncio.to_thread(self._compute, request, held)
+        return await self._run(self._compute, request, held)
+
+    async def _run(self, compute: Callable[[ExpertRequest, dict[int, Any]], np.ndarray], request: ExpertRequest,
+                   held: dict[int, Any]) -> np.ndarray:
+        """A recomputation: on the event loop when it is smaller than a thread hop costs (a
+        decode step's spot check: one row per expert), else in a worker thread."""
+        macs = request.pairs * 3 * self.cfg.hidden_size * self.cfg.moe_intermediate_size
+        if macs <= INLINE_MACS:
+            return compute(request, held)
+        return await asyncio.to_thread(compute, request, held)
 
     def _compute(self, request: ExpertRequest, held: dict[int, Any]) -> np.ndarray:
         """Thread: the request's outputs (P, H) float32, as an honest holder computes them."""

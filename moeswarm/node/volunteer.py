@@ -26,8 +26,8 @@ from ..model import ModelConfig, load_config
 from ..model.model_id import config_bytes, model_id_for, model_name
 from ..net.announce import AnnounceConfig, Announcer
 from ..net.catalogue import catalogue_model
-from ..net.dataplane import DataPlaneServer, ServerConfig
-from ..protocol import Identity
+from ..net.dataplane import BatchedHandler, DataPlaneServer, ServerConfig
+from ..protocol import ExpertRequest, ExpertResponse, Identity
 from .config import NodeConfig
 from .expert_server import ExpertServer, ExpertServerConfig
 from .fetch import serve_weights
@@ -82,22 +82,24 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
         server = ExpertServer(weights, identity, ExpertServerConfig(
             model_id, layers, experts, f32_cache_bytes=(config.memory_budget or 4 << 30) // 8))
         watch_memory(server, weights, config.memory_budget)
-        handler, gate = server.handle, None
+        handler, batched_handler, gate = server.handle, server.handle_batched, None
         if config.require_funded:  # ask the ledger for each client's standing before serving it
             from ..ledger import FundedGate
 
             gate = FundedGate(config.require_funded)
-            handler = gate.wrap(server.handle)
+            handler, batched_handler = gate.wrap(server.handle), _gated_batched(gate, server.handle_batched)
         dataplane = DataPlaneServer(identity, handler, ServerConfig(
                                         host=sc.host, port=config.data_port, max_connections=config.max_connections,
                                         max_conns_per_ip=config.max_conns_per_ip,
                                         max_conns_per_peer=config.max_conns_per_peer,
                                         frame_timeout_s=config.frame_timeout_s,
-                                        idle_timeout_s=config.idle_timeout_s),
+                                        idle_timeout_s=config.idle_timeout_s,
+                                        versions=config.protocol_versions),
                                     weights_handler=(lambda client, request: asyncio.to_thread(
                                         serve_weights, server.weights, model_id, request))
                                     if config.serve_weights else None,
-                                    configs={model_id: config_bytes(sc.model_dir)})
+                                    configs={model_id: config_bytes(sc.model_dir)},
+                                    batched_handler=batched_handler, receipts=server)
         await server.start()
         await dataplane.start()
         try:
@@ -176,3 +178,12 @@ async def _node_status(stack: contextlib.AsyncExitStack, config: NodeConfig, ide
     stack.push_async_callback(runner.cleanup)
     stack.enter_context(run_file("node", identity.peer_id_str, url))
     return url
+
+
+def _gated_batched(gate: Any, handle: BatchedHandler) -> BatchedHandler:
+    """A v1.3 handler (client, request, channel) behind a ``FundedGate``."""
+
+    async def gated(client: bytes, request: ExpertRequest, channel: object) -> ExpertResponse:
+        return await gate.wrap(lambda c, r: handle(c, r, channel))(client, request)
+
+    return gated

@@ -6,7 +6,7 @@ msgpack frame bodies; ``decode`` validates everything and raises ``ProtocolError
 build on these pieces.
 """
 
-from ._codec import decode, encode, peek_request_id, receipt_body, announcement_body, to_wire
+from ._codec import decode, encode, peek_request_id, receipt_body, statement_body, announcement_body, to_wire
 from ._framing import frame, frame_body, parse_frame_header, read_frame, read_message, write_message
 from ._handshake import ClientHandshake, ServerHandshake, auth_transcript
 from ._identity import (
@@ -23,7 +23,9 @@ from ._identity import (
     verify_body,
 )
 from ._limits import (
+    BATCHED_RECEIPTS_VERSION,
     DEFAULT_MAX_FRAME,
+    MAX_BATCH_RECEIPTS,
     MAX_BLOCKS,
     MAX_CONFIG_BYTES,
     EXPERT_TENSORS,
@@ -40,6 +42,8 @@ from ._limits import (
 from ._messages import (
     Announcement,
     Auth,
+    BatchedReceipt,
+    BatchStatement,
     BlockRanges,
     ConfigRequest,
     ConfigResponse,
@@ -54,18 +58,28 @@ from ._messages import (
     Ping,
     Pong,
     Receipt,
+    ReceiptBatch,
     WeightsRequest,
     WeightsResponse,
 )
 from ._receipts import (
+    batch_proof_holds,
+    batched_problem,
+    check_outputs,
+    check_receipt,
     check_response,
     countersign,
+    countersign_batch,
+    receipt_leaf,
+    sign_batch,
+    statement_problem,
     input_hash,
     expert_call_flops,
     make_receipt,
     output_hash,
     verify_countersigned,
     verify_receipt,
+    verify_record,
 )
 from ._records import (
     DHT_NAMESPACE,
@@ -84,15 +98,15 @@ from ._wire import DecodeLimits, canonical, scan, unpack
 
 __all__ = [
     # constants
-    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "DEFAULT_MAX_FRAME", "ErrorCode", "FATAL_CODES",
+    "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "BATCHED_RECEIPTS_VERSION", "MAX_BATCH_RECEIPTS", "DEFAULT_MAX_FRAME", "ErrorCode", "FATAL_CODES",
     "MAX_PROBE_BYTES", "MAX_BLOCKS", "MAX_CONFIG_BYTES", "EXPERT_TENSORS", "MAX_HANDSHAKE_FRAME", "MAX_LAYER", "MAX_EXPERT",
     "SignatureKind", "WIRE_DTYPES", "DHT_NAMESPACE",
     # messages
     "Message", "Hello", "HelloAck", "Auth", "ExpertRows", "ExpertRequest", "ExpertResponse",
-    "Receipt", "CountersignedReceipt", "Error", "Ping", "Pong", "Announcement", "BlockRanges",
+    "Receipt", "CountersignedReceipt", "BatchStatement", "ReceiptBatch", "BatchedReceipt", "Error", "Ping", "Pong", "Announcement", "BlockRanges",
     "WeightsRequest", "WeightsResponse", "ConfigRequest", "ConfigResponse",
     # codec and framing
-    "encode", "decode", "to_wire", "DecodeLimits", "unpack", "scan", "peek_request_id", "canonical", "receipt_body",
+    "encode", "decode", "to_wire", "DecodeLimits", "unpack", "scan", "peek_request_id", "canonical", "receipt_body", "statement_body",
     "announcement_body", "frame", "frame_body", "parse_frame_header", "read_frame",
     "read_message", "write_message",
     # tensors
@@ -105,7 +119,8 @@ __all__ = [
     "ClientHandshake", "ServerHandshake", "auth_transcript",
     # receipts
     "expert_call_flops", "make_receipt", "verify_receipt", "countersign", "verify_countersigned", "check_response",
-    "input_hash", "output_hash",
+    "input_hash", "output_hash", "check_outputs", "check_receipt", "receipt_leaf", "sign_batch",
+    "statement_problem", "countersign_batch", "batched_problem", "batch_proof_holds", "verify_record",
     # DHT records
     "provider_key", "announcement_key", "parse_announcement_key", "sign_announcement",
     "verify_announcement", "validate_record", "select_record", "DHT", "read_announcements",

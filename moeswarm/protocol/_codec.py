@@ -20,6 +20,7 @@ from ._limits import (
     EXPERT_TENSORS,
     HASH_SIZE,
     LOAD_SCALE,
+    MAX_BATCH_RECEIPTS,
     MAX_BLOCKS,
     MAX_CONFIG_BYTES,
     MAX_ENDPOINT_BYTES,
@@ -43,6 +44,8 @@ from ._limits import (
 from ._messages import (
     Announcement,
     Auth,
+    BatchedReceipt,
+    BatchStatement,
     BlockRanges,
     ConfigRequest,
     ConfigResponse,
@@ -57,9 +60,11 @@ from ._messages import (
     Ping,
     Pong,
     Receipt,
+    ReceiptBatch,
     WeightsRequest,
     WeightsResponse,
 )
+from ._merkle import path_length
 from ._tensor import tensor_from_wire, tensor_to_wire
 from ._wire import DEFAULT_LIMITS, DecodeLimits, Fields, bad, check_text, check_uint, pack, sorted_map, unpack
 
@@ -244,6 +249,8 @@ def _enc_expert_request(m: ExpertRequest) -> dict[str, Any]:
     }
     if m.deadline_ms is not None:
         out["deadline_ms"] = _u(m.deadline_ms)
+    if m.signed:  # v1.3; absent (not false) otherwise, so v1.2 encodings are unchanged
+        out["signed"] = True
     return out
 
 
@@ -276,8 +283,11 @@ def _dec_expert_request(f: Fields) -> ExpertRequest:
         experts.append(ExpertRows(expert, _dec_rows(g, tokens, covered)))
     if not covered.all():
         bad("every row of hidden must be routed to at least one expert")
+    signed = f.raw("signed") if f.has("signed") else False
+    if type(signed) is not bool:
+        bad("signed is not a boolean")
     return ExpertRequest(request_id, _model_id(f), f.uint("layer", hi=U32_MAX), f.uint("seq"),
-                         hidden, tuple(experts), f.opt_uint("deadline_ms", lo=1, hi=U32_MAX))
+                         hidden, tuple(experts), f.opt_uint("deadline_ms", lo=1, hi=U32_MAX), signed)
 
 
 def receipt_body(r: Receipt) -> dict[str, Any]:
@@ -295,7 +305,8 @@ def _enc_receipt(r: Receipt) -> dict[str, Any]:
     return sorted_map({**receipt_body(r), "sig": r.sig})
 
 
-def _dec_receipt(f: Fields) -> Receipt:
+def _dec_receipt(f: Fields, *, signed: bool = True) -> Receipt:
+    """A receipt map; ``signed=False``: one of a batch (v1.3), which has no ``sig``."""
     raw = f.array("experts", lo=1, hi=MAX_EXPERTS_PER_REQUEST)
     experts = tuple(check_uint(e, "receipt.experts[]", hi=U32_MAX) for e in raw)
     if len(set(experts)) != len(experts):
@@ -306,14 +317,16 @@ def _dec_receipt(f: Fields) -> Receipt:
         f.bin("request_id", size=REQUEST_ID_SIZE), _peer(f, "client"), _peer(f, "server"),
         _model_id(f), f.uint("layer", hi=U32_MAX), experts, tokens, pairs, f.uint("expert_flops"),
         f.bin("input_hash", size=HASH_SIZE), f.bin("output_hash", size=HASH_SIZE),
-        f.uint("time_ms"), f.uint("seq"), f.bin("sig", size=SIGNATURE_SIZE),
+        f.uint("time_ms"), f.uint("seq"), f.bin("sig", size=SIGNATURE_SIZE) if signed else b"",
     )
 
 
 def _enc_expert_response(m: ExpertResponse) -> dict[str, Any]:
-    return {"compute_us": _u(m.compute_us), "load_permille": _u(m.load_permille),
-            "outputs": tensor_to_wire(m.outputs), "receipt": _enc_receipt(m.receipt),
-            "request_id": m.request_id}
+    out = {"compute_us": _u(m.compute_us), "load_permille": _u(m.load_permille),
+           "outputs": tensor_to_wire(m.outputs), "request_id": m.request_id}
+    if m.receipt is not None:  # v1.3: absent when a receipt_batch will carry it
+        out["receipt"] = _enc_receipt(m.receipt)
+    return out
 
 
 def _dec_expert_response(f: Fields) -> ExpertResponse:
@@ -321,10 +334,10 @@ def _dec_expert_response(f: Fields) -> ExpertResponse:
     outputs = tensor_from_wire(f.raw("outputs"), "outputs", rank=2)  # (P, H)
     if outputs.shape[0] < 1 or outputs.shape[1] < 1:
         bad("outputs must be at least 1 x 1", ErrorCode.BAD_TENSOR)
-    receipt = _dec_receipt(f.map("receipt"))
-    if receipt.request_id != request_id:
+    receipt = _dec_receipt(f.map("receipt")) if f.has("receipt") else None
+    if receipt is not None and receipt.request_id != request_id:
         bad("receipt.request_id differs from request_id")
-    if receipt.pairs != outputs.shape[0]:
+    if receipt is not None and receipt.pairs != outputs.shape[0]:
         bad(f"receipt.pairs = {receipt.pairs} but outputs has {outputs.shape[0]} rows")
     return ExpertResponse(request_id, outputs, receipt, f.uint("compute_us"),
                           f.uint("load_permille", hi=LOAD_SCALE))
@@ -336,6 +349,66 @@ def _enc_countersigned(m: CountersignedReceipt) -> dict[str, Any]:
 
 def _dec_countersigned(f: Fields) -> CountersignedReceipt:
     return CountersignedReceipt(_dec_receipt(f.map("receipt")), f.bin("client_sig", size=SIGNATURE_SIZE))
+
+
+# ---------------------------------------------------------------- receipt batches (v1.3)
+
+
+def statement_body(st: BatchStatement) -> dict[str, Any]:
+    """The fields of a batch statement both batch signatures cover (everything but ``sig``)."""
+    return sorted_map({"client": st.client, "count": _u(st.count), "root": st.root, "server": st.server})
+
+
+def _enc_statement(st: BatchStatement) -> dict[str, Any]:
+    return sorted_map({**statement_body(st), "sig": st.sig})
+
+
+def _dec_statement(f: Fields) -> BatchStatement:
+    return BatchStatement(_peer(f, "client"), _peer(f, "server"), f.uint("count", lo=1, hi=MAX_BATCH_RECEIPTS),
+                          f.bin("root", size=HASH_SIZE), f.bin("sig", size=SIGNATURE_SIZE))
+
+
+def _same_parties(receipt: Receipt, st: BatchStatement, where: str) -> None:
+    if receipt.client != st.client or receipt.server != st.server:
+        bad(f"{where} names another client or server than the batch statement")
+
+
+def _enc_receipt_batch(m: ReceiptBatch) -> dict[str, Any]:
+    return {"receipts": [receipt_body(r) for r in m.receipts], "statement": _enc_statement(m.statement)}
+
+
+def _dec_receipt_batch(f: Fields) -> ReceiptBatch:
+    st = _dec_statement(f.map("statement"))
+    raw = f.array("receipts", lo=1, hi=MAX_BATCH_RECEIPTS)
+    if len(raw) != st.count:
+        bad(f"the statement counts {st.count} receipts, the batch holds {len(raw)}")
+    receipts = tuple(_dec_receipt(Fields(item, f"receipts[{i}]"), signed=False) for i, item in enumerate(raw))
+    ids = set()
+    for i, r in enumerate(receipts):
+        _same_parties(r, st, f"receipts[{i}]")
+        ids.add(r.request_id)
+    if len(ids) != len(receipts):
+        bad("a request id appears twice in one batch")
+    return ReceiptBatch(st, receipts)
+
+
+def _enc_batched(m: BatchedReceipt) -> dict[str, Any]:
+    return {"client_sig": m.client_sig, "index": _u(m.index), "path": list(m.path),
+            "receipt": receipt_body(m.receipt), "statement": _enc_statement(m.statement)}
+
+
+def _dec_batched(f: Fields) -> BatchedReceipt:
+    st = _dec_statement(f.map("statement"))
+    index = f.uint("index", hi=st.count - 1)
+    raw = f.array("path", lo=0, hi=64)
+    if len(raw) != path_length(index, st.count):
+        bad(f"leaf {index} of {st.count} has a path of {path_length(index, st.count)} hashes, not {len(raw)}")
+    for i, h in enumerate(raw):
+        if type(h) is not bytes or len(h) != HASH_SIZE:
+            bad(f"path[{i}] is not {HASH_SIZE} bytes")
+    receipt = _dec_receipt(f.map("receipt"), signed=False)
+    _same_parties(receipt, st, "receipt")
+    return BatchedReceipt(receipt, st, index, tuple(raw), f.bin("client_sig", size=SIGNATURE_SIZE))
 
 
 # ---------------------------------------------------------------- DHT record
@@ -407,7 +480,7 @@ _ENCODERS: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
     WeightsRequest: _enc_weights_request, WeightsResponse: _enc_weights_response,
     ConfigRequest: _enc_config_request, ConfigResponse: _enc_config_response,
     ExpertResponse: _enc_expert_response, CountersignedReceipt: _enc_countersigned,
-    Announcement: _enc_announcement,
+    ReceiptBatch: _enc_receipt_batch, BatchedReceipt: _enc_batched, Announcement: _enc_announcement,
 }
 _DECODERS: Final[dict[str, Callable[[Fields], Message]]] = {
     Hello.TYPE: _dec_hello, HelloAck.TYPE: _dec_hello_ack, Auth.TYPE: _dec_auth,
@@ -416,6 +489,7 @@ _DECODERS: Final[dict[str, Callable[[Fields], Message]]] = {
     ConfigRequest.TYPE: _dec_config_request, ConfigResponse.TYPE: _dec_config_response,
     ExpertRequest.TYPE: _dec_expert_request, ExpertResponse.TYPE: _dec_expert_response,
     CountersignedReceipt.TYPE: _dec_countersigned, Announcement.TYPE: _dec_announcement,
+    ReceiptBatch.TYPE: _dec_receipt_batch, BatchedReceipt.TYPE: _dec_batched,
 }
 
 

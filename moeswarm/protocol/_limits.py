@@ -8,11 +8,18 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Final
 
-PROTOCOL_VERSION: Final = 1
-"""The version this module speaks."""
+PROTOCOL_VERSION: Final = 2
+"""The highest version this module speaks: 2 is revision v1.3 of the spec (receipts signed in
+batches, off the response path); 1 is v1.0-v1.2 (a signed receipt in every response)."""
 
-SUPPORTED_VERSIONS: Final[tuple[int, ...]] = (1,)
+SUPPORTED_VERSIONS: Final[tuple[int, ...]] = (1, 2)
 """Versions offered in ``Hello``, ascending."""
+
+BATCHED_RECEIPTS_VERSION: Final = 2
+"""The first handshake version whose responses may leave their receipt to a ``receipt_batch``."""
+
+MAX_BATCH_RECEIPTS: Final = 1024
+"""Receipts one ``receipt_batch`` may carry (about 250 bytes each: a quarter of the minimum frame limit)."""
 
 DEFAULT_MAX_FRAME: Final = 64 * 1024 * 1024
 """Default largest frame body a receiver accepts, in bytes (configurable per receiver)."""
@@ -89,6 +96,8 @@ class SignatureKind:
     AUTH: Final = "auth"
     RECEIPT: Final = "receipt"
     RECEIPT_COUNTERSIGN: Final = "receipt-countersign"
+    RECEIPT_BATCH: Final = "receipt-batch"  # v1.3: the server's signature over a batch statement
+    RECEIPT_BATCH_COUNTERSIGN: Final = "receipt-batch-countersign"  # v1.3: the client's, over statement + server sig
     ANNOUNCEMENT: Final = "announcement"
 
 

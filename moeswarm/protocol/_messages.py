@@ -67,6 +67,7 @@ class ExpertRequest:
     hidden: np.ndarray  # (N, H) f32/f16/bf16, the distinct token rows
     experts: tuple[ExpertRows, ...]  # distinct experts, in the order outputs come back
     deadline_ms: int | None = None  # budget from arrival to start of compute, milliseconds
+    signed: bool = False  # v1.3: ask for a signed receipt in the response, not in a later receipt_batch
 
     @property
     def pairs(self) -> int:
@@ -110,9 +111,43 @@ class ExpertResponse:
     TYPE: ClassVar[str] = "expert_response"
     request_id: bytes
     outputs: np.ndarray  # (P, H), same dtype as the request's hidden
-    receipt: Receipt
+    receipt: Receipt | None  # the signed receipt; None (v1.3): it comes in a later ``ReceiptBatch``
     compute_us: int  # server's measured compute time for this request, microseconds
     load_permille: int  # server's current load, 0 (idle) .. 1000 (saturated)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStatement:
+    """What a server signs for a batch of receipts (v1.3): ``count`` receipts of calls from
+    ``client`` to ``server``, whose Merkle root (``protocol.receipt_root``) is ``root``."""
+
+    client: bytes  # the client's peer ID: every receipt of the batch names it
+    server: bytes  # the server's peer ID: every receipt names it, its key verifies ``sig``
+    count: int  # receipts in the batch, 1 .. MAX_BATCH_RECEIPTS
+    root: bytes  # 32 bytes
+    sig: bytes = b""  # the server's signature (64 bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiptBatch:
+    """Server -> client (v1.3): the receipts of calls answered without one, signed together once."""
+
+    TYPE: ClassVar[str] = "receipt_batch"
+    statement: BatchStatement
+    receipts: tuple[Receipt, ...]  # ``sig`` empty: the statement's signature covers them all
+
+
+@dataclass(frozen=True, slots=True)
+class BatchedReceipt:
+    """One receipt of a countersigned batch, as submitted to the ledger (v1.3): the receipt, the
+    signed statement, where the receipt sits in it and the Merkle path that proves it."""
+
+    TYPE: ClassVar[str] = "batched_receipt"
+    receipt: Receipt  # ``sig`` empty
+    statement: BatchStatement
+    index: int  # the receipt's leaf, 0 .. count - 1
+    path: tuple[bytes, ...]  # sibling hashes, leaf level first
+    client_sig: bytes  # the client's countersignature of the statement (64 bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +264,8 @@ Message = (
     | ConfigRequest
     | ConfigResponse
     | CountersignedReceipt
+    | ReceiptBatch
+    | BatchedReceipt
     | Announcement
 )
 """Every top-level object ``encode`` and ``decode`` handle."""

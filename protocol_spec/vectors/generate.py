@@ -88,8 +88,9 @@ def _identities() -> list[dict[str, Any]]:
     return out
 
 
-def _handshake() -> tuple[p.Hello, p.HelloAck, p.Auth]:
-    client = p.ClientHandshake(CLIENT, expected_server=SERVER.peer_id,
+def _handshake(versions: tuple[int, ...] = (1,)) -> tuple[p.Hello, p.HelloAck, p.Auth]:
+    """A v1.2 client's handshake (it offers version 1), or with ``versions=(1, 2)`` a v1.3 one's."""
+    client = p.ClientHandshake(CLIENT, expected_server=SERVER.peer_id, versions=versions,
                                channel_binding=CHANNEL_BINDING, nonce=CLIENT_NONCE)
     server = p.ServerHandshake(SERVER, channel_binding=CHANNEL_BINDING, nonce=SERVER_NONCE)
     ack = server.receive_hello(client.hello)
@@ -119,6 +120,19 @@ def _response(request: p.ExpertRequest) -> p.ExpertResponse:
     return p.ExpertResponse(request.request_id, outputs, receipt, compute_us=850, load_permille=125)
 
 
+def _batch() -> p.ReceiptBatch:
+    """v1.3: the receipts of three calls answered without one (expert_response_batched and two
+    more), signed together."""
+    request = _request()
+    outputs = _response(request).outputs
+    receipts = []
+    for i in range(3):
+        call = replace(request, request_id=bytes(range(0xC0 + 16 * i, 0xD0 + 16 * i)), seq=44 + i)
+        receipts.append(p.make_receipt(SERVER, call, outputs, client=CLIENT.peer_id, expert_flops=3 * 2 * 3 * 4 * 8,
+                                       time_ms=NOW_MS + 200 + i, sign=False))
+    return p.sign_batch(SERVER, CLIENT.peer_id, receipts)
+
+
 def _announcement(**overrides: Any) -> p.Announcement:
     fields: dict[str, Any] = dict(
         model_id=MODEL_ID, layers=(2, 5), experts=(0, 15),
@@ -135,6 +149,10 @@ def _messages() -> dict[str, dict[str, Any]]:
     request, request_bf16 = _request(), _request_bf16()
     response = _response(request)
     countersigned = p.countersign(CLIENT, response.receipt)
+    hello13, ack13, auth13 = _handshake((1, 2))
+    batch = _batch()
+    batched = p.countersign_batch(CLIENT, batch)
+    first = replace(request, request_id=batch.receipts[0].request_id, seq=batch.receipts[0].seq)
     items: list[tuple[str, p.Message, str]] = [
         ("hello", hello, "client -> server; nonce = 00..1f"),
         ("hello_ack", ack, "server -> client; server nonce = 20..3f; sig over the 'server' "
@@ -162,6 +180,16 @@ def _messages() -> dict[str, dict[str, Any]]:
          "v1.3: the config the holder's model id hashes"),
         ("config_response", p.ConfigResponse(REQUEST_ID, CONFIG_BYTES),
          "answers config_request: the bytes whose SHA-256 the catalogue publishes"),
+        ("hello_v1_3", hello13, "v1.3 client -> server: offers versions 1 and 2; nonce = 00..1f"),
+        ("hello_ack_v1_3", ack13, "server -> client: version 2 (v1.3, receipts in batches) chosen"),
+        ("expert_request_signed", replace(request, signed=True),
+         "v1.3: asks for the signed receipt in the response, as in v1.2 (checks and evidence use it)"),
+        ("expert_response_batched", replace(response, request_id=first.request_id, receipt=None),
+         "v1.3: an answer without a receipt; receipt_batch's receipts[0] is its receipt"),
+        ("receipt_batch", batch, "v1.3 server -> client: three receipts (request ids c0.., d0.., e0..), "
+                                 "one signature over their statement"),
+        ("batched_receipt", batched[1], "v1.3 ledger record: receipts[1] of receipt_batch, its Merkle path "
+                                        "and the client's countersignature of the statement"),
     ]
     return {name: _message_vector(name, msg, note) for name, msg, note in items}
 
@@ -227,6 +255,10 @@ def _signature_cases() -> list[dict[str, Any]]:
         _signature_case("receipt countersignature", CLIENT, "receipt-countersign",
                         p.receipt_body(receipt), suffix=receipt.sig),
         _signature_case("announcement", SERVER, "announcement", p.announcement_body(_announcement())),
+        _signature_case("receipt batch statement (v1.3)", SERVER, "receipt-batch",
+                        p.statement_body(_batch().statement)),
+        _signature_case("receipt batch countersignature (v1.3)", CLIENT, "receipt-batch-countersign",
+                        p.statement_body(_batch().statement), suffix=_batch().statement.sig),
     ]
 
 
@@ -240,7 +272,20 @@ def _hashes() -> dict[str, Any]:
                             for e in request.experts],
                 "hidden": p.tensor_to_wire(request.hidden)}).hex(),
             "output_hash_hex": p.output_hash(response.outputs).hex(),
-            "output_hash_preimage_hex": p.canonical(p.tensor_to_wire(response.outputs)).hex()}
+            "output_hash_preimage_hex": p.canonical(p.tensor_to_wire(response.outputs)).hex(),
+            "receipt_batch": _batch_hashes()}
+
+
+def _batch_hashes() -> dict[str, Any]:
+    """v1.3: the Merkle tree of receipt_batch's three receipts."""
+    batch = _batch()
+    bodies = [p.canonical(p.receipt_body(r)) for r in batch.receipts]
+    leaves = [p.receipt_leaf(r) for r in batch.receipts]
+    return {"batch": "receipt_batch", "leaf_tag": "moeswarm/v1/receipt-leaf\\0",
+            "node_tag": "moeswarm/v1/receipt-node\\0",
+            "bodies_hex": [b.hex() for b in bodies], "leaves_hex": [h.hex() for h in leaves],
+            "root_hex": batch.statement.root.hex(),
+            "paths_hex": [[h.hex() for h in b.path] for b in p.countersign_batch(CLIENT, batch)]}
 
 
 def _body(wire: dict[str, Any], **changes: Any) -> bytes:
@@ -263,6 +308,8 @@ def _invalid_cases() -> list[dict[str, Any]]:
     hello = p.to_wire(_handshake()[0])
     req = p.to_wire(_request())
     resp = p.to_wire(_response(_request()))
+    batch = p.to_wire(_batch())
+    batched = p.to_wire(p.countersign_batch(CLIENT, _batch())[1])
     wreq = p.to_wire(p.WeightsRequest(REQUEST_ID, "tiny-moe", 3, 6, "gate", 0, 2))
     wresp = p.to_wire(p.WeightsResponse(REQUEST_ID, np.zeros((2, 4), "<f2")))
     t = dict(req["hidden"])
@@ -326,6 +373,17 @@ def _invalid_cases() -> list[dict[str, Any]]:
         ("receipt.pairs differs from outputs rows", _body(resp, receipt={**resp["receipt"], "pairs": 2}),
          E.BAD_FIELD),
         ("load_permille above 1000", _body(resp, load_permille=1001), E.BAD_FIELD),
+        ("v1.3 signed is an integer", _body(req, signed=1), E.BAD_FIELD),
+        ("v1.3 batch statement counts 2, holds 3", _body(batch, statement={**batch["statement"], "count": 2}),
+         E.BAD_FIELD),
+        ("v1.3 batch statement counts 0", _body(batch, statement={**batch["statement"], "count": 0}), E.BAD_FIELD),
+        ("v1.3 batch repeats a receipt", _body(batch, receipts=batch["receipts"][:2] + batch["receipts"][:1]),
+         E.BAD_FIELD),
+        ("v1.3 batch receipt names another client",
+         _body(batch, receipts=[{**batch["receipts"][0], "client": SERVER.peer_id}] + batch["receipts"][1:]),
+         E.BAD_FIELD),
+        ("v1.3 batched receipt path one hash short", _body(batched, path=batched["path"][:-1]), E.BAD_FIELD),
+        ("v1.3 batched receipt index beyond count", _body(batched, index=3), E.BAD_FIELD),
     ]
     out: list[dict[str, Any]] = [{"name": n, "body_hex": b.hex(), "code": int(c)} for n, b, c in bodies]
     out += [

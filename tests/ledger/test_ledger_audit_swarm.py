@@ -70,7 +70,7 @@ async def generate_beside_a_liar(boot: str, ledger_url: str, queue: Path, key_fi
             model = bb.model
             tokens = await asyncio.to_thread(lambda: list(generate(model, ids, SamplingParams(max_new_tokens=4))))
             assert len(tokens) == 4
-            bb.executor.settle_receipts()
+            await bb.executor.flush_receipts()  # v1.3: unbatched receipts too
             await asyncio.wait_for(bb.audits.drain(), 60)
             assert await bb.executor.receipts.flush(30)  # the backbone's ReceiptSubmitter
             audits = bb.audits

@@ -70,7 +70,7 @@ def test_generation_through_a_swarm_lands_in_the_ledger(request: pytest.FixtureR
                 tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ids,  # type: ignore[arg-type]
                                                                        SamplingParams(max_new_tokens=8))))
                 assert len(tokens) == 8
-                bb.executor.settle_receipts()
+                await bb.executor.flush_receipts()  # v1.3: unbatched receipts too
                 for submit in submitters:
                     assert await submit.flush(30)
                 return bb.executor.calls, bb.executor.bad_receipts, bb

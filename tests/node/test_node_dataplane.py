@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -23,16 +24,21 @@ from moeswarm.protocol import (
     Identity,
     sign_announcement,
     verify_countersigned,
+    verify_record,
 )
+from moeswarm.node.onloop import run_on_loop
 
 
 class Node:
-    def __init__(self, folder: Path, model_id: str, layers: tuple[int, int], experts: tuple[int, int]) -> None:
+    def __init__(self, folder: Path, model_id: str, layers: tuple[int, int], experts: tuple[int, int],
+                 batched: bool = False) -> None:
         self.identity = Identity.generate()
         keep = lambda L, e: layers[0] <= L <= layers[1] and experts[0] <= e <= experts[1]  # noqa: E731
         weights = load_weights(folder, keep_expert=keep)
         self.server = ExpertServer(weights, self.identity, ExpertServerConfig(model_id, layers, experts))
-        self.dataplane = DataPlaneServer(self.identity, self.server.handle)
+        self.dataplane = DataPlaneServer(self.identity, self.server.handle,  # batched: as a v1.3 node serves
+                                         batched_handler=self.server.handle_batched if batched else None,
+                                         receipts=self.server if batched else None)
         self.layers, self.experts, self.model_id = layers, experts, model_id
 
     async def __aenter__(self) -> "Node":
@@ -108,6 +114,50 @@ def test_swarm_forward_equals_single_process(oracle_checkpoints, arch: str) -> N
         verify_countersigned(receipt)
     moe_layers = sum(cfg.moe_layers)
     assert len(executor.receipts_list) == executor.calls >= moe_layers * (1 + len(ref.decode_tokens))  # type: ignore[attr-defined]
+
+
+def test_decode_on_the_event_loop_with_batched_receipts(oracle_checkpoints) -> None:
+    """v1.3 nodes; the prefill runs in a worker thread, each decode step on the event loop
+    (``onloop.run_on_loop``, as the batch engine runs small steps): every decode-step dispatch is
+    submitted from the loop's own thread, the logits are the single-process engine's and the
+    oracle's, and every call's receipt arrives in a batch and verifies."""
+    folder, ref = oracle_checkpoints.get("mixtral", "packed")
+    cfg = load_weights(folder, keep_expert=lambda L, e: False).config
+
+    async def main() -> tuple[np.ndarray, RemoteExperts, list[int], list, int]:
+        nodes = [Node(folder, "m", (0, cfg.num_layers - 1), r, batched=True) for r in split_ranges(cfg.num_experts, 2)]
+        async with nodes[0], nodes[1]:
+            table = SwarmTable("m")
+            for node in nodes:
+                table.update(node.announcement())
+            receipts: list = []
+            executor = RemoteExperts(cfg, Identity.generate(), table, asyncio.get_running_loop(),
+                                     receipts=receipts.append)
+            model = Model(load_weights(folder, keep_expert=lambda L, e: False), experts=executor)
+            submitted_from: list[int] = []
+            submit = executor.submit
+            executor.submit = lambda *a: (submitted_from.append(threading.get_ident()), submit(*a))[1]  # type: ignore[method-assign]
+            try:
+                cache = model.new_cache()
+                out = [await asyncio.to_thread(lambda: model.forward(np.asarray([ref.prompt_ids]), cache)[0])]
+                prefill_submits = len(submitted_from)
+                for t in ref.decode_tokens:
+                    out.append(await run_on_loop(lambda t=t: model.forward(np.asarray([[t]]), cache)[0]))
+                await executor.flush_receipts()
+                return np.concatenate(out), executor, submitted_from[prefill_submits:], receipts, prefill_submits
+            finally:
+                await executor.aclose()
+
+    loop_thread = threading.get_ident()  # asyncio.run runs the loop on this thread
+    got, executor, decode_submits, receipts, prefill_submits = asyncio.run(main())
+    assert prefill_submits > 0 and len(decode_submits) == sum(cfg.moe_layers) * len(ref.decode_tokens)
+    assert set(decode_submits) == {loop_thread}
+    assert np.abs(got - local_logits(folder, ref.prompt_ids, ref.decode_tokens)).max() <= 1e-5
+    assert np.abs(got[len(ref.prompt_ids) :] - ref.decode_logits).max() <= 1e-4
+    assert executor.bad_receipts == 0 and len(receipts) == executor.calls and executor.batches_settled > 0
+    assert {type(r).__name__ for r in receipts} == {"BatchedReceipt"}
+    for r in receipts:
+        verify_record(r)
 
 
 def test_missing_experts_fail_loudly_or_fall_back(oracle_checkpoints) -> None:

@@ -61,7 +61,7 @@ def test_auto_assignment_covers_the_model_and_settles_at_market_prices(tmp_path:
                 for prompt in ("And it came to pass", "The LORD is my shepherd"):
                     ids = tok.encode(prompt)
                     await asyncio.to_thread(lambda: list(generate(bb.model, ids, SamplingParams(max_new_tokens=12))))  # type: ignore[arg-type]
-                bb.executor.settle_receipts()
+                await bb.executor.flush_receipts()  # v1.3: unbatched receipts too
                 expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
                 shape = ModelShape(bb.model_id, moe, cfg.num_experts, expert_bytes)
                 supply = supply_from_holders(shape, list(bb.table.holders.values()), now_ms=int(time.time() * 1000))
@@ -133,7 +133,7 @@ def test_an_auto_node_fills_an_l_shaped_gap_with_two_blocks_in_one_record_that_b
                 bb.executor.receipts = served.append
                 got = await asyncio.to_thread(lambda: list(generate(bb.model, ids,  # type: ignore[arg-type]
                                                                      SamplingParams(max_new_tokens=10))))
-                bb.executor.settle_receipts()
+                await bb.executor.flush_receipts()  # v1.3: unbatched receipts too
                 shape = ModelShape(bb.model_id, tuple(range(cfg.num_layers)), cfg.num_experts, expert_bytes)
                 records = await fetch_announcements(bb.p2p, shape)
                 return got, records, served

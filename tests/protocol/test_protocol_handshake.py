@@ -30,9 +30,26 @@ def test_handshake_authenticates_both_sides() -> None:
     client = p.ClientHandshake(CLIENT, expected_server=SERVER.peer_id, channel_binding=b"cb")
     server = p.ServerHandshake(SERVER, channel_binding=b"cb")
     _run(client, server)
-    assert client.version == server.version == 1
+    assert client.version == server.version == 2  # v1.3: receipts in batches
     assert client.server_peer == SERVER.peer_id
     assert server.client_peer == CLIENT.peer_id
+
+
+@pytest.mark.parametrize(("client_versions", "server_versions"), [((1,), (1, 2)), ((1, 2), (1,))])
+def test_a_v1_2_peer_and_a_v1_3_peer_agree_on_version_1(client_versions: tuple[int, ...],
+                                                        server_versions: tuple[int, ...]) -> None:
+    """A v1.2 peer offers or accepts only version 1: a v1.3 peer on the other side speaks it."""
+    client = p.ClientHandshake(CLIENT, expected_server=SERVER.peer_id, versions=client_versions)
+    server = p.ServerHandshake(SERVER, versions=server_versions)
+    _run(client, server)
+    assert client.version == server.version == 1
+
+
+def test_no_common_version_is_refused_naming_both() -> None:
+    client = p.ClientHandshake(CLIENT, versions=(2,))
+    with pytest.raises(ProtocolError, match=r"no common version: client \[2\], server \[1\]") as info:
+        p.ServerHandshake(SERVER, versions=(1,)).receive_hello(client.hello)
+    assert _code(info) == E.UNSUPPORTED_VERSION
 
 
 def test_wrong_server_rejected() -> None:

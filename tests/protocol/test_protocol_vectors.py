@@ -104,7 +104,8 @@ def test_tensor_vectors(load_vector: Callable[[str], Any]) -> None:
 
 def test_signature_vectors(load_vector: Callable[[str], Any]) -> None:
     cases = load_vector("signatures.json")
-    assert {c["kind"] for c in cases} == {"auth", "receipt", "receipt-countersign", "announcement"}
+    assert {c["kind"] for c in cases} == {"auth", "receipt", "receipt-countersign", "announcement",
+                                          "receipt-batch", "receipt-batch-countersign"}
     for c in cases:
         signed = bytes.fromhex(c["signed_bytes_hex"])
         expected = (b"moeswarm/v1/" + c["kind"].encode() + b"\0"

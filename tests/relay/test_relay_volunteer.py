@@ -290,7 +290,7 @@ def test_a_swarm_with_experts_held_only_by_a_browser_generates_the_engine_tokens
                 assert bb.model is not None and bb.executor is not None
                 bb.executor.receipts = receipts.append
                 tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
-                bb.executor.settle_receipts()
+                await bb.executor.flush_receipts()  # v1.3: unbatched receipts too
                 return tokens, set(bb.executor.served_by), receipts, bb.executor.bad_receipts
 
         tokens, used, receipts, bad = asyncio.run(main())
