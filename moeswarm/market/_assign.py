@@ -68,6 +68,7 @@ from moeswarm.errors import ConfigError
 
 from ._demand import Demand
 from ._grid import Block, ModelShape, Rect, Score, best_rect, best_signed_rect
+from ._layers import whole_layers
 from ._supply import Supply
 from ._target import target_replicas
 
@@ -122,6 +123,8 @@ class AssignConfig:
     call_bytes: int = 0  # bytes one (token, expert) call moves each way (hidden size x bytes per value);
     # a volunteer serves at most its link / call_bytes calls per second; 0: only its compute counts
     block_cells: int = 64  # with max_blocks > 1: most experts in each block but the last (bounds the search)
+    whole_layers: bool = True  # a hub that can hold a whole layer holds whole layers, balanced by
+    # each layer's rate per call (``_layers.py``), unless a rectangle covers or replicates more per expert
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_blocks < 1 or not 0 <= self.hot_share <= 1:
@@ -372,6 +375,23 @@ def score_rects(values: CellValues, rects: Sequence[Rect], config: AssignConfig 
     return tuple(total)
 
 
+def layer_choice(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, config: AssignConfig,
+                 values: CellValues, capacity: int, rects: Sequence[Rect]) -> list[Rect] | None:
+    """Whole layers (``_layers.whole_layers``) instead of ``rects`` for a volunteer placed as a
+    hub that can hold one, when they cover and replicate as much per expert held (levels 1 and 3):
+    coverage and missing replicas still come first. ``None``: keep ``rects``."""
+    if not config.whole_layers or placed_as(supply, volunteer, config, capacity) != "hub":
+        return None
+    span = whole_layers(shape, supply, demand, capacity)
+    if span is None:
+        return None
+    ours, theirs = score_rects(values, [span], config), score_rects(values, rects, config)
+    held = max(sum(r.cells for r in rects), 1)
+    if any(ours[i] / span.cells < theirs[i] / held - 1e-12 for i in (0, 2)):
+        return None
+    return [span]
+
+
 def assign(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer,
            config: AssignConfig = AssignConfig()) -> Assignment:
     """The blocks a joining ``volunteer`` should hold, given the swarm's ``supply`` and ``demand``.
@@ -385,5 +405,8 @@ def assign(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunte
         return Assignment((), 0, 0, (0.0, 0.0, 0.0, 0.0, 0.0))
     values = cell_values(shape, supply, demand, volunteer, config, capacity=k)
     rects, score = choose_rects(values, k, config)
+    layers = layer_choice(shape, supply, demand, volunteer, config, values, k, rects)
+    if layers is not None:
+        rects, score = layers, score_rects(values, layers, config)
     cells = sum(r.cells for r in rects)
     return Assignment(tuple(shape.block(r) for r in rects), cells, cells * shape.expert_bytes, score)

@@ -29,11 +29,13 @@ from ._assign import (
     capacity_cells,
     cell_values,
     choose_rects,
+    layer_choice,
     placed_as,
     score_rects,
 )
 from ._demand import Demand
 from ._grid import Block, ModelShape, Rect, better, cell_mask, union_cells
+from ._layers import is_whole_layers
 from ._supply import Supply
 
 
@@ -224,6 +226,14 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     others = supply.changed(rects, volunteer.throughput, -1) if rects else supply
     k = capacity_cells(shape, volunteer, assign_config)
     values = cell_values(shape, others, demand, volunteer, assign_config, capacity=k)
+    limit = int(k * (1.0 + config.transition_slack))
+    span = layer_choice(shape, others, demand, volunteer, assign_config, values, k,
+                        choose_rects(values, k, assign_config)[0])
+    if span is not None:  # a hub that can hold a whole layer: whole layers (_layers.py)
+        if is_whole_layers(shape, rects, k):
+            return None  # joiners fill the layers short of rate; a hub on whole layers stays
+        return plan_move(shape, others.replicas, [shape.block(r) for r in rects], [shape.block(r) for r in span],
+                         limit, float("inf"))  # no score level measures it: whole layers are the rule
     held = cell_mask(shape.grid, rects)
     sticky = values
     if assign_config.max_blocks > 1:
@@ -260,6 +270,5 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
             best, gain = option, g
     if gain <= config.hysteresis:
         return None
-    limit = int(k * (1.0 + config.transition_slack))
     return plan_move(shape, others.replicas, [shape.block(r) for r in rects], [shape.block(r) for r in best],
                      limit, gain)
