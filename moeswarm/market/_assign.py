@@ -244,8 +244,12 @@ def placed_as(supply: Supply, volunteer: Volunteer, config: AssignConfig, capaci
 
 
 def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer,
-                config: AssignConfig = AssignConfig(), *, capacity: int | None = None) -> CellValues:
-    """The value of this volunteer holding each expert, given the others' ``supply``."""
+                config: AssignConfig = AssignConfig(), *, capacity: int | None = None,
+                near: Supply | None = None) -> CellValues:
+    """The value of this volunteer holding each expert, given the others' ``supply``; ``near``:
+    the part of it held by holders within a short round trip of this volunteer (its region, see
+    ``_near.py``), for a hub's first fast copy (level 2): the first fast copy in its region, so the
+    backbones there call a holder one round trip across the region away, not across the world."""
     k = capacity_cells(shape, volunteer, config) if capacity is None else capacity
     r = supply.replicas
     p = demand.share
@@ -265,8 +269,10 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
         tail = rank.reshape(p.shape) >= int(fast.sum())
     if placed_as(supply, volunteer, config, k) == "hub":
         tier = np.where(hot, 1.0, OFF_TIER)
-        first = np.where(fast, 0.0, np.where(tail, OFF_TIER * p * p.size, 1.0 + p * p.size))
-        first = np.where(within_rate(p, fast, volunteer.serving_rate(config.call_bytes), float(w.sum())), first, 0.0)
+        here, fast_here = (supply, fast) if near is None else (near, fast_held(near, config))
+        first = np.where(fast_here, 0.0, np.where(tail, OFF_TIER * p * p.size, 1.0 + p * p.size))
+        rate = volunteer.serving_rate(config.call_bytes)
+        first = np.where(within_rate(p, fast_here, rate, float(here.throughput.sum())), first, 0.0)
         short, extra = tier * short, tier * extra
         serve = serve / max(float(serve.max()), 1e-300)
     else:  # the tail first (what the hubs reach, they will hold), then count replicas
@@ -376,13 +382,15 @@ def score_rects(values: CellValues, rects: Sequence[Rect], config: AssignConfig 
 
 
 def layer_choice(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, config: AssignConfig,
-                 values: CellValues, capacity: int, rects: Sequence[Rect]) -> list[Rect] | None:
-    """Whole layers (``_layers.whole_layers``) instead of ``rects`` for a volunteer placed as a
-    hub that can hold one, when they cover and replicate as much per expert held (levels 1 and 3):
-    coverage and missing replicas still come first. ``None``: keep ``rects``."""
+                 values: CellValues, capacity: int, rects: Sequence[Rect], near: Supply | None = None
+                 ) -> list[Rect] | None:
+    """Whole layers (``_layers.whole_layers``, balanced over ``near``'s holders when given: its
+    region's) instead of ``rects`` for a volunteer placed as a hub that can hold one, when they
+    cover and replicate as much per expert held (levels 1 and 3): coverage and missing replicas
+    still come first. ``None``: keep ``rects``."""
     if not config.whole_layers or placed_as(supply, volunteer, config, capacity) != "hub":
         return None
-    span = whole_layers(shape, supply, demand, capacity)
+    span = whole_layers(shape, supply if near is None else near, demand, capacity)
     if span is None:
         return None
     ours, theirs = score_rects(values, [span], config), score_rects(values, rects, config)
@@ -393,8 +401,9 @@ def layer_choice(shape: ModelShape, supply: Supply, demand: Demand, volunteer: V
 
 
 def assign(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer,
-           config: AssignConfig = AssignConfig()) -> Assignment:
-    """The blocks a joining ``volunteer`` should hold, given the swarm's ``supply`` and ``demand``.
+           config: AssignConfig = AssignConfig(), *, near: Supply | None = None) -> Assignment:
+    """The blocks a joining ``volunteer`` should hold, given the swarm's ``supply`` and ``demand``
+    (and ``near``, the part of ``supply`` in its region: see ``cell_values``).
 
     Pure and deterministic. Never assigns more than ``volunteer.memory_bytes``.
     """
@@ -403,9 +412,11 @@ def assign(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunte
     k = capacity_cells(shape, volunteer, config)
     if k < 1:
         return Assignment((), 0, 0, (0.0, 0.0, 0.0, 0.0, 0.0))
-    values = cell_values(shape, supply, demand, volunteer, config, capacity=k)
+    if near is not None and near.replicas.shape != shape.grid:
+        raise ConfigError("the near supply must be a grid of the model's shape")
+    values = cell_values(shape, supply, demand, volunteer, config, capacity=k, near=near)
     rects, score = choose_rects(values, k, config)
-    layers = layer_choice(shape, supply, demand, volunteer, config, values, k, rects)
+    layers = layer_choice(shape, supply, demand, volunteer, config, values, k, rects, near)
     if layers is not None:
         rects, score = layers, score_rects(values, layers, config)
     cells = sum(r.cells for r in rects)

@@ -15,11 +15,20 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-from moeswarm.market import AssignConfig, Demand, ModelShape, Rect, Supply, Volunteer, assign, capacity_cells
+from moeswarm.market import (
+    AssignConfig,
+    Demand,
+    ModelShape,
+    Rect,
+    Supply,
+    Volunteer,
+    assign,
+    capacity_cells,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import _petals_blocks as pb  # noqa: E402
+import _petals_blocks as pb
 
 MB = 1_000_000
 SHAPE = ModelShape("org/moe", tuple(range(12)), 128, MB)  # 12 MoE layers x 128 experts (M3's width)

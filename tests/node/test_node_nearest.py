@@ -28,7 +28,7 @@ from moeswarm.protocol import Identity, peer_id_from_str
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from _delay import spawn_delay_proxy  # noqa: E402
+from _delay import spawn_delay_proxy
 
 pytestmark = pytest.mark.slow
 
