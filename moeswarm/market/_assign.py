@@ -124,7 +124,7 @@ class AssignConfig:
     # a volunteer serves at most its link / call_bytes calls per second; 0: only its compute counts
     block_cells: int = 64  # with max_blocks > 1: most experts in each block but the last (bounds the search)
     whole_layers: bool = True  # a hub that can hold a whole layer holds whole layers, balanced by
-    # each layer's rate per call (``_layers.py``), unless a rectangle covers or replicates more per expert
+    # each layer's rate per call (``_layers.py``), unless a rectangle covers or replicates more
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_blocks < 1 or not 0 <= self.hot_share <= 1:
@@ -385,17 +385,19 @@ def layer_choice(shape: ModelShape, supply: Supply, demand: Demand, volunteer: V
                  values: CellValues, capacity: int, rects: Sequence[Rect], near: Supply | None = None
                  ) -> list[Rect] | None:
     """Whole layers (``_layers.whole_layers``, balanced over ``near``'s holders when given: its
-    region's) instead of ``rects`` for a volunteer placed as a hub that can hold one, when they
-    cover and replicate as much per expert held (levels 1 and 3): coverage and missing replicas
-    still come first. ``None``: keep ``rects``."""
+    region's) instead of ``rects`` for a volunteer placed as a hub that can hold one, in a swarm
+    whose memory holds ``min_replicas`` copies of every expert, when they
+    cover and replicate as much in all (levels 1 and 3: memory left idle must not leave an expert
+    uncovered or short of replicas). ``None``: keep ``rects``."""
     if not config.whole_layers or placed_as(supply, volunteer, config, capacity) != "hub":
         return None
+    if supply.held_cells + capacity < config.min_replicas * shape.cells:
+        return None  # memory is scarce: count replicas follow demand (levels 3-4) before serving rate
     span = whole_layers(shape, supply if near is None else near, demand, capacity)
     if span is None:
         return None
     ours, theirs = score_rects(values, [span], config), score_rects(values, rects, config)
-    held = max(sum(r.cells for r in rects), 1)
-    if any(ours[i] / span.cells < theirs[i] / held - 1e-12 for i in (0, 2)):
+    if any(ours[i] < theirs[i] - 1e-12 for i in (0, 2)):
         return None
     return [span]
 
@@ -415,6 +417,12 @@ def assign(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunte
     if near is not None and near.replicas.shape != shape.grid:
         raise ConfigError("the near supply must be a grid of the model's shape")
     values = cell_values(shape, supply, demand, volunteer, config, capacity=k, near=near)
+    if not values.cover.any() and not values.redundancy.any():  # no rectangle can beat whole layers
+        layers = layer_choice(shape, supply, demand, volunteer, config, values, k, [], near)
+        if layers is not None:
+            cells = sum(r.cells for r in layers)
+            return Assignment(tuple(shape.block(r) for r in layers), cells, cells * shape.expert_bytes,
+                              score_rects(values, layers, config))
     rects, score = choose_rects(values, k, config)
     layers = layer_choice(shape, supply, demand, volunteer, config, values, k, rects, near)
     if layers is not None:

@@ -229,8 +229,8 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     k = capacity_cells(shape, volunteer, assign_config)
     values = cell_values(shape, others, demand, volunteer, assign_config, capacity=k, near=near)
     limit = int(k * (1.0 + config.transition_slack))
-    span = layer_choice(shape, others, demand, volunteer, assign_config, values, k,
-                        choose_rects(values, k, assign_config)[0], near)
+    rival = choose_rects(values, k, assign_config)[0] if values.cover.any() or values.redundancy.any() else []
+    span = layer_choice(shape, others, demand, volunteer, assign_config, values, k, rival, near)
     if span is not None:  # a hub that can hold a whole layer: whole layers (_layers.py)
         if is_whole_layers(shape, rects, k):
             return None  # joiners fill the layers short of rate; a hub on whole layers stays
