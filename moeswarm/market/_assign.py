@@ -381,6 +381,13 @@ def score_rects(values: CellValues, rects: Sequence[Rect], config: AssignConfig 
     return tuple(total)
 
 
+def layers_apply(shape: ModelShape, supply: Supply, volunteer: Volunteer, config: AssignConfig, capacity: int) -> bool:
+    """Whether whole layers are an option: a hub that can hold one, in a swarm whose memory holds
+    ``min_replicas`` copies of every expert (scarce memory: count replicas follow demand first)."""
+    return (config.whole_layers and capacity >= shape.grid[1] and placed_as(supply, volunteer, config, capacity) == "hub"
+            and supply.held_cells + capacity >= config.min_replicas * shape.cells)
+
+
 def layer_choice(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, config: AssignConfig,
                  values: CellValues, capacity: int, rects: Sequence[Rect], near: Supply | None = None
                  ) -> list[Rect] | None:
@@ -389,10 +396,8 @@ def layer_choice(shape: ModelShape, supply: Supply, demand: Demand, volunteer: V
     whose memory holds ``min_replicas`` copies of every expert, when they
     cover and replicate as much in all (levels 1 and 3: memory left idle must not leave an expert
     uncovered or short of replicas). ``None``: keep ``rects``."""
-    if not config.whole_layers or placed_as(supply, volunteer, config, capacity) != "hub":
+    if not layers_apply(shape, supply, volunteer, config, capacity):
         return None
-    if supply.held_cells + capacity < config.min_replicas * shape.cells:
-        return None  # memory is scarce: count replicas follow demand (levels 3-4) before serving rate
     span = whole_layers(shape, supply if near is None else near, demand, capacity)
     if span is None:
         return None

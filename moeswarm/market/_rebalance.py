@@ -30,6 +30,7 @@ from ._assign import (
     cell_values,
     choose_rects,
     layer_choice,
+    layers_apply,
     placed_as,
     score_rects,
 )
@@ -229,8 +230,10 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     k = capacity_cells(shape, volunteer, assign_config)
     values = cell_values(shape, others, demand, volunteer, assign_config, capacity=k, near=near)
     limit = int(k * (1.0 + config.transition_slack))
-    rival = choose_rects(values, k, assign_config)[0] if values.cover.any() or values.redundancy.any() else []
-    span = layer_choice(shape, others, demand, volunteer, assign_config, values, k, rival, near)
+    span = None
+    if layers_apply(shape, others, volunteer, assign_config, k):  # else no rectangle search for nothing
+        rival = choose_rects(values, k, assign_config)[0] if values.cover.any() or values.redundancy.any() else []
+        span = layer_choice(shape, others, demand, volunteer, assign_config, values, k, rival, near)
     if span is not None:  # a hub that can hold a whole layer: whole layers (_layers.py)
         if is_whole_layers(shape, rects, k):
             return None  # joiners fill the layers short of rate; a hub on whole layers stays
