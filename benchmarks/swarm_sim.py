@@ -536,6 +536,51 @@ def plots(results: dict[str, tuple[Scenario, list[dict]]], folder: Path) -> list
     return written
 
 
+# ---------------------------------------------------------------- regions and gateways (issue 30)
+
+GATEWAY_RUNS = (("M3", "m3", 1000), ("DeepSeek-V3", "dsv3", 1000), ("2T", "2t", 2000))  # label, shape, volunteers
+
+
+def gateway_rows(*, seed: int = SEEDS[0], epochs: int = 2, near: bool = True, quick: bool = False,
+                 shapes: tuple[str, ...] = ("m3", "dsv3", "2t")) -> dict:
+    """Three regions (``_regions.py``: ~1 ms inside, 80-150 ms between, volunteers by ``REGIONS``'
+    shares, the memory the tiers offer), people in every region: tokens/s of one person's decode
+    through a gateway (a hub-tier backbone) in their region and through their own home backbone,
+    per model and region, after ``epochs`` of churn and re-evaluation under the market (``near``:
+    it sees each volunteer's region). Returns ``{"sim_m3_gateway_tok_s", "sim_m3_home_tok_s"}``
+    (M3, the median over the regions) and ``"rows"``: one dict per model and region."""
+    import _regions as rg
+
+    shares = tuple(w for _, w in REGIONS)
+    cv = sm.skew(sm.measured_routing(tokens=16 if quick else 48))  # demand as main() measures it
+    rows = []
+    for label, key, volunteers in GATEWAY_RUNS:
+        if key not in shapes:
+            continue
+        n = volunteers // 3 if quick else volunteers
+        swarm, truth, rng = rg.build(key, n, None, near=near, seed=seed, epochs=epochs, shares=shares,
+                                     zipf_s=sm.zipf_matching(cv, sm.SHAPES[key].experts))
+        inside = rg.in_region_calls(swarm, truth)
+        for g in range(len(shares)):
+            rows.append({"model": label, "region": g, "volunteers": len(swarm.nodes),
+                         "gateway_tok_s": rg.decode_tok_s(swarm, truth, rng, 0, g),
+                         "home_tok_s": rg.decode_tok_s(swarm, truth, rng, 1, g),
+                         "calls_on_region_hubs": inside[g], "coverage": swarm.supply.coverage()})
+    m3 = [r for r in rows if r["model"] == "M3"]
+    return {"sim_m3_gateway_tok_s": float(np.median([r["gateway_tok_s"] for r in m3])) if m3 else float("nan"),
+            "sim_m3_home_tok_s": float(np.median([r["home_tok_s"] for r in m3])) if m3 else float("nan"),
+            "rows": rows}
+
+
+def gateway_table(result: dict) -> str:
+    lines = ["| model | region | volunteers | calls on the region's hubs | one person, gateway in region, tok/s "
+             "| one person, home backbone, tok/s |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['model']} | {r['region']} | {r['volunteers']:,} | {r['calls_on_region_hubs']:.1%} "
+                     f"| {r['gateway_tok_s']:.2f} | {r['home_tok_s']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer epochs and volunteers (a smoke run)")
@@ -557,7 +602,19 @@ def main() -> None:
                     help="RebalanceConfig.release_share for every scenario (0: edge devices never release idle blocks)")
     ap.add_argument("--move-cost", type=float, default=mk.RebalanceConfig().move_cost,
                     help="RebalanceConfig.move_cost for every scenario")
+    ap.add_argument("--regions", action="store_true", help="only the regions run: one person's decode through a "
+                    "gateway in their region vs their home backbone (gateway_rows), with and without the market "
+                    "seeing regions; its last line is the JSON of gateway_rows")
     args = ap.parse_args()
+    if args.regions:
+        t0 = time.perf_counter()
+        blind = gateway_rows(near=False, quick=args.quick, seed=args.seed or SEEDS[0])
+        print("market blind to regions:\n\n" + gateway_table(blind))
+        result = gateway_rows(quick=args.quick, seed=args.seed or SEEDS[0])
+        print("\nmarket placing by region (near supply):\n\n" + gateway_table(result))
+        print(f"({time.perf_counter() - t0:.0f} s)")
+        print(json.dumps({k: round(v, 3) for k, v in result.items() if k != "rows"}))
+        return
     if args.png_dir:
         try:  # checked before the minutes of simulation, not after them
             import matplotlib  # noqa: F401

@@ -39,7 +39,18 @@ from ._dht import (
     publish_demand,
     validate_demand_record,
 )
-from ._grid import Block, ModelShape, Rect, Score, best_rect, best_signed_rect, better, pareto_shapes
+from ._grid import (
+    Block,
+    ModelShape,
+    Rect,
+    Score,
+    best_rect,
+    best_signed_rect,
+    better,
+    pareto_shapes,
+)
+from ._layers import layer_rates, whole_layers
+from ._near import NEAR_RTT_S, near_supply, round_trip_regions
 from ._price import (
     PRICE_KIND,
     PriceConfig,
@@ -100,6 +111,8 @@ __all__ = [
     "Volunteer", "DeviceClass", "AssignConfig", "Assignment", "assign", "capacity_cells", "cell_values",
     "choose_rects", "score_rects", "effective_class", "hot_mask", "CellValues", "OFF_TIER", "folded", "fast_held",
     "replica_targets", "within_rate", "target_replicas",
+    # regions and whole layers
+    "NEAR_RTT_S", "near_supply", "round_trip_regions", "layer_rates", "whole_layers",
     # rebalancing
     "RebalanceConfig", "PlanStep", "MovePlan", "rebalance", "plan_move", "check_plan", "drop_is_safe",
     # state and I/O shells

@@ -68,6 +68,7 @@ from moeswarm.errors import ConfigError
 
 from ._demand import Demand
 from ._grid import Block, ModelShape, Rect, Score, best_rect, best_signed_rect
+from ._layers import whole_layers
 from ._supply import Supply
 from ._target import target_replicas
 
@@ -122,6 +123,8 @@ class AssignConfig:
     call_bytes: int = 0  # bytes one (token, expert) call moves each way (hidden size x bytes per value);
     # a volunteer serves at most its link / call_bytes calls per second; 0: only its compute counts
     block_cells: int = 64  # with max_blocks > 1: most experts in each block but the last (bounds the search)
+    whole_layers: bool = True  # a hub that can hold a whole layer holds whole layers, balanced by
+    # each layer's rate per call (``_layers.py``), unless a rectangle covers or replicates more
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_blocks < 1 or not 0 <= self.hot_share <= 1:
@@ -241,8 +244,12 @@ def placed_as(supply: Supply, volunteer: Volunteer, config: AssignConfig, capaci
 
 
 def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer,
-                config: AssignConfig = AssignConfig(), *, capacity: int | None = None) -> CellValues:
-    """The value of this volunteer holding each expert, given the others' ``supply``."""
+                config: AssignConfig = AssignConfig(), *, capacity: int | None = None,
+                near: Supply | None = None) -> CellValues:
+    """The value of this volunteer holding each expert, given the others' ``supply``; ``near``:
+    the part of it held by holders within a short round trip of this volunteer (its region, see
+    ``_near.py``), for a hub's first fast copy (level 2): the first fast copy in its region, so the
+    backbones there call a holder one round trip across the region away, not across the world."""
     k = capacity_cells(shape, volunteer, config) if capacity is None else capacity
     r = supply.replicas
     p = demand.share
@@ -262,8 +269,10 @@ def cell_values(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Vo
         tail = rank.reshape(p.shape) >= int(fast.sum())
     if placed_as(supply, volunteer, config, k) == "hub":
         tier = np.where(hot, 1.0, OFF_TIER)
-        first = np.where(fast, 0.0, np.where(tail, OFF_TIER * p * p.size, 1.0 + p * p.size))
-        first = np.where(within_rate(p, fast, volunteer.serving_rate(config.call_bytes), float(w.sum())), first, 0.0)
+        here, fast_here = (supply, fast) if near is None else (near, fast_held(near, config))
+        first = np.where(fast_here, 0.0, np.where(tail, OFF_TIER * p * p.size, 1.0 + p * p.size))
+        rate = volunteer.serving_rate(config.call_bytes)
+        first = np.where(within_rate(p, fast_here, rate, float(here.throughput.sum())), first, 0.0)
         short, extra = tier * short, tier * extra
         serve = serve / max(float(serve.max()), 1e-300)
     else:  # the tail first (what the hubs reach, they will hold), then count replicas
@@ -372,9 +381,36 @@ def score_rects(values: CellValues, rects: Sequence[Rect], config: AssignConfig 
     return tuple(total)
 
 
+def layers_apply(shape: ModelShape, supply: Supply, volunteer: Volunteer, config: AssignConfig, capacity: int) -> bool:
+    """Whether whole layers are an option: a hub that can hold one, in a swarm whose memory holds
+    ``min_replicas`` copies of every expert (scarce memory: count replicas follow demand first)."""
+    return (config.whole_layers and capacity >= shape.grid[1] and placed_as(supply, volunteer, config, capacity) == "hub"
+            and supply.held_cells + capacity >= config.min_replicas * shape.cells)
+
+
+def layer_choice(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, config: AssignConfig,
+                 values: CellValues, capacity: int, rects: Sequence[Rect], near: Supply | None = None
+                 ) -> list[Rect] | None:
+    """Whole layers (``_layers.whole_layers``, balanced over ``near``'s holders when given: its
+    region's) instead of ``rects`` for a volunteer placed as a hub that can hold one, in a swarm
+    whose memory holds ``min_replicas`` copies of every expert, when they
+    cover and replicate as much in all (levels 1 and 3: memory left idle must not leave an expert
+    uncovered or short of replicas). ``None``: keep ``rects``."""
+    if not layers_apply(shape, supply, volunteer, config, capacity):
+        return None
+    span = whole_layers(shape, supply if near is None else near, demand, capacity)
+    if span is None:
+        return None
+    ours, theirs = score_rects(values, [span], config), score_rects(values, rects, config)
+    if any(ours[i] < theirs[i] - 1e-12 for i in (0, 2)):
+        return None
+    return [span]
+
+
 def assign(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer,
-           config: AssignConfig = AssignConfig()) -> Assignment:
-    """The blocks a joining ``volunteer`` should hold, given the swarm's ``supply`` and ``demand``.
+           config: AssignConfig = AssignConfig(), *, near: Supply | None = None) -> Assignment:
+    """The blocks a joining ``volunteer`` should hold, given the swarm's ``supply`` and ``demand``
+    (and ``near``, the part of ``supply`` in its region: see ``cell_values``).
 
     Pure and deterministic. Never assigns more than ``volunteer.memory_bytes``.
     """
@@ -383,7 +419,18 @@ def assign(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunte
     k = capacity_cells(shape, volunteer, config)
     if k < 1:
         return Assignment((), 0, 0, (0.0, 0.0, 0.0, 0.0, 0.0))
-    values = cell_values(shape, supply, demand, volunteer, config, capacity=k)
+    if near is not None and near.replicas.shape != shape.grid:
+        raise ConfigError("the near supply must be a grid of the model's shape")
+    values = cell_values(shape, supply, demand, volunteer, config, capacity=k, near=near)
+    if not values.cover.any() and not values.redundancy.any():  # no rectangle can beat whole layers
+        layers = layer_choice(shape, supply, demand, volunteer, config, values, k, [], near)
+        if layers is not None:
+            cells = sum(r.cells for r in layers)
+            return Assignment(tuple(shape.block(r) for r in layers), cells, cells * shape.expert_bytes,
+                              score_rects(values, layers, config))
     rects, score = choose_rects(values, k, config)
+    layers = layer_choice(shape, supply, demand, volunteer, config, values, k, rects, near)
+    if layers is not None:
+        rects, score = layers, score_rects(values, layers, config)
     cells = sum(r.cells for r in rects)
     return Assignment(tuple(shape.block(r) for r in rects), cells, cells * shape.expert_bytes, score)

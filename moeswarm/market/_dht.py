@@ -27,6 +27,7 @@ from moeswarm.protocol import (
 )
 
 from ._grid import ModelShape
+from ._near import NEAR_RTT_S, near_supply
 from ._price import PriceConfig, PriceTable
 from ._reports import (
     DemandReport,
@@ -113,7 +114,9 @@ async def fetch_state(dht: DHT, shape: ModelShape, *, now_ms: int | None = None,
                       exclude_peers: Collection[bytes] = (),
                       standing: Mapping[bytes, float] | None = None,
                       ledger_url: str | None = None,
-                      announcements: Sequence[Announcement] | None = None) -> MarketState:
+                      announcements: Sequence[Announcement] | None = None,
+                      round_trips: Mapping[bytes, float] | None = None,
+                      near_rtt_s: float = NEAR_RTT_S) -> MarketState:
     """The market's state of ``shape``'s model, read live from the DHT.
 
     Supply from the validated announcements of every MoE layer, except those of
@@ -125,6 +128,8 @@ async def fetch_state(dht: DHT, shape: ModelShape, *, now_ms: int | None = None,
     the most, their reports are read by key (so a crowd of fresh providers cannot hide them), and
     reporters without standing count for nothing. ``announcements`` already read (by a caller that
     looks at the holders themselves, e.g. ``fetch_announcements``) are used instead of reading them again.
+    With ``round_trips`` (peer -> this peer's measured round trip, seconds) the state's ``near``
+    is the supply of the holders within ``near_rtt_s``: its region (``_near.py``).
     """
     now = int(time.time() * 1000) if now_ms is None else now_ms
     read = await fetch_announcements(dht, shape, now_ms=now) if announcements is None else announcements
@@ -140,4 +145,5 @@ async def fetch_state(dht: DHT, shape: ModelShape, *, now_ms: int | None = None,
     if merged.rejected:
         log.info("demand reports dropped: %s", merged.rejected)
     supply = supply_from_holders(shape, holders, now_ms=now)
-    return MarketState(shape, supply, merged.demand, price_config.epoch_of(now), previous_prices)
+    near = None if round_trips is None else near_supply(shape, holders, round_trips, max_rtt_s=near_rtt_s, now_ms=now)
+    return MarketState(shape, supply, merged.demand, price_config.epoch_of(now), previous_prices, near)

@@ -29,11 +29,14 @@ from ._assign import (
     capacity_cells,
     cell_values,
     choose_rects,
+    layer_choice,
+    layers_apply,
     placed_as,
     score_rects,
 )
 from ._demand import Demand
 from ._grid import Block, ModelShape, Rect, better, cell_mask, union_cells
+from ._layers import is_whole_layers
 from ._supply import Supply
 
 
@@ -197,7 +200,7 @@ def _keep_and_choose(values: CellValues, keep: list[Rect], capacity: int, assign
 
 def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, current: Sequence[Block],
               *, assign_config: AssignConfig = AssignConfig(), config: RebalanceConfig = RebalanceConfig(),
-              epochs_since_move: int | None = None) -> MovePlan | None:
+              epochs_since_move: int | None = None, near: Supply | None = None) -> MovePlan | None:
     """Re-evaluate a node that holds ``current`` (included in ``supply``): a plan, or ``None`` to stay.
 
     The node's own contribution is taken out of ``supply`` and the assignment is recomputed for
@@ -215,15 +218,27 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     ``edge_levels`` levels (coverage), or to release idle blocks (``release_share``: it keeps its
     other blocks and chooses the idle ones' memory afresh, past ``edge_levels`` and ``move_cost``).
     It must not have moved in the last ``cooldown_epochs`` epochs, and a safe
-    ``plan_move`` must exist. With the state unchanged, a node that just moved stays: its new
+    ``plan_move`` must exist. ``near``: the part of ``supply`` held near the node, the node
+    included (its region, ``_near.py``): first fast copies and whole layers count there. With the state unchanged, a node that just moved stays: its new
     blocks are the best for the same values.
     """
     if epochs_since_move is not None and epochs_since_move < config.cooldown_epochs:
         return None
     rects: list[Rect] = [r for r in (shape.rect(b) for b in current) if r is not None]
     others = supply.changed(rects, volunteer.throughput, -1) if rects else supply
+    near = near.changed(rects, volunteer.throughput, -1) if near is not None and rects else near
     k = capacity_cells(shape, volunteer, assign_config)
-    values = cell_values(shape, others, demand, volunteer, assign_config, capacity=k)
+    values = cell_values(shape, others, demand, volunteer, assign_config, capacity=k, near=near)
+    limit = int(k * (1.0 + config.transition_slack))
+    span = None
+    if layers_apply(shape, others, volunteer, assign_config, k):  # else no rectangle search for nothing
+        rival = choose_rects(values, k, assign_config)[0] if values.cover.any() or values.redundancy.any() else []
+        span = layer_choice(shape, others, demand, volunteer, assign_config, values, k, rival, near)
+    if span is not None:  # a hub that can hold a whole layer: whole layers (_layers.py)
+        if is_whole_layers(shape, rects, k):
+            return None  # joiners fill the layers short of rate; a hub on whole layers stays
+        return plan_move(shape, others.replicas, [shape.block(r) for r in rects], [shape.block(r) for r in span],
+                         limit, float("inf"))  # no score level measures it: whole layers are the rule
     held = cell_mask(shape.grid, rects)
     sticky = values
     if assign_config.max_blocks > 1:
@@ -260,6 +275,5 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
             best, gain = option, g
     if gain <= config.hysteresis:
         return None
-    limit = int(k * (1.0 + config.transition_slack))
     return plan_move(shape, others.replicas, [shape.block(r) for r in rects], [shape.block(r) for r in best],
                      limit, gain)

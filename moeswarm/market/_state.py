@@ -65,6 +65,7 @@ class MarketState:
     demand: Demand
     epoch: int  # pricing epoch
     previous_prices: PriceTable | None = None  # last epoch's table, if known (smooths this one)
+    near: Supply | None = None  # the supply held within a short round trip of the asking peer (_near.py)
 
     def prices(self, config: PriceConfig = PriceConfig()) -> PriceTable:
         """This epoch's price table."""

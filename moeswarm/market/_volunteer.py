@@ -4,6 +4,7 @@ assigns, read from the live DHT."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
@@ -22,12 +23,14 @@ def model_shape(model_dir: str, cfg: ModelConfig, model_id: str) -> ModelShape:
 
 
 async def market_assignment(p2p: Any, shape: ModelShape, volunteer: Volunteer, *,
-                            ledger_url: str | None = None, config: AssignConfig = AssignConfig()) -> tuple[Block, ...]:
+                            ledger_url: str | None = None, config: AssignConfig = AssignConfig(),
+                            round_trips: Mapping[bytes, float] | None = None) -> tuple[Block, ...]:
     """Ask the market which blocks of experts this volunteer should hold (at most
     ``config.max_blocks``, best first; demand weighed by the standing ``ledger_url`` gives each
-    reporter, when given)."""
-    state = await fetch_state(p2p, shape, ledger_url=ledger_url)
-    assignment = assign(shape, state.supply, state.demand, volunteer, config)
+    reporter, when given; with ``round_trips``, this volunteer's measured round trips to holders,
+    a hub's first fast copies and whole layers count in its region: ``_near.py``)."""
+    state = await fetch_state(p2p, shape, ledger_url=ledger_url, round_trips=round_trips)
+    assignment = assign(shape, state.supply, state.demand, volunteer, config, near=state.near)
     if not assignment.blocks:
         raise ConfigError(f"{volunteer.memory_bytes / 2**20:.0f} MiB cannot hold a single expert "
                           f"({shape.expert_bytes / 2**20:.1f} MiB)")

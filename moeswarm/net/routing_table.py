@@ -30,6 +30,8 @@ class Holder:
     banned_until: float = 0.0  # monotonic seconds; skipped until then
     software: str = ""  # as announced, e.g. "moeswarm/0.1.0"
     more_blocks: BlockRanges = ()  # as announced: blocks beside the first
+    in_flight: int = 0  # our calls to it not answered yet
+    service_s: float | None = None  # smoothed compute time of one of our calls there, seconds (as it reports)
 
     def blocks(self) -> BlockRanges:
         """Every (layers, experts) block it announced, the first one first."""
@@ -39,13 +41,25 @@ class Holder:
         return any(L[0] <= layer <= L[1] and E[0] <= expert <= E[1] for L, E in self.blocks())
 
     def score(self) -> float:
-        """Lower is better: expected latency, inflated by load."""
-        return (self.rtt_s if self.rtt_s is not None else DEFAULT_RTT_S) * (1 + self.load_permille / 1000)
+        """Lower is better: the expected latency of one more call, seconds: the measured round trip
+        (link probes, then calls; a call's includes its wait in the holder's queue), inflated by the
+        load it reports, plus the calls we already have in flight there, each its compute time."""
+        rtt = self.rtt_s if self.rtt_s is not None else DEFAULT_RTT_S
+        return rtt * (1 + self.load_permille / 1000) + self.in_flight * (self.service_s or 0.0)
 
-    def observe(self, seconds: float, load_permille: int) -> None:
+    def observe(self, seconds: float, load_permille: int, compute_s: float | None = None) -> None:
+        """A call answered: ``seconds`` from sending to the answer minus its compute time."""
         self.rtt_s = seconds if self.rtt_s is None else 0.7 * self.rtt_s + 0.3 * seconds
+        if compute_s is not None:
+            self.service_s = compute_s if self.service_s is None else 0.7 * self.service_s + 0.3 * compute_s
         self.load_permille = load_permille
         self.failures = 0
+
+    def probed(self, rtt_s: float) -> None:
+        """A link probe's round trip (pings: no queue): where no call measured the holder yet it is
+        the estimate; else it pulls the calls' estimate back toward the network's round trip (the
+        queue a call waited in once, e.g. while the holder was loaded, does not stay forever)."""
+        self.rtt_s = rtt_s if self.rtt_s is None else min(self.rtt_s, 0.5 * self.rtt_s + 0.5 * rtt_s)
 
     def fail(self, now: float) -> None:
         self.failures += 1
@@ -70,6 +84,7 @@ class SwarmTable:
                    ann.load_permille, ann.throughput, software=ann.software, more_blocks=ann.more_blocks)
         if old is not None and old.endpoints == ann.endpoints:  # keep what we measured
             h.rtt_s, h.failures, h.banned_until = old.rtt_s, old.failures, old.banned_until
+            h.in_flight, h.service_s = old.in_flight, old.service_s
         self.holders[ann.peer_id] = h
 
     def live(self, now_ms: int | None = None, now: float | None = None) -> list[Holder]:

@@ -246,6 +246,7 @@ class RemoteExperts:
             experts=tuple(ExpertRows(e, local_index[t].astype(np.uint32)) for e, t in zip(experts, token_sets)),
         )
         t0 = time.perf_counter()
+        holder.in_flight += 1  # the queue term of its expected latency (Holder.score)
         try:
             response: ExpertResponse = await self._call_once_or_reconnect(holder, request)
             if response.outputs.shape != (request.pairs, x.shape[1]):
@@ -258,7 +259,10 @@ class RemoteExperts:
             if not (isinstance(e, ProtocolError) and e.code == ErrorCode.OVERLOADED):
                 await self.connections.drop(peer)
             raise
-        holder.observe(max(0.0, time.perf_counter() - t0 - response.compute_us / 1e6), response.load_permille)
+        finally:
+            holder.in_flight -= 1
+        compute_s = response.compute_us / 1e6
+        holder.observe(max(0.0, time.perf_counter() - t0 - compute_s), response.load_permille, compute_s)
         outputs = response.outputs.astype(np.float32, copy=False)
         honest = True
         if self.verifier is not None:  # a sample is checked before its outputs are used

@@ -161,6 +161,9 @@ class LinkMonitor:
                                (1 - a) * old.down_bps + a * down, now, old.probes + 1)
         self.links[holder.peer_id] = new
         self.errors.pop(holder.peer_id, None)
+        held = self.table.holders.get(holder.peer_id)
+        if held is not None:  # the dispatch's expected latency (Holder.score) learns the round trip
+            held.probed(rtt)
         if old is None:  # the plan had no figure for this peer at all
             self.changed.set()
         return new
