@@ -16,7 +16,8 @@ MTP (``backbone --draft mtp --speculative K``, when this build accepts ``--draft
 "not available on this build"). Printed per case: median decode tok/s (tokens after the first /
 time from the first to the last), median time to the first token, and whether the greedy tokens
 equal the home backbone's. Then the simulation's figures for M3 (``benchmarks/swarm_sim.py``'s
-``gateway_figures()``, if that build has it; else None). The last line is one JSON object::
+``gateway_rows``: three regions, a person in each; ``--sim full`` as ``swarm_sim.py --regions``,
+``--sim quick`` a third of the volunteers, ``--sim off`` None). The last line is one JSON object::
 
     {"home_tok_s": ..., "gateway_tok_s": ..., "gateway_mtp_tok_s": ..., "sim_m3_gateway_tok_s": ...,
      "sim_m3_home_tok_s": ..., "mtp_acceptance": ...}
@@ -46,7 +47,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from _delay import spawn_delay_proxy  # benchmarks/_delay.py
-from _links import _free_port, delayed_swarm  # benchmarks/_links.py
+from _links import _free_port, delayed_swarm, mtp_layers  # benchmarks/_links.py
 
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import Daemon, start_daemon, stop_daemon
@@ -125,17 +126,14 @@ def chosen_gateway(boot: str) -> str:
     return client.candidates[0].record.url
 
 
-def sim_figures() -> dict[str, Any]:
-    try:
-        import swarm_sim  # benchmarks/swarm_sim.py
-    except ImportError as e:
-        print(f"swarm_sim could not be imported: {e}")
-        return {}
-    figures = getattr(swarm_sim, "gateway_figures", None)
-    if figures is None:
-        print("swarm_sim.gateway_figures() is not in this build: the simulation's rows are None")
-        return {}
-    return dict(figures())
+def sim_figures(quick: bool) -> dict[str, Any]:
+    """One person's decode on M3 through a gateway in their region and from a home backbone:
+    ``benchmarks/swarm_sim.py``'s regions simulation (``gateway_rows``), printed as its table."""
+    import swarm_sim  # benchmarks/swarm_sim.py
+
+    figures = swarm_sim.gateway_rows(quick=quick, shapes=("m3",))
+    print(swarm_sim.gateway_table(figures))
+    return figures
 
 
 def status_of(url: str) -> dict[str, Any]:
@@ -155,13 +153,16 @@ def main() -> None:
     p.add_argument("--hub-rtt-ms", type=float, default=1.0)
     p.add_argument("--person-rtt-ms", type=float, default=30.0)
     p.add_argument("--speculative", type=int, default=3)
+    p.add_argument("--sim", choices=("full", "quick", "off"), default="quick",
+                   help="the regions simulation of swarm_sim.py for the sim_* figures")
     a = p.parse_args()
     person_delay = a.person_rtt_ms / 2e3
     results: dict[str, list[Stream]] = {"home backbone": [], "gateway in the hub": [], "gateway + MTP": []}
     mtp_note, acceptance = "", None
     with contextlib.ExitStack() as stack:
-        hub = stack.enter_context(delayed_swarm(str(CHECKPOINT), RANGES, a.hub_rtt_ms))
-        far = stack.enter_context(delayed_swarm(str(CHECKPOINT), RANGES, a.person_rtt_ms))
+        layers = mtp_layers(str(CHECKPOINT))  # the decoder's layers and its MTP layer, for --draft mtp
+        hub = stack.enter_context(delayed_swarm(str(CHECKPOINT), RANGES, a.hub_rtt_ms, layers=layers))
+        far = stack.enter_context(delayed_swarm(str(CHECKPOINT), RANGES, a.person_rtt_ms, layers=layers))
         hub_boot, far_boot = hub[0].info["multiaddrs"][0], far[0].info["multiaddrs"][0]
         home = start_daemon("home", ["backbone", "--model", str(CHECKPOINT), "--bootstrap", far_boot, "--http",
                                      "127.0.0.1:0", "--probe-interval", "5"])
@@ -202,7 +203,7 @@ def main() -> None:
         print(f"{case:<22} {med[case]:>13.2f} {statistics.median(r.first_s for r in runs):>14.3f}  {same}")
     if acceptance is not None:
         print(f"MTP draft acceptance: {acceptance:.1%}")
-    sim = sim_figures()
+    sim = sim_figures(a.sim == "quick") if a.sim != "off" else {}
     print(json.dumps({"home_tok_s": med["home backbone"], "gateway_tok_s": med["gateway in the hub"],
                       "gateway_mtp_tok_s": med["gateway + MTP"], "sim_m3_gateway_tok_s": sim.get("sim_m3_gateway_tok_s"),
                       "sim_m3_home_tok_s": sim.get("sim_m3_home_tok_s"), "mtp_acceptance": acceptance}))

@@ -253,7 +253,7 @@ def forward_batch(model: Model, steps: Sequence[Step]) -> None:
         s.logits = logits[at : at + k]
         at += k
         if s.want_hidden:
-            s.hidden = rms_norm(x[a:b], w["final_norm"], cfg.rms_norm_eps)
+            s.hidden = block_norm(cfg, x[a:b], w["final_norm"])
 
 
 def _attention(model: Model, L: int, h: np.ndarray, steps: Sequence[Step], starts: np.ndarray, ends: np.ndarray,

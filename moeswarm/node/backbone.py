@@ -264,11 +264,7 @@ async def run_backbone(config: BackboneConfig, on_ready: Callable[[dict[str, Any
                             api_key=config.api_key, limits=config.http_limits,
                             middlewares=(gate.middleware(),) if gate is not None else (), public=config.gateway,
                             allowed_hosts=_url_hosts(config.gateway_url))
-            def status() -> dict[str, Any]:
-                engine = service.engine  # draft tokens proposed and accepted (speculative decoding)
-                return {**backbone.status(), "speculative": {"drafted": engine.drafted, "accepted": engine.accepted}}
-
-            runner, port = await serve_http(service, config.http[0], config.http[1], api, status=status)
+            runner, port = await serve_http(service, config.http[0], config.http[1], api, status=backbone.status)
             info["http"] = info["status"] = f"http://{config.http[0]}:{port}"
         gateway = None
         try:
