@@ -47,8 +47,8 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.records.utils import InvalidRecordType
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
-from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux import yamux as _yamux
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.transport.exceptions import OpenConnectionError, UpgradeFailure

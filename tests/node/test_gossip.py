@@ -4,6 +4,7 @@ evicts a live record; GossipSub's equivocation memory bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -144,23 +145,25 @@ def test_yamux_readers_batch_window_updates(patched: bool, monkeypatch: pytest.M
     topic, got = "/moeswarm/test/window", []
 
     async def scenario() -> None:
-        async with P2PNode(Identity.generate()) as reader:
-            async with P2PNode(Identity.generate(), P2PConfig(bootstrap=(reader.multiaddrs[0],))) as writer:
-                await reader.subscribe(topic, lambda peer, address, data: got.append(data) is None)
-                await writer.subscribe(topic, lambda peer, address, data: True)
+        async with contextlib.AsyncExitStack() as stack:
+            reader = await stack.enter_async_context(P2PNode(Identity.generate()))
+            writer = await stack.enter_async_context(
+                P2PNode(Identity.generate(), P2PConfig(bootstrap=(reader.multiaddrs[0],))))
+            await reader.subscribe(topic, lambda peer, address, data: got.append(data) is None)
+            await writer.subscribe(topic, lambda peer, address, data: True)
 
-                async def grafted() -> bool:  # in the writer's mesh: publish reaches the reader
-                    return reader.peer_id in {str(p) for p in writer._pubsub.router.mesh.get(topic, ())}
+            async def grafted() -> bool:  # in the writer's mesh: publish reaches the reader
+                return reader.peer_id in {str(p) for p in writer._pubsub.router.mesh.get(topic, ())}
 
-                async with asyncio.timeout(30):
-                    while not await writer._call(grafted):
-                        await asyncio.sleep(0.05)
-                    before = updates[0]
-                    for n in range(MESSAGES):  # one at a time: py-libp2p drops some of a burst
-                        await writer.publish(topic, b"message %d" % n)
-                        while len(got) <= n:
-                            await asyncio.sleep(0.01)
-                sent = updates[0] - before
+            async with asyncio.timeout(30):
+                while not await writer._call(grafted):
+                    await asyncio.sleep(0.05)
+                before = updates[0]
+                for n in range(MESSAGES):  # one at a time: py-libp2p drops some of a burst
+                    await writer.publish(topic, b"message %d" % n)
+                    while len(got) <= n:
+                        await asyncio.sleep(0.01)
+            sent = updates[0] - before
         assert sent < MESSAGES * 4, f"{sent} WINDOW_UPDATE frames for {MESSAGES} small messages"
 
     asyncio.run(scenario())
