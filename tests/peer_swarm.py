@@ -11,9 +11,11 @@ record was seen. Holders announce on the model's topic only (``AnnounceConfig.dh
 ``dht=True`` each also stores its record under its layers' DHT keys, as a node does by default:
 that write, and the lookup of itself that fills a node's routing table at start, are each
 holder's own cost, 1-2 s of CPU per holder at start-up here, and no backbone reads the record
-when the topic answers; without ``dht`` holders skip both, ``P2PConfig.bootstrap_lookup=False``). Worker processes (``python tests/peer_swarm.py``) start their share of holders
-and answer JSON commands on stdin, one line each: ``withdraw``, ``move``, ``stats`` (resident
-memory, CPU seconds, bytes read from libp2p connections, counted in RawConnection.read: every
+when the topic answers; without ``dht`` holders skip both, ``P2PConfig.bootstrap_lookup=False``).
+Worker processes (``python tests/peer_swarm.py``) start their share of holders (a ``seeds`` line
+once their first three holders run, on which the coordinator starts the next workers; ``ready``
+once all run) and answer JSON commands on stdin, one line each: ``withdraw``, ``move``, ``stats``
+(resident memory, CPU seconds, bytes read from libp2p connections, counted in RawConnection.read: every
 control-plane byte, DHT and gossip), ``stop``.
 """
 
@@ -84,8 +86,11 @@ async def _worker(args: argparse.Namespace) -> None:
 
     async def start(i: int) -> None:
         async with gate:
+            # two local peers and the seed; the first two also the bootstrap holders of the first
+            # worker (one topic). Never those holders for everyone: once a holder has max_connections,
+            # a dial to it hangs until dial_timeout_s (60 s a start, seen with 1 in 4 holders doing so)
             local = [n.multiaddrs[0] for n in nodes if n.multiaddrs]
-            boot = seeds if len(local) < 2 else (*rng.sample(local, 2), rng.choice(seeds))
+            boot = seeds if len(local) < 2 else (*rng.sample(local, 2), seeds[0])
             node = P2PNode(Identity.generate(), P2PConfig(bootstrap=boot, max_connections=args.max_connections,
                                                           dial_timeout_s=60.0, op_timeout_s=60.0,
                                                           bootstrap_lookup=args.dht))
@@ -97,7 +102,11 @@ async def _worker(args: argparse.Namespace) -> None:
             announcers[i] = announcer
 
     try:
-        await asyncio.gather(*(start(i) for i in range(args.first, args.first + args.count)))
+        first_three = range(args.first, args.first + min(3, args.count))
+        await asyncio.gather(*(start(i) for i in first_three))
+        # the coordinator starts the other workers on these: they need not wait for all 50
+        print(json.dumps({"seeds": [n.multiaddrs[0] for n in nodes]}), flush=True)
+        await asyncio.gather(*(start(i) for i in range(first_three.stop, args.first + args.count)))
         print(json.dumps({"ready": sorted(announcers), "multiaddrs": [n.multiaddrs[0] for n in nodes[:4]],
                           "rss_kib": _rss_kib(), "cpu_s": _cpu_s()}), flush=True)
         while line := (await asyncio.to_thread(sys.stdin.readline)).strip():
@@ -153,16 +162,17 @@ class PeerSwarm:
         from moeswarm.protocol import Identity
 
         t0 = time.monotonic()
-        self.seed = await self._stack.enter_async_context(P2PNode(Identity.generate(), P2PConfig(max_connections=256)))
+        self.seed = await self._stack.enter_async_context(P2PNode(Identity.generate(), P2PConfig(max_connections=1024)))  # every holder dials it
         self.bootstrap = (self.seed.multiaddrs[0],)
         try:  # the first worker's holders are every later worker's bootstrap too: one connected topic
             firsts = list(range(0, self.holders, self.per_process))
             self._spawn(firsts[0])
-            await self._ready(self.workers[0])
-            self.bootstrap += tuple(self.started[0]["multiaddrs"][:3])
+            self.bootstrap += tuple((await self._read(self.workers[0], timeout_s=600))["seeds"])
             for first in firsts[1:]:
                 self._spawn(first)
-            for worker in self.workers[1:]:
+            for worker in self.workers:
+                if worker is not self.workers[0]:
+                    await self._read(worker, timeout_s=600)  # its seeds line
                 await self._ready(worker)
         except BaseException:
             await self.__aexit__(None, None, None)

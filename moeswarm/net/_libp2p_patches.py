@@ -16,6 +16,11 @@ py-libp2p 0.8.1 (``spikes/libp2p/FINDINGS.md``); the DHT's part of them lives in
   ``find_providers`` without duplicates; a replica count for ``put``.
 * ``install_find_node_fix``: servers refused FIND_NODE for keys over 50 bytes, so lookups for
   our keys never went past the first hop.
+* ``install_window_update_batching``: a Yamux reader sent a WINDOW_UPDATE frame for every read
+  (``PY_YAMUX_RELEASE_ON_READ`` defaults on), so every small message (a gossip RPC, a DHT reply)
+  cost a second encrypted frame back; now updates batch to half the window, as go-yamux does.
+  Half of a holder's start-up CPU went there (tests/peer_swarm.py: 20 holders, 20.5 s of CPU
+  before, 10.7 s after).
 * ``configure_logging``: ``import libp2p`` cuts its logger off from ours; routine dial
   failures log at ERROR (finding 8).
 """
@@ -42,6 +47,7 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.records.utils import InvalidRecordType
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
@@ -163,6 +169,24 @@ def install_inbound_slot_fix(swarm: Any) -> None:
     cls._moeswarm_inbound_fix = True
 
 
+# ---------------------------------------------------------------- Yamux window updates
+
+
+def install_window_update_batching() -> None:
+    """Send Yamux WINDOW_UPDATEs once half the receive window is consumed (go-yamux's rule),
+    not after every read. py-libp2p 0.8.1 releases on every read unless the environment says
+    ``PY_YAMUX_RELEASE_ON_READ=0``; an explicit setting of that variable still wins."""
+    if getattr(_yamux, "_moeswarm_release_on_read", None) is not None:
+        return
+    original = _yamux._yamux_release_on_read
+
+    def release_on_read() -> bool:
+        return original() if _yamux._py_yamux_env_set("RELEASE_ON_READ") else False
+
+    _yamux._moeswarm_release_on_read = original
+    _yamux._yamux_release_on_read = release_on_read
+
+
 # ---------------------------------------------------------------- host, bootstrap, errors
 
 
@@ -197,6 +221,7 @@ def make_host(identity: Identity, config: P2PConfig, release_slots: bool) -> IHo
     # which every lookup that meets a departed peer pays; callers retry at their own pace.
     host.get_network().retry_config = RetryConfig(max_retries=0)
     install_find_node_fix()
+    install_window_update_batching()
     if release_slots:
         install_inbound_slot_fix(host.get_network())
     return host

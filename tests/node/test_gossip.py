@@ -4,6 +4,7 @@ evicts a live record; GossipSub's equivocation memory bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -107,3 +108,62 @@ def test_gossipsub_forgets_old_messages(patched: bool) -> None:
     for n in range(EQUIVOCATION_MEMORY * 3):
         assert check(router, rpc_pb2.Message(from_id=b"peer", seqno=n.to_bytes(8, "big"), data=b"x", topicIDs=["t"]))
     assert len(router.equivocation_detection) <= EQUIVOCATION_MEMORY
+
+
+MESSAGES = 60
+
+
+@pytest.mark.parametrize("patched", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="py-libp2p 0.8.1 sends a Yamux WINDOW_UPDATE after every read"))],
+    ids=["with-patch", "without-patch"])
+def test_yamux_readers_batch_window_updates(patched: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two real nodes (TCP, Noise, Yamux, GossipSub); one publishes 60 small messages on a topic
+    the other subscribes to. Every WINDOW_UPDATE frame written in this process is counted: with
+    the patch the frames not yet batched (py-libp2p's auto-tuned window still grows after reads)
+    numbered 121; without it, a frame after every read of either node: the without-patch
+    variant counted 540."""
+    import asyncio
+
+    from libp2p.stream_muxer.yamux import yamux
+
+    from moeswarm.net import _libp2p_patches
+    from moeswarm.net.p2p import P2PConfig, P2PNode
+
+    _libp2p_patches.install_window_update_batching()
+    if not patched:
+        monkeypatch.setattr(yamux, "_yamux_release_on_read", yamux._moeswarm_release_on_read)
+    updates = [0]
+    write_frame = yamux.Yamux._write_frame
+
+    async def counted(self, data: bytes) -> None:  # type: ignore[no-untyped-def]
+        _, kind, flags, _, increment = yamux.struct.unpack(yamux.YAMUX_HEADER_FORMAT, data[:yamux.HEADER_SIZE])
+        if kind == yamux.TYPE_WINDOW_UPDATE and flags == 0 and increment > 0:
+            updates[0] += 1
+        await write_frame(self, data)
+
+    monkeypatch.setattr(yamux.Yamux, "_write_frame", counted)
+    topic, got = "/moeswarm/test/window", []
+
+    async def scenario() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            reader = await stack.enter_async_context(P2PNode(Identity.generate()))
+            writer = await stack.enter_async_context(
+                P2PNode(Identity.generate(), P2PConfig(bootstrap=(reader.multiaddrs[0],))))
+            await reader.subscribe(topic, lambda peer, address, data: got.append(data) is None)
+            await writer.subscribe(topic, lambda peer, address, data: True)
+
+            async def grafted() -> bool:  # in the writer's mesh: publish reaches the reader
+                return reader.peer_id in {str(p) for p in writer._pubsub.router.mesh.get(topic, ())}
+
+            async with asyncio.timeout(30):
+                while not await writer._call(grafted):
+                    await asyncio.sleep(0.05)
+                before = updates[0]
+                for n in range(MESSAGES):  # one at a time: py-libp2p drops some of a burst
+                    await writer.publish(topic, b"message %d" % n)
+                    while len(got) <= n:
+                        await asyncio.sleep(0.01)
+            sent = updates[0] - before
+        assert sent < MESSAGES * 4, f"{sent} WINDOW_UPDATE frames for {MESSAGES} small messages"
+
+    asyncio.run(scenario())
