@@ -60,16 +60,24 @@ class Discovery:
 
     async def refresh(self) -> None:
         """With gossip: join the topic (once) and take a first view from a few of its peers;
-        when none answers, or without gossip, one DHT pass (``read_announcements``)."""
+        when none answers, when the view still leaves an expert without a holder, or without
+        gossip, one DHT pass (``read_announcements``)."""
         if self.gossip is not None:
             if not self._joined:
                 await self.gossip.start()
                 self._joined = True
-            if await self.gossip.first_view() or len(self.gossip.view):
+            answered = await self.gossip.first_view()
+            if (answered or len(self.gossip.view)) and not self._uncovered():
                 self.refreshes += 1
                 return
         await self._dht_pass()
         self.refreshes += 1
+
+    def _uncovered(self) -> bool:
+        """Whether some (layer, expert) has no live holder in the table: then the topic's peers did
+        not know every holder yet (a young swarm whose mesh is still forming, a joiner that asked
+        peers which joined late) and the DHT, where every holder also writes, fills the view."""
+        return self.num_experts is not None and bool(self.table.coverage(self.moe_layers, self.num_experts))
 
     async def _dht_pass(self) -> None:
         """One pass over every MoE layer's providers (each peer's newest record, including peers

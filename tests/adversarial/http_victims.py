@@ -38,6 +38,10 @@ class _StandIn:
     model_id = "victim/model"
     context_length = 512
 
+    class engine:  # noqa: N801 (the service's engine: its speculative setting, for the model card)
+        class config:  # noqa: N801
+            speculative = 0
+
 
 async def ledger(args: argparse.Namespace, limits: Any) -> tuple[str, Any]:
     from moeswarm.ledger import Ledger, StoreConfig

@@ -156,7 +156,7 @@ def test_migrations_create_exactly_the_models(ledger: Ledger) -> None:
                                 Base.metadata)
         version = conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").scalar()
     assert diff == []
-    assert version == "0002"
+    assert version == "0003"  # 0003: gateway charges (issue 30)
 
 
 def test_missing_database_and_bad_urls(tmp_path: Path) -> None:

@@ -300,7 +300,8 @@ def test_auto_node_moves_to_what_the_swarm_lacks_without_uncovering_an_expert() 
                     async def sample_coverage() -> None:  # what a backbone joining now would find
                         while True:
                             table = SwarmTable(model_id)
-                            await Discovery(observer, table, MOE).refresh()
+                            await Discovery(observer, table, MOE, num_layers=CFG.num_layers,  # as a backbone does
+                                            num_experts=CFG.num_experts).refresh()
                             samples.append(ALL - table.coverage(MOE, CFG.num_experts))
                             await asyncio.sleep(0.05)  # pacing only: the samples are what is checked
 

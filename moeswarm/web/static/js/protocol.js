@@ -342,6 +342,8 @@ export function decodeExpertRequest(m) {
   if (!covered.every((c) => c === 1)) bad("every row of hidden must be routed to at least one expert");
   const deadline_ms = m.deadline_ms === undefined || m.deadline_ms === null ? undefined : uint(m, "deadline_ms", U32);
   if (deadline_ms === 0) bad("deadline_ms must be >= 1");
+  // v1.3's flag (the device answers every request with its own signed receipt, as v1.2 does)
+  if (m.signed !== undefined && m.signed !== null && typeof m.signed !== "boolean") bad("signed must be a boolean");
   return { request_id, model_id: modelId(m), layer: uint(m, "layer", U32), seq: uint(m, "seq"), hidden, experts,
     deadline_ms, pairs };
 }
