@@ -37,3 +37,27 @@ def variant(folder: Path, edit: Callable[[Weights], None] | None = None, **chang
     if edit is not None:
         edit(w)
     return Model(w, backend="eager")
+
+
+class OracleCheckpoints:
+    """The tiny checkpoints a family's ``oracle_*`` module builds (seed 0) and transformers' reference
+    run on each (16-token prefill + 8 greedy decode steps), built once per session and read-only.
+    ``get(*key)`` -> ``(folder, Reference)``; ``key`` is ``build_checkpoint``'s leading arguments
+    (arch, layout; or none)."""
+
+    def __init__(self, module: str, root: Path) -> None:
+        self.module, self.root = module, root
+        self._cache: dict[tuple[str, ...], tuple[Path, Any]] = {}
+
+    @property
+    def oracle(self) -> Any:
+        import importlib
+
+        return importlib.import_module(self.module)
+
+    def get(self, *key: str) -> tuple[Path, Any]:
+        if key not in self._cache:
+            o = self.oracle
+            folder = o.build_checkpoint(*key, self.root / "-".join(key or ("checkpoint",)))
+            self._cache[key] = (folder, o.reference_run(folder, o.PROMPT))
+        return self._cache[key]

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
-from ..errors import ProtocolError, SwarmError
+from ..errors import SwarmError
 from ..protocol import (
     ErrorCode,
     Identity,
@@ -40,16 +40,15 @@ from ..protocol import (
 )
 from ..protocol._codec import ENDPOINT_RE, MODEL_ID_RE
 from ..protocol._limits import (
-    CLOCK_SKEW_MS,
     MAX_ENDPOINT_BYTES,
     MAX_ENDPOINTS,
     MAX_MODEL_ID_BYTES,
     MAX_RECORD_BYTES,
-    MAX_RECORD_TTL_MS,
     PUBLIC_KEY_SIZE,
     SIGNATURE_SIZE,
 )
 from ..protocol._wire import Fields, bad, check_text, unpack
+from ._signed import select_newest, validate_peer_record
 
 log = logging.getLogger(__name__)
 
@@ -183,48 +182,12 @@ def validate_catalogue(key: str, value: bytes, stored: bytes | None = None, *,
     """Accept a catalogue entry for ``key`` or raise ``ProtocolError``: size (3), decoding (4), the
     key names the signer (9), key and signature (9), expiry (15), too-distant expiry (4), and a
     ``seq`` above a still-valid ``stored`` entry's (14): the announcement's rule."""
-    now = _now_ms(now_ms)
-    m = _KEY.fullmatch(key)
-    if m is None:
-        bad(f"not a catalogue key: {key!r:.100}")
-    entry = CatalogueEntry.decode(value)
-    try:
-        named = peer_id_from_str(m.group(1))
-    except SwarmError:
-        bad("the key does not name a peer ID")
-    if entry.peer_id != named:
-        raise ProtocolError("key names another peer than the entry", code=ErrorCode.AUTH_FAILED)
-    if not entry.verifies():
-        raise ProtocolError("catalogue entry signature does not verify", code=ErrorCode.AUTH_FAILED)
-    if entry.expires_at_ms <= now:
-        raise ProtocolError("catalogue entry has expired", code=ErrorCode.EXPIRED)
-    if entry.expires_at_ms > now + MAX_RECORD_TTL_MS + CLOCK_SKEW_MS:
-        bad("catalogue entry expires too far in the future")
-    if stored is not None:
-        try:
-            old = validate_catalogue(key, stored, now_ms=now)
-        except ProtocolError:
-            return entry
-        if entry.seq <= old.seq:
-            raise ProtocolError(f"catalogue entry seq {entry.seq} is not above stored {old.seq}",
-                                code=ErrorCode.STALE)
-    return entry
+    return validate_peer_record("catalogue entry", _KEY, CatalogueEntry.decode, key, value, stored, now_ms=now_ms)
 
 
 def select_catalogue(key: str, values: Sequence[bytes]) -> int:
-    """Index of the valid entry with the highest seq (the first on a tie)."""
-    best, best_seq, error = -1, -1, None
-    for i, value in enumerate(values):
-        try:
-            seq = validate_catalogue(key, value).seq
-        except ProtocolError as e:
-            error = e
-            continue
-        if seq > best_seq:
-            best, best_seq = i, seq
-    if best < 0:
-        raise error or ProtocolError("no valid catalogue entry", code=ErrorCode.BAD_FIELD)
-    return best
+    """Index of the valid catalogue entry with the highest seq (the first on a tie)."""
+    return select_newest("catalogue entry", validate_catalogue, key, values)
 
 
 # ------------------------------------------------------------------ reading

@@ -21,12 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from ..errors import ProtocolError, SwarmError
+from ..errors import SwarmError
 from ..protocol import (
     ErrorCode,
     Identity,
@@ -39,14 +38,13 @@ from ..protocol import (
 )
 from ..protocol._codec import MODEL_ID_RE
 from ..protocol._limits import (
-    CLOCK_SKEW_MS,
     MAX_MODEL_ID_BYTES,
     MAX_RECORD_BYTES,
-    MAX_RECORD_TTL_MS,
     PUBLIC_KEY_SIZE,
     SIGNATURE_SIZE,
 )
 from ..protocol._wire import Fields, bad, check_text, unpack
+from ._signed import select_newest, validate_peer_record
 
 log = logging.getLogger(__name__)
 
@@ -138,47 +136,12 @@ def validate_gateway(key: str, value: bytes, stored: bytes | None = None, *, now
     """Accept a gateway record for ``key`` or raise ``ProtocolError``: size (3), decoding (4), the key
     names the signer (9), signature (9), expiry (15), too-distant expiry (4), and a ``seq`` above a
     still-valid ``stored`` record's (14)."""
-    now = int(time.time() * 1000) if now_ms is None else now_ms
-    m = _KEY.fullmatch(key)
-    if m is None:
-        bad(f"not a gateway key: {key!r:.100}")
-    record = GatewayRecord.decode(value)
-    try:
-        named = peer_id_from_str(m.group(1))
-    except SwarmError:
-        bad("the key does not name a peer ID")
-    if record.peer_id != named:
-        raise ProtocolError("key names another peer than the gateway record", code=ErrorCode.AUTH_FAILED)
-    if not record.verifies():
-        raise ProtocolError("gateway record signature does not verify", code=ErrorCode.AUTH_FAILED)
-    if record.expires_at_ms <= now:
-        raise ProtocolError("gateway record has expired", code=ErrorCode.EXPIRED)
-    if record.expires_at_ms > now + MAX_RECORD_TTL_MS + CLOCK_SKEW_MS:
-        bad("gateway record expires too far in the future")
-    if stored is not None:
-        try:
-            old = validate_gateway(key, stored, now_ms=now)
-        except ProtocolError:
-            return record
-        if record.seq <= old.seq:
-            raise ProtocolError(f"gateway record seq {record.seq} is not above stored {old.seq}", code=ErrorCode.STALE)
-    return record
+    return validate_peer_record("gateway record", _KEY, GatewayRecord.decode, key, value, stored, now_ms=now_ms)
 
 
 def select_gateway(key: str, values: Sequence[bytes]) -> int:
-    """Index of the valid record with the highest seq (the first on a tie)."""
-    best, best_seq, error = -1, -1, None
-    for i, value in enumerate(values):
-        try:
-            seq = validate_gateway(key, value).seq
-        except ProtocolError as e:
-            error = e
-            continue
-        if seq > best_seq:
-            best, best_seq = i, seq
-    if best < 0:
-        raise error or ProtocolError("no valid gateway record", code=ErrorCode.BAD_FIELD)
-    return best
+    """Index of the valid gateway record with the highest seq (the first on a tie)."""
+    return select_newest("gateway record", validate_gateway, key, values)
 
 
 async def read_gateways(dht: Any, model_id: str | None = None, *, max_peers: int = MAX_GATEWAY_PEERS) -> list[GatewayRecord]:

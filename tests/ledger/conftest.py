@@ -20,12 +20,11 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from ledger_support import MODEL, SHAPE, Clock
 from sqlalchemy import create_engine, text
 
 from moeswarm.ledger import Ledger, StoreConfig
 from moeswarm.protocol import Identity
-
-from ledger_support import MODEL, SHAPE, Clock
 
 ROOT = Path(__file__).resolve().parents[2]
 SETUP = ROOT / "scripts" / "test-setup.sh"
