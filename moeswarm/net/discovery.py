@@ -24,6 +24,10 @@ from .routing_table import SwarmTable
 __all__ = ["Discovery", "fits_model"]
 log = logging.getLogger(__name__)
 GOSSIP_RESYNC_S = 120.0  # with gossip, a first view again this often at most (missed messages)
+# A joiner whose first view from the topic holds fewer records than this also reads the DHT once:
+# in a young swarm the peers it asked may not know every holder yet (their mesh is still forming),
+# and a few dozen DHT gets cost less than a missed replica (the trust checks need every one)
+SMALL_VIEW = 32
 
 
 class Discovery:
@@ -60,14 +64,15 @@ class Discovery:
 
     async def refresh(self) -> None:
         """With gossip: join the topic (once) and take a first view from a few of its peers;
-        when none answers, when the view still leaves an expert without a holder, or without
-        gossip, one DHT pass (``read_announcements``)."""
+        when none answers, when the view still leaves an expert without a holder, when a joiner's
+        first view is small (``SMALL_VIEW``), or without gossip, one DHT pass (``read_announcements``)."""
         if self.gossip is not None:
             if not self._joined:
                 await self.gossip.start()
                 self._joined = True
             answered = await self.gossip.first_view()
-            if (answered or len(self.gossip.view)) and not self._uncovered():
+            joining_small = self.refreshes == 0 and len(self.gossip.view) < SMALL_VIEW
+            if (answered or len(self.gossip.view)) and not self._uncovered() and not joining_small:
                 self.refreshes += 1
                 return
         await self._dht_pass()
