@@ -383,6 +383,35 @@ def _quiet():
             hf_logging.enable_progress_bar()
 
 
+def build_from_config(make_config: Callable[[], Any], seed: int = 0) -> Any:
+    """A tiny random model of ``make_config()`` (fp32, eager attention and experts), seeded, with
+    ``reinit_hot``'s weights: what the family oracles (``oracle_glm4``, ``oracle_families``,
+    ``oracle_granite``) build."""
+    from transformers import AutoModelForCausalLM
+
+    with _quiet():
+        cfg = make_config()
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32,
+                                                 experts_implementation="eager")
+    model.eval()
+    reinit_hot(model, seed)
+    return model
+
+
+def save_in_layout(build: Callable[[], Any], layout: str, out_dir: Path) -> Path:
+    """``build()``'s model saved to a new ``out_dir`` as ``per_expert`` (the original format) or
+    ``packed`` (transformers 5's)."""
+    if layout not in ("per_expert", "packed"):
+        raise ValueError(f"unknown layout {layout!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=False)
+    model = build()
+    with _quiet():
+        model.save_pretrained(out_dir, save_original_format=(layout == "per_expert"))
+    return out_dir
+
+
 def make_config(arch: str):
     if arch not in CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS + EXTRA_ARCHS}")

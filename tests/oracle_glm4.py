@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import oracle
-import torch
 from oracle import PROMPT, Reference, _quiet, reference_run  # noqa: F401  (re-exported)
-from transformers import AutoModelForCausalLM, Glm4MoeConfig, Glm4MoeLiteConfig
+from transformers import Glm4MoeConfig, Glm4MoeLiteConfig
 
 ARCHS = ("glm4_moe", "glm4_moe_lite")
 LAYOUTS = ("per_expert", "packed")
@@ -66,22 +65,8 @@ CONFIGS: dict[str, Any] = {
 
 
 def build_model(arch: str, seed: int = 0) -> Any:
-    with _quiet():
-        cfg = CONFIGS[arch]()
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32,
-                                                 experts_implementation="eager")
-    model.eval()
-    oracle.reinit_hot(model, seed)
-    return model
+    return oracle.build_from_config(CONFIGS[arch], seed)
 
 
 def build_checkpoint(arch: str, layout: str, out_dir: Path, seed: int = 0) -> Path:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=False)
-    model = build_model(arch, seed)
-    with _quiet():
-        model.save_pretrained(out_dir, save_original_format=(layout == "per_expert"))
-    return out_dir
+    return oracle.save_in_layout(lambda: build_model(arch, seed), layout, out_dir)
