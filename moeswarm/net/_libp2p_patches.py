@@ -21,6 +21,11 @@ py-libp2p 0.8.1 (``spikes/libp2p/FINDINGS.md``); the DHT's part of them lives in
   cost a second encrypted frame back; now updates batch to half the window, as go-yamux does.
   Half of a holder's start-up CPU went there (tests/peer_swarm.py: 20 holders, 20.5 s of CPU
   before, 10.7 s after).
+* ``install_socket_tracking`` + ``close_sockets_left``: a connection whose graceful close did not
+  finish within the stop budget (a loaded machine, a close cancelled half way) kept its socket
+  open after the node stopped, until the collector found it (an intermittent "unclosed socket"
+  at the end of a swarm test). Every TCP stream of a trio run is remembered; whatever is still
+  open when the node has stopped is closed then.
 * ``configure_logging``: ``import libp2p`` cuts its logger off from ours; routine dial
   failures log at ERROR (finding 8).
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import libp2p  # noqa: F401  (first: its import resets the "libp2p" logger)
@@ -39,6 +45,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.io.trio import TrioTCPStream
 from libp2p.network import swarm as _swarm
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.network.exceptions import SwarmException
@@ -64,6 +71,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Multiaddr", "MoeswarmDHT", "background_trio_service", "bootstrap", "close_connections", "close_host",
+    "close_sockets_left",
     "listen_addrs", "make_host", "noise_only", "translate_error",
 ]
 
@@ -187,6 +195,46 @@ def install_window_update_batching() -> None:
     _yamux._yamux_release_on_read = release_on_read
 
 
+# ---------------------------------------------------------------- sockets left open at stop
+
+_STREAMS: trio.lowlevel.RunVar[weakref.WeakSet[TrioTCPStream]] = trio.lowlevel.RunVar("moeswarm_tcp_streams")
+
+
+def install_socket_tracking() -> None:
+    """Remember every TCP stream (dialled or accepted) in the trio run that makes it."""
+    if getattr(TrioTCPStream, "_moeswarm_tracked", False):
+        return
+    original = TrioTCPStream.__init__
+
+    def __init__(self: TrioTCPStream, stream: trio.SocketStream) -> None:
+        original(self, stream)
+        try:
+            streams = _STREAMS.get()
+        except LookupError:
+            streams = weakref.WeakSet()
+            _STREAMS.set(streams)
+        streams.add(self)
+
+    TrioTCPStream.__init__ = __init__  # type: ignore[method-assign]
+    TrioTCPStream._moeswarm_tracked = True  # type: ignore[attr-defined]
+
+
+def close_sockets_left() -> int:
+    """Close, at once and without a goodbye, every socket of this trio run still open; the
+    number closed. Called when the node has stopped and its graceful closes have had their time."""
+    try:
+        streams = _STREAMS.get()
+    except LookupError:
+        return 0
+    closed = 0
+    for stream in list(streams):
+        sock = stream.stream.socket
+        if sock.fileno() != -1:
+            sock.close()
+            closed += 1
+    return closed
+
+
 # ---------------------------------------------------------------- host, bootstrap, errors
 
 
@@ -222,6 +270,7 @@ def make_host(identity: Identity, config: P2PConfig, release_slots: bool) -> IHo
     host.get_network().retry_config = RetryConfig(max_retries=0)
     install_find_node_fix()
     install_window_update_batching()
+    install_socket_tracking()
     if release_slots:
         install_inbound_slot_fix(host.get_network())
     return host
