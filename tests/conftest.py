@@ -235,16 +235,63 @@ def _event_loops_finish_their_closes():  # type: ignore[no-untyped-def]
         asyncio.set_event_loop_policy(previous)
 
 
+# ---------------------------------------------------------------- where a leaked socket was made
+# An "unclosed <socket.socket fd=N ...>" found by the collector says nothing of who opened it (tracemalloc
+# would, at 5x the suite's time). Every socket of the test process notes the stack that made it, by
+# descriptor, until it is closed or detached; a leak found at a slow test's teardown names that stack.
+
+_SOCKET_ORIGINS: dict[int, str] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sockets_remember_their_origin():  # type: ignore[no-untyped-def]
+    import socket
+    import traceback
+
+    cls = socket.socket
+    init, real_close, detach = cls.__init__, cls._real_close, cls.detach
+
+    def noting_init(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        _SOCKET_ORIGINS[self.fileno()] = "".join(traceback.format_stack(limit=14)[:-1])
+
+    def noting_close(self, _ss=socket._socket.socket) -> None:  # type: ignore[no-untyped-def]
+        _SOCKET_ORIGINS.pop(self.fileno(), None)
+        real_close(self, _ss)
+
+    def noting_detach(self) -> int:  # type: ignore[no-untyped-def]
+        _SOCKET_ORIGINS.pop(self.fileno(), None)
+        return detach(self)
+
+    cls.__init__, cls._real_close, cls.detach = noting_init, noting_close, noting_detach
+    yield
+    cls.__init__, cls._real_close, cls.detach = init, real_close, detach
+
+
 @pytest.fixture(autouse=True)
 def _collect_slow_tests_garbage(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     """A real-process test ends with a garbage collection, so that a socket or transport it left
-    open is finalised (``ResourceWarning``, an error here) in its own teardown and names it,
+    open is finalised in its own teardown and fails it, naming the stack that opened a socket,
     instead of failing whichever test the collector happens to run next."""
     yield
     if request.node.get_closest_marker("slow") is not None:
         import gc
+        import re
+        import warnings
 
-        gc.collect()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            gc.collect()
+        leaks = []
+        for w in caught:
+            if not issubclass(w.category, ResourceWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)  # as before: an error
+                continue
+            fd = re.search(r"fd=(\d+)", str(w.message))
+            origin = _SOCKET_ORIGINS.pop(int(fd.group(1)), None) if fd else None
+            leaks.append(f"{w.message}\n" + (f"opened at:\n{origin}" if origin else "(origin not recorded)"))
+        if leaks:
+            pytest.fail("left open at the end of the test:\n" + "\n".join(leaks), pytrace=False)
 
 
 @pytest.fixture(scope="session")
