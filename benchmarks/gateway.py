@@ -12,8 +12,7 @@ The testbed, on this machine (loopback, delay proxies: benchmarks/_delay.py via 
 
 Cases, alternated ``--rounds`` times, one greedy stream of ``--tokens`` tokens each (``ignore_eos``):
 home backbone; gateway in the hub (found in the DHT, chosen by ``moeswarm.sdk.gateway``); gateway +
-MTP (``backbone --draft mtp --speculative K``, when this build accepts ``--draft mtp``; otherwise
-"not available on this build"). Printed per case: median decode tok/s (tokens after the first /
+MTP (``backbone --draft mtp``, the backbone's default draft length unless ``--speculative K``). Printed per case: median decode tok/s (tokens after the first /
 time from the first to the last), median time to the first token, and whether the greedy tokens
 equal the home backbone's. Then the simulation's figures for M3 (``benchmarks/swarm_sim.py``'s
 ``gateway_rows``: three regions, a person in each; ``--sim full`` as ``swarm_sim.py --regions``,
@@ -22,7 +21,7 @@ equal the home backbone's. Then the simulation's figures for M3 (``benchmarks/sw
     {"home_tok_s": ..., "gateway_tok_s": ..., "gateway_mtp_tok_s": ..., "sim_m3_gateway_tok_s": ...,
      "sim_m3_home_tok_s": ..., "mtp_acceptance": ...}
 
-    python benchmarks/gateway.py [--tokens 32] [--rounds 3] [--hub-rtt-ms 1] [--person-rtt-ms 30] [--speculative 3]
+    python benchmarks/gateway.py [--tokens 32] [--rounds 3] [--hub-rtt-ms 1] [--person-rtt-ms 30] [--speculative K]
 
 Every process runs with OPENBLAS_NUM_THREADS=1. Figures measured while other work shares the machine are noisy.
 """
@@ -38,8 +37,6 @@ import contextlib
 import http.client
 import json
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,7 +48,6 @@ from _links import _free_port, delayed_swarm, mtp_layers  # benchmarks/_links.py
 
 from moeswarm.demo import CHECKPOINT
 from moeswarm.demo.swarm import Daemon, start_daemon, stop_daemon
-from moeswarm.errors import SwarmError
 
 RANGES = ["0-3", "4-7"]
 PROMPT = "And it came to pass"
@@ -91,13 +87,6 @@ def stream(url: str, tokens: int, timeout: float = 300.0) -> Stream:
         conn.close()
     decode = (len(ids) - 1) / (times[-1] - times[0]) if len(ids) > 1 and times[-1] > times[0] else float("nan")
     return Stream(ids, times[0] - t0 if times else float("nan"), decode)
-
-
-def mtp_supported() -> bool:
-    """Whether this build's backbone takes ``--draft mtp``."""
-    out = subprocess.run([sys.executable, "-m", "moeswarm.cli", "backbone", "--help"], capture_output=True, text=True,
-                         timeout=120, check=False)
-    return "--draft" in out.stdout and "mtp" in out.stdout
 
 
 @contextlib.contextmanager
@@ -152,13 +141,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--hub-rtt-ms", type=float, default=1.0)
     p.add_argument("--person-rtt-ms", type=float, default=30.0)
-    p.add_argument("--speculative", type=int, default=3)
+    p.add_argument("--speculative", type=int, default=None,
+                   help="MTP draft tokens per step (default: the backbone's own default for --draft mtp)")
     p.add_argument("--sim", choices=("full", "quick", "off"), default="quick",
                    help="the regions simulation of swarm_sim.py for the sim_* figures")
     a = p.parse_args()
     person_delay = a.person_rtt_ms / 2e3
     results: dict[str, list[Stream]] = {"home backbone": [], "gateway in the hub": [], "gateway + MTP": []}
-    mtp_note, acceptance = "", None
+    acceptance = None
     with contextlib.ExitStack() as stack:
         layers = mtp_layers(str(CHECKPOINT))  # the decoder's layers and its MTP layer, for --draft mtp
         hub = stack.enter_context(delayed_swarm(str(CHECKPOINT), RANGES, a.hub_rtt_ms, layers=layers))
@@ -170,33 +160,27 @@ def main() -> None:
         _, gw_url = stack.enter_context(gateway(hub_boot, person_delay, [], "gateway"))
         urls = {"home backbone": home.info["http"], "gateway in the hub": chosen_gateway(hub_boot)}
         assert urls["gateway in the hub"] == gw_url, (urls, gw_url)
-        mtp_url = None
-        if not mtp_supported():
-            mtp_note = "not available on this build"
-        else:
-            try:
-                mtp_daemon, mtp_url = stack.enter_context(
-                    gateway(hub_boot, person_delay, ["--draft", "mtp", "--speculative", str(a.speculative)], "gw-mtp"))
-                urls["gateway + MTP"] = mtp_url
-            except (SwarmError, OSError) as e:  # --draft mtp, but a demo without MTP layers, say
-                mtp_note = f"not available on this build ({str(e).splitlines()[0][:120]})"
+        spec_args = ["--draft", "mtp"] + (["--speculative", str(a.speculative)] if a.speculative else [])
+        mtp_daemon, mtp_url = stack.enter_context(gateway(hub_boot, person_delay, spec_args, "gw-mtp"))
+        urls["gateway + MTP"] = mtp_url
         for url in urls.values():
             stream(url, 4)  # warm up: connections, link probes, first pages
         for _ in range(a.rounds):
             for case, url in urls.items():
                 results[case].append(stream(url, a.tokens))
-        if mtp_url is not None:
+        if mtp_url:
             spec = status_of(mtp_daemon.info["status"]).get("speculative", {})
             acceptance = spec["accepted"] / spec["drafted"] if spec.get("drafted") else None
     ref = results["home backbone"][0].ids if results["home backbone"] else []
     print(f"\none stream, {a.tokens} greedy tokens, holders {a.hub_rtt_ms:g} ms apart in the hub, the person "
-          f"{a.person_rtt_ms:g} ms away; median of {a.rounds} alternated rounds (a shared, loaded machine)\n")
+          f"{a.person_rtt_ms:g} ms away; median of {a.rounds} alternated rounds; load average at the end "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
     print(f"{'case':<22} {'decode tok/s':>13} {'first token s':>14}  same tokens as home")
     med: dict[str, float | None] = {}
     for case, runs in results.items():
         if not runs:
             med[case] = None
-            print(f"{case:<22} {mtp_note}")
+            print(f"{case:<22} no runs")
             continue
         med[case] = statistics.median(r.decode_tok_s for r in runs)
         same = all(r.ids == ref for r in runs)
