@@ -8,7 +8,7 @@ with and without prompt-lookup speculation (k=4) and with the demo's own multi-t
 layer as the draft (``--draft mtp``, k=``--mtp-k``; its experts are served by the nodes too) in one
 table, and the same greedy vs MTP comparison in a single process (no network).
 
-    python benchmarks/speculative.py [--tokens 48] [--rtt-ms 3.4] [--mtp-k 3]
+    python benchmarks/speculative.py [--tokens 48] [--rtt-ms 3.4] [--mtp-k K]
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import time
 
 from _delay import measure_rtts  # benchmarks/_delay.py
 from _links import delayed_swarm, mtp_layers  # benchmarks/_links.py
+
+from moeswarm._cli_util import DEFAULT_MTP_DRAFT
 
 PROMPTS = {
     "repetitive": "And the LORD said unto Moses, Speak unto the children of Israel. And the LORD said unto Moses, "
@@ -71,7 +73,7 @@ def single_process(CHECKPOINT: str, tokens: int, k: int, rounds: int) -> list[tu
     return rows
 
 
-def main(tokens: int, rtt_ms: float, rounds: int = 5, mtp_k: int = 3, CHECKPOINT: str | None = None) -> None:
+def main(tokens: int, rtt_ms: float, rounds: int = 5, mtp_k: int = DEFAULT_MTP_DRAFT, CHECKPOINT: str | None = None) -> None:
     from moeswarm.daemon import SwarmConfig
     from moeswarm.demo import CHECKPOINT as DEMO
     from moeswarm.model import SamplingParams, generate
@@ -153,7 +155,8 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, default=48, help="new tokens per prompt")
     ap.add_argument("--rtt-ms", type=float, default=3.4, help="round trip added to every data-plane connection")
     ap.add_argument("--rounds", type=int, default=5, help="alternating runs of each case (medians reported)")
-    ap.add_argument("--mtp-k", type=int, default=3, help="tokens the MTP layer drafts per step")
+    ap.add_argument("--mtp-k", type=int, default=DEFAULT_MTP_DRAFT,
+                    help="tokens the MTP layer drafts per step (default: the shipped default of --draft mtp)")
     ap.add_argument("--model", default=None, help="checkpoint folder with an MTP layer (default: the demo)")
     args = ap.parse_args()
     main(args.tokens, args.rtt_ms, args.rounds, args.mtp_k, args.model)
