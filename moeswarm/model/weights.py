@@ -177,6 +177,19 @@ def stored_expert_bytes(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
     return total
 
 
+def _check_expert_table(a: np.ndarray, cfg: ModelConfig, src: TensorRef) -> None:
+    """A token -> experts table (DeepSeek-V4's ``tid2eid``): integers naming distinct experts per token."""
+    if a.dtype.kind not in "iu":
+        raise CheckpointError(f"dtype {a.dtype} for a token -> experts table (integers)", path=src.path, tensor=src.key)
+    table = np.asarray(a)
+    if table.size and (table.min() < 0 or table.max() >= cfg.num_experts):
+        raise CheckpointError(f"the token -> experts table names experts outside 0..{cfg.num_experts - 1}",
+                              path=src.path, tensor=src.key)
+    ordered = np.sort(table, axis=-1)
+    if np.any(ordered[:, 1:] == ordered[:, :-1]):
+        raise CheckpointError("the token -> experts table repeats an expert for one token", path=src.path, tensor=src.key)
+
+
 def load_safetensors(
     folder: str | os.PathLike[str],
     *,
@@ -209,8 +222,7 @@ def load_safetensors(
                 tensor=src.key,
             )
         if name.endswith(INDEX_TABLES):
-            if a.dtype.kind not in "iu":
-                raise CheckpointError(f"dtype {a.dtype} for an index table (integers)", path=conv.sources[name].path)
+            _check_expert_table(a, cfg, conv.sources[name])
             return a
         if not isinstance(a, StoredTensor) and a.dtype.kind != "f" and a.dtype.name != "bfloat16":
             src = conv.sources[name]

@@ -19,6 +19,7 @@ import pytest
 import torch
 from engine_support import moved, run_engine
 from engine_support import variant as _variant
+from safetensors.numpy import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from moeswarm.errors import CheckpointError, ConfigError
@@ -134,6 +135,21 @@ def test_a_config_that_does_not_fit_says_what_is_wrong(dsv4_checkpoints, tmp_pat
     folder, _ = dsv4_checkpoints.get("packed")
     bad = _copy_with_config(folder, tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_model(bad)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda t: t.__setitem__((7, 1), 8), r"the token -> experts table names experts outside 0\.\.7"),
+    (lambda t: t.__setitem__((7, 1), t[7, 0]), "the token -> experts table repeats an expert for one token"),
+])
+def test_a_hash_table_that_does_not_fit_says_what_is_wrong(dsv4_checkpoints, tmp_path: Path,
+                                                             change: Callable[[np.ndarray], None], message: str) -> None:
+    folder, _ = dsv4_checkpoints.get("packed")
+    bad = Path(shutil.copytree(folder, tmp_path / "bad"))
+    tensors = load_file(bad / "model.safetensors")
+    change(tensors["model.layers.1.mlp.gate.tid2eid"])
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=message):
         load_model(bad)
 
 
