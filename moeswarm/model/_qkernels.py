@@ -340,7 +340,7 @@ class QLinear:
 class Activation:
     """The expert's gated activation: SiLU(gate) * up, or gpt-oss's clamped SwiGLU."""
 
-    kind: str = "silu"  # "silu" or "clamped_swiglu"
+    kind: str = "silu"  # "silu", "clamped_swiglu" or "limited_swiglu" (DeepSeek-V4: clamps, then SiLU)
     alpha: float = 1.702  # clamped_swiglu: sigmoid(alpha * gate)
     limit: float = 7.0  # clamped_swiglu: gate <= limit, |up| <= limit
 
@@ -363,6 +363,10 @@ class QExpertFFN:
             ux = g.op("Clip", [ux, g.const(np.array(-act.limit, np.float32)), g.const(np.array(act.limit, np.float32))])
             glu = g.op("Mul", [gx, g.op("Sigmoid", [g.op("Mul", [gx, g.const(np.array(act.alpha, np.float32))])])])
             h = g.op("Mul", [g.op("Add", [ux, g.const(np.array(1.0, np.float32))]), glu])
+        elif act.kind == "limited_swiglu":
+            gx = g.op("Min", [gx, g.const(np.array(act.limit, np.float32))])
+            ux = g.op("Clip", [ux, g.const(np.array(-act.limit, np.float32)), g.const(np.array(act.limit, np.float32))])
+            h = g.op("Mul", [g.op("Mul", [gx, g.op("Sigmoid", [gx])]), ux])
         else:
             h = g.op("Mul", [g.op("Mul", [gx, g.op("Sigmoid", [gx])]), ux])
         y = g.linear(h, down)

@@ -34,7 +34,7 @@ from ._attn_lightning import new_layer_cache
 from .attention import LayerCache, gqa_attend, gqa_qkv, linear, mla
 from .config import ModelConfig
 from .experts import f32, mm
-from .transformer import Model, block_norm, residual, scaled_logits
+from .transformer import LAYER_CACHES, Model, block_norm, residual, scaled_logits
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,8 @@ def paged(cfg: ModelConfig) -> bool:
 
 def native_layer_cache(cfg: ModelConfig, layer: int) -> Any:
     """The cache ``Model.new_cache`` gives layer ``layer`` of a model that is not ``paged``."""
+    if cfg.attention in LAYER_CACHES:
+        return LAYER_CACHES[cfg.attention](cfg, layer)
     if cfg.dsa is not None:
         return DsaLayerCache()
     if cfg.deltanet is not None:

@@ -137,7 +137,7 @@ class ModelConfig:
     topk_group: int = 1
     shared_intermediate_size: int = 0  # 0 = no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert
-    expert_activation: str = "swiglu"  # "swiglu" or "clamped_swiglu" (gpt-oss)
+    expert_activation: str = "swiglu"  # "swiglu", "clamped_swiglu" (gpt-oss) or "limited_swiglu" (DeepSeek-V4)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_bias: bool = False  # gpt-oss experts carry biases
@@ -173,6 +173,9 @@ class ModelConfig:
     # multi-token prediction (model/mtp.py): MTP layers loaded, numbered num_layers ... num_layers + mtp_layers - 1;
     # the per-layer tuples above then describe them too (MoE, full attention)
     mtp_layers: int = 0
+    # how each block's output joins the residual stream (``transformer.RESIDUAL_FORMS``): "add", or
+    # DeepSeek-V4's "hyper" (hc_mult streams mixed by manifold-constrained hyper-connections)
+    residual_form: str = "add"
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -235,8 +235,8 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def activation(cfg: ModelConfig) -> Activation:
-    if cfg.expert_activation == "clamped_swiglu":
-        return Activation("clamped_swiglu", float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+    if cfg.expert_activation in ("clamped_swiglu", "limited_swiglu"):
+        return Activation(cfg.expert_activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
     return Activation("silu")
 
 
@@ -254,6 +254,9 @@ def expert_ffn(w: Computable, x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
         gate = np.minimum(gate, np.float32(cfg.swiglu_limit))
         up = np.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
         hidden = (up + 1) * (gate * sigmoid(gate * np.float32(cfg.swiglu_alpha)))
+    elif cfg.expert_activation == "limited_swiglu":  # DeepSeek-V4: SiLU(min(gate, limit)) * clip(up, +-limit)
+        gate = np.minimum(gate, np.float32(cfg.swiglu_limit))
+        hidden = gate * sigmoid(gate) * np.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
     else:
         hidden = gate * sigmoid(gate) * up  # SiLU(gate) * up
     out = mm(hidden.astype(np.float32, copy=False), w.down)  # (T, H)

@@ -12,6 +12,9 @@ Read from transformers 5.24's modeling files (see ``shared/spikes/moe/tensors/*_
   chosen experts, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``.
 * ``topk_softmax`` (gpt-oss): logits with a bias, top-k on the logits, softmax over only those k.
 * ``softmax_group`` (Mistral 4): ``sigmoid_group`` over softmax scores, without a correction bias.
+* ``sqrtsoftplus`` (DeepSeek-V4): ``sigmoid_group`` with one group over ``sqrt(softplus(logits))``
+  scores, always renormalised; its hash-routed layers (``hash_route``) take the experts from a
+  token-id table instead and weight them the same way.
 * ``topk_sigmoid`` (Llama 4): top-k on the logits, each chosen expert weighted by the sigmoid of its
   logit (Llama 4 scales the expert's *input* by it: ``ModelConfig.expert_input_scaled``).
 """
@@ -43,6 +46,28 @@ def router_logits(cfg: ModelConfig, w: np.ndarray, x: np.ndarray, bias: np.ndarr
     return logits
 
 
+def sqrt_softplus(x: np.ndarray) -> np.ndarray:
+    """``sqrt(softplus(x))`` as torch computes softplus (``x`` itself above 20)."""
+    with np.errstate(over="ignore"):
+        return np.sqrt(np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))).astype(np.float32)
+
+
+_SCORES = {"sigmoid_group": sigmoid, "softmax_group": _softmax, "sqrtsoftplus": sqrt_softplus}
+
+
+def hash_route(cfg: ModelConfig, x: np.ndarray, w: np.ndarray, table: np.ndarray,
+               tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V4's hash-routed layers: x (T, H), tokens (T,) -> the experts ``table[token]`` (T, k),
+    weighted by their scores (the router's, ``sqrtsoftplus``), renormalised, times ``routed_scaling_factor``."""
+    ids = np.asarray(table[np.asarray(tokens, np.int64)], np.int64)
+    if ids.shape != (x.shape[0], cfg.top_k):
+        raise ValueError(f"hash routing: {ids.shape[0]} token ids for {x.shape[0]} rows")
+    scores = _SCORES[cfg.router](router_logits(cfg, w, x))
+    weights = np.take_along_axis(scores, ids, axis=-1)
+    weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20) * np.float32(cfg.routed_scaling_factor)
+    return ids, weights.astype(np.float32)
+
+
 def route(
     cfg: ModelConfig,
     x: np.ndarray,
@@ -65,8 +90,8 @@ def route(
     elif cfg.router == "topk_sigmoid":
         ids = _topk(logits, k)
         weights = sigmoid(np.take_along_axis(logits, ids, axis=-1))
-    elif cfg.router in ("sigmoid_group", "softmax_group"):
-        scores = sigmoid(logits) if cfg.router == "sigmoid_group" else _softmax(logits)
+    elif cfg.router in ("sigmoid_group", "softmax_group", "sqrtsoftplus"):
+        scores = _SCORES[cfg.router](logits)
         choice = scores + (f32(score_bias) if score_bias is not None else 0)
         T, E = choice.shape
         groups = choice.reshape(T, cfg.n_group, E // cfg.n_group)

@@ -19,7 +19,7 @@ from ._attn_lightning import lightning, new_layer_cache
 from .attention import KVCache, LayerCache, Rope, gqa, mla, rms_norm
 from .config import ModelConfig
 from .experts import DecodedOnce, F32Cache, dense_ffn, f32, get_backend, mm, oai_dense_ffn, sigmoid
-from .routing import route
+from .routing import hash_route, route
 from .weights import ExpertWeights, Weights
 
 
@@ -48,6 +48,53 @@ class AttentionKind(Protocol):
 
 # attention kinds a family's module adds (``ModelConfig.attention`` -> function), e.g. Llama 4's
 ATTENTION_KINDS: dict[str, AttentionKind] = {}
+# the per-layer cache of a registered attention kind that keeps more than keys and values
+# (``ModelConfig.attention`` -> (cfg, layer) -> cache with ``length`` and ``truncate``), e.g. DeepSeek-V4's
+LAYER_CACHES: dict[str, Callable[[ModelConfig, int], object]] = {}
+
+
+class ResidualForm(Protocol):
+    """How the blocks of a layer read and join the residual stream.  The stream is what ``expand``
+    makes of the embeddings ((B, T, H) for a plain sum; DeepSeek-V4 keeps (B, T, hc_mult, H))."""
+
+    def expand(self, x: np.ndarray) -> np.ndarray:
+        """Embeddings (B, T, H) -> the stream."""
+        ...
+
+    def enter(self, layer: int, site: str, x: np.ndarray) -> tuple[np.ndarray, object]:
+        """The stream -> the input (B, T, H) of block ``site`` ("attn" or "mlp"), and what ``leave`` needs."""
+        ...
+
+    def leave(self, layer: int, site: str, x: np.ndarray, out: np.ndarray, held: object) -> np.ndarray:
+        """The stream and the block's output (B, T, H) -> the next stream."""
+        ...
+
+    def collapse(self, x: np.ndarray) -> np.ndarray:
+        """The last stream -> (B, T, H), before the final norm."""
+        ...
+
+
+class AddResidual:
+    """The usual residual stream: each block's output is added (Granite scales it first)."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights) -> None:
+        self.cfg = cfg
+
+    def expand(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def enter(self, layer: int, site: str, x: np.ndarray) -> tuple[np.ndarray, object]:
+        return x, None
+
+    def leave(self, layer: int, site: str, x: np.ndarray, out: np.ndarray, held: object) -> np.ndarray:
+        return x + residual(self.cfg, out)
+
+    def collapse(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+
+# residual forms (``ModelConfig.residual_form`` -> constructor); a family's module adds its own
+RESIDUAL_FORMS: dict[str, Callable[[ModelConfig, Weights], ResidualForm]] = {"add": AddResidual}
 
 
 class _Done:
@@ -66,7 +113,8 @@ def _prepare_backbone(weights: Weights) -> None:
     ``DECODE_AT_LOAD_MAX`` in float32) so that they are converted at their first use and kept, not
     converted again by every token.  The embedding alone is only read by rows and stays as stored."""
     cfg = weights.config
-    names = [n for n, a in weights.tensors.items() if a.ndim == 2 and (n != "embed" or cfg.tie_word_embeddings)]
+    names = [n for n, a in weights.tensors.items() if a.ndim == 2 and (n != "embed" or cfg.tie_word_embeddings)
+             and getattr(a.dtype, "kind", "f") not in "iu"]  # not an index table (DeepSeek-V4's hash routing)
     half = [n for n in names if weights.tensors[n].dtype != np.float32 and not hasattr(weights.tensors[n], "matmul")]
     if sum(weights.tensors[n].size * 4 for n in half) <= DECODE_AT_LOAD_MAX:
         wrapped = {n: DecodedOnce(weights.tensors[n]) for n in half}
@@ -154,6 +202,7 @@ class Model:
         self.rope = Rope(cfg)
         self.observers: list[RouteObserver] = []  # (layer, expert ids (T, k)) once a MoE layer has routed
         self.state_observers: list[Callable[[int, np.ndarray], None]] = []  # (layer, residual (N, H)) before its MLP
+        self.residual_form = RESIDUAL_FORMS[cfg.residual_form](cfg, weights)
         _prepare_backbone(weights)
         self._attn = [
             {name.split(".", 2)[2]: a for name, a in weights.tensors.items() if name.startswith(f"{L}.attn.")}
@@ -162,6 +211,8 @@ class Model:
 
     def new_cache(self) -> KVCache:
         cfg = self.config
+        if cfg.attention in LAYER_CACHES:
+            return KVCache([LAYER_CACHES[cfg.attention](cfg, L) for L in range(cfg.num_layers)])  # type: ignore[misc]
         if cfg.dsa is not None:
             return KVCache([DsaLayerCache() for _ in range(cfg.num_layers)])
         if cfg.deltanet is not None:
@@ -182,9 +233,12 @@ class Model:
         x = f32(w["embed"][ids])  # (B, T, H)
         if cfg.embedding_multiplier != 1.0:  # Granite
             x = x * np.float32(cfg.embedding_multiplier)
-        step: dict[str, np.ndarray] = {}  # what one layer hands the next within this pass (DSA top-k)
+        # what one layer hands the next within this pass (DSA top-k), and the token ids (hash routing)
+        step: dict[str, np.ndarray] = {"tokens": ids.reshape(-1)}
+        x = self.residual_form.expand(x)
         for L in range(cfg.num_layers):
             x = self.layer(L, x, cache.layers[L], positions, step)
+        x = self.residual_form.collapse(x)
         self.experts.end_step()
         if hidden_out is not None:
             hidden_out.append(block_norm(cfg, x, w["final_norm"]))
@@ -197,9 +251,10 @@ class Model:
               *, observe: bool = True) -> np.ndarray:
         """Decoder layer ``L`` (an MTP layer too: ``model/mtp.py``): x (B, T, H) -> (B, T, H).
         ``observe`` False keeps the observers (demand counts, state prefetch) out of it."""
-        cfg, w = self.config, self.weights
+        cfg, w, form = self.config, self.weights, self.residual_form
         B, T = x.shape[:2]
-        h = block_norm(cfg, x, w[f"{L}.attn_norm"])
+        h, held = form.enter(L, "attn", x)
+        h = block_norm(cfg, h, w[f"{L}.attn_norm"])
         if cfg.attention == "mla":
             h = mla(self._attn[L], h, cfg, self.rope, layer_cache, positions)  # type: ignore[arg-type]
         elif cfg.sparse_layers and cfg.sparse_layers[L]:  # MiniMax M3 lightning indexer
@@ -208,12 +263,14 @@ class Model:
             h = gqa(self._attn[L], h, cfg, self.rope, layer_cache, positions, cfg.sliding_windows[L])  # type: ignore[arg-type]
         else:
             h = self._mix_tokens(L, h, layer_cache, positions, step)
-        x = x + residual(cfg, h)
+        x = form.leave(L, "attn", x, h, held)
+        h, held = form.enter(L, "mlp", x)
         if observe:
             for observe_state in self.state_observers:
-                observe_state(L, x.reshape(B * T, -1))
-        h = block_norm(cfg, x, w[f"{L}.mlp_norm"]).reshape(B * T, -1)
-        return x + residual(cfg, self._mlp(L, h, observe=observe).reshape(B, T, -1))
+                observe_state(L, h.reshape(B * T, -1))
+        h = block_norm(cfg, h, w[f"{L}.mlp_norm"]).reshape(B * T, -1)
+        out = self._mlp(L, h, observe=observe, tokens=step.get("tokens"))
+        return form.leave(L, "mlp", x, out.reshape(B, T, -1), held)
 
     def _mix_tokens(self, L: int, h: np.ndarray, layer_cache: object, positions: np.ndarray,
                     step: dict[str, np.ndarray]) -> np.ndarray:
@@ -231,13 +288,20 @@ class Model:
             return gated_attention(self._attn[L], h, cfg, self.rope, layer_cache, positions)  # type: ignore[arg-type]
         raise ValueError(f"unknown attention kind {cfg.attention!r}")
 
-    def _mlp(self, L: int, h: np.ndarray, *, observe: bool = True) -> np.ndarray:
-        """h (N, H) -> (N, H): a dense MLP, or router + routed experts + shared expert."""
+    def _mlp(self, L: int, h: np.ndarray, *, observe: bool = True, tokens: np.ndarray | None = None) -> np.ndarray:
+        """h (N, H) -> (N, H): a dense MLP, or router + routed experts + shared expert.  ``tokens`` (N,):
+        the token ids, which a hash-routed layer (DeepSeek-V4's ``{L}.router_table``) routes by."""
         cfg, w = self.config, self.weights
-        ffn = oai_dense_ffn(cfg) if cfg.dense_activation == "clamped_swiglu" else dense_ffn
+        ffn = dense_ffn if cfg.dense_activation == "swiglu" else oai_dense_ffn(cfg)
         if not cfg.moe_layers[L]:
             return ffn(w[f"{L}.mlp.gate"], w[f"{L}.mlp.up"], w[f"{L}.mlp.down"], h)
-        ids, weights = route(cfg, h, w[f"{L}.router"], w.get(f"{L}.router_bias"), w.get(f"{L}.router_score_bias"))
+        table = w.get(f"{L}.router_table")
+        if table is not None:
+            if tokens is None:
+                raise ValueError(f"layer {L} routes by token id (hash routing): the token ids are needed")
+            ids, weights = hash_route(cfg, h, w[f"{L}.router"], table, tokens)
+        else:
+            ids, weights = route(cfg, h, w[f"{L}.router"], w.get(f"{L}.router_bias"), w.get(f"{L}.router_score_bias"))
         for route_observer in self.observers if observe else ():
             route_observer(L, ids)
         handle = self._submit_scaled(L, h, ids, weights) if cfg.expert_input_scaled else self.experts.submit(

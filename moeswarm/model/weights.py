@@ -56,6 +56,14 @@ class Weights:
         return self.tensors.get(name)
 
 
+Shapes = dict[str, tuple[int, ...]]
+# a registered attention kind's own tensors of layer L (else GQA's), and a family's tensors beyond the
+# generic ones (keyed by ``ModelConfig.arch``): filled by the family modules (DeepSeek-V4's)
+ATTENTION_SHAPES: dict[str, Callable[[ModelConfig, int], Shapes]] = {}
+EXTRA_SHAPES: dict[str, Callable[[ModelConfig], Shapes]] = {}
+INDEX_TABLES = (".router_table",)  # integer tensors (DeepSeek-V4's token -> experts table), not weights
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape that ``cfg`` implies, for every non-expert tensor."""
     H, V, nh, nkv, hd = cfg.hidden_size, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -65,7 +73,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for L in range(cfg.all_layers):  # the MTP layers' decoder layers too (model/mtp.py)
         p = f"{L}."
         s[p + "attn_norm"] = s[p + "mlp_norm"] = (H,)
-        if cfg.attention == "qwen3_5":
+        if cfg.attention in ATTENTION_SHAPES:
+            s.update(ATTENTION_SHAPES[cfg.attention](cfg, L))
+        elif cfg.attention == "qwen3_5":
             s.update(_qwen3_5_attention_shapes(cfg, L))
         elif cfg.attention in ("mla", "dsa"):
             if cfg.dsa is not None and not cfg.dsa.shared[L]:
@@ -112,6 +122,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             s[p + "shared_gate"] = (1, H)
     s.update(extra_shapes(cfg))  # MiniMax M3's lightning indexer
     s.update(mtp_shapes(cfg))
+    if cfg.arch in EXTRA_SHAPES:
+        s.update(EXTRA_SHAPES[cfg.arch](cfg))
     return s
 
 
@@ -165,6 +177,19 @@ def stored_expert_bytes(cfg: ModelConfig, bytes_per_value: int = 2) -> int:
     return total
 
 
+def _check_expert_table(a: np.ndarray, cfg: ModelConfig, src: TensorRef) -> None:
+    """A token -> experts table (DeepSeek-V4's ``tid2eid``): integers naming distinct experts per token."""
+    if a.dtype.kind not in "iu":
+        raise CheckpointError(f"dtype {a.dtype} for a token -> experts table (integers)", path=src.path, tensor=src.key)
+    table = np.asarray(a)
+    if table.size and (table.min() < 0 or table.max() >= cfg.num_experts):
+        raise CheckpointError(f"the token -> experts table names experts outside 0..{cfg.num_experts - 1}",
+                              path=src.path, tensor=src.key)
+    ordered = np.sort(table, axis=-1)
+    if np.any(ordered[:, 1:] == ordered[:, :-1]):
+        raise CheckpointError("the token -> experts table repeats an expert for one token", path=src.path, tensor=src.key)
+
+
 def load_safetensors(
     folder: str | os.PathLike[str],
     *,
@@ -196,6 +221,9 @@ def load_safetensors(
                 path=src.path,
                 tensor=src.key,
             )
+        if name.endswith(INDEX_TABLES):
+            _check_expert_table(a, cfg, conv.sources[name])
+            return a
         if not isinstance(a, StoredTensor) and a.dtype.kind != "f" and a.dtype.name != "bfloat16":
             src = conv.sources[name]
             raise CheckpointError(f"unsupported dtype {a.dtype} for a weight", path=src.path, tensor=src.key)

@@ -1,6 +1,4 @@
-"""DeepSeek-V4 (``deepseek_v4``) in ``moeswarm plan``: the engine does not run it yet (its compressed
-attention, hyper-connections and hash routing are not built; see docs/families.md), but plan counts
-it, against transformers 5.24 building ``DeepseekV4ForCausalLM`` on the meta device from the same
+"""DeepSeek-V4 (``deepseek_v4``) in ``moeswarm plan``: plan counts it against transformers 5.24 building ``DeepseekV4ForCausalLM`` on the meta device from the same
 config: the shipped V4-Flash config (transformers' ``DeepseekV4Config`` defaults, whose docstring
 names deepseek-ai/DeepSeek-V4-Flash-Base), the legacy spelling older checkpoints ship
 (``compress_ratios``, ``num_hash_layers``), and a small config with sliding-only layers."""
@@ -17,11 +15,10 @@ import pytest
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from moeswarm.errors import CheckpointError
 from moeswarm.model import ModelConfig
 from moeswarm.model.plan import model_size
 
-FLASH = Path(__file__).resolve().parents[1] / "moeswarm" / "model" / "configs" / "deepseek-v4-flash.json"
+FLASH = Path(__file__).resolve().parents[2] / "moeswarm" / "model" / "configs" / "deepseek-v4-flash.json"
 
 
 def _transformers(raw: dict[str, Any]) -> tuple[int, int, int]:
@@ -66,6 +63,15 @@ def test_plan_prints_the_model_card_beside_the_count() -> None:
     assert "model card      284B total, 13B active (deepseek-ai/DeepSeek-V4-Flash)" in text
 
 
-def test_the_engine_says_it_does_not_run_deepseek_v4() -> None:
-    with pytest.raises(CheckpointError, match="unsupported architecture 'deepseek_v4'; supported: mixtral"):
-        ModelConfig.from_hf(json.loads(FLASH.read_text()))
+def test_the_shipped_config_parses_at_full_scale() -> None:
+    """V4-Flash as the engine reads it: 43 layers (2 HCA, then CSA / HCA alternating), the first 3
+    hash-routed, 256 experts top-6, 4 residual streams, 64-dim RoPE tail of 512-dim heads."""
+    cfg = ModelConfig.from_hf(json.loads(FLASH.read_text()))
+    s = cfg.family
+    assert (cfg.arch, cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.num_kv_heads) == ("deepseek_v4", 43, 256, 6, 1)
+    assert s.layer_kinds[:4] == ("hca", "hca", "hca", "csa") and set(s.layer_kinds) == {"hca", "csa"}
+    assert s.hash_layers == (True,) * 3 + (False,) * 40 and (s.csa_rate, s.hca_rate) == (4, 128)
+    assert (s.hc_mult, s.hc_sinkhorn_iters, s.rope_dim, s.o_groups, s.index_topk) == (4, 20, 64, 8, 512)
+    assert (s.main_rope.kind, s.main_rope.theta, s.compress_rope.kind, s.compress_rope.theta) == (
+        "default", 10000.0, "default", 160000.0)
+    assert cfg.router == "sqrtsoftplus" and cfg.residual_form == "hyper" and cfg.expert_activation == "limited_swiglu"
