@@ -310,6 +310,7 @@ MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "llama-4-maverick": ModelCard("400B", "17B", "meta-llama/Llama-4-Maverick-17B-128E-Instruct"),
                "mistral-small-4": ModelCard("119B", "6B", "mistralai/Mistral-Small-4-119B-2603"),
                "deepseek-v4-flash": ModelCard("284B", "13B", "deepseek-ai/DeepSeek-V4-Flash"),
+               "deepseek-v4-pro": ModelCard("1.6T", "49B", "deepseek-ai/DeepSeek-V4-Pro"),
                "granite-3.0-3b-a800m": ModelCard("3.3B", "800M", "ibm-granite/granite-3.0-3b-a800m-instruct"),
                "dbrx": ModelCard("132B", "36B", "databricks/dbrx-instruct")}
 

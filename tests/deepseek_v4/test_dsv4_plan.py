@@ -18,7 +18,9 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from moeswarm.model import ModelConfig
 from moeswarm.model.plan import model_size
 
-FLASH = Path(__file__).resolve().parents[2] / "moeswarm" / "model" / "configs" / "deepseek-v4-flash.json"
+CONFIGS = Path(__file__).resolve().parents[2] / "moeswarm" / "model" / "configs"
+FLASH = CONFIGS / "deepseek-v4-flash.json"
+PRO = CONFIGS / "deepseek-v4-pro.json"
 
 
 def _transformers(raw: dict[str, Any]) -> tuple[int, int, int]:
@@ -40,10 +42,10 @@ def _small(**changes: Any) -> dict[str, Any]:
     return {**raw, **changes}
 
 
-@pytest.mark.parametrize("name", ["flash", "legacy-spelling", "small-with-sliding-layers"])
+@pytest.mark.parametrize("name", ["flash", "pro", "legacy-spelling", "small-with-sliding-layers"])
 def test_plan_counts_the_parameters_transformers_builds(name: str) -> None:
-    if name == "flash":
-        raw = json.loads(FLASH.read_text())
+    if name in ("flash", "pro"):
+        raw = json.loads({"flash": FLASH, "pro": PRO}[name].read_text())
     elif name == "legacy-spelling":
         raw = _small(layer_types=None, compress_rates=None, compress_ratios=[0, 128, 4, 4, 128], num_hash_layers=2)
     else:
@@ -63,6 +65,16 @@ def test_plan_prints_the_model_card_beside_the_count() -> None:
     assert "model card      284B total, 13B active (deepseek-ai/DeepSeek-V4-Flash)" in text
 
 
+def test_plan_prints_v4_pro_beside_its_card() -> None:
+    """deepseek-ai/DeepSeek-V4-Pro's card: 1.6T total, 49B active.  plan counts 1,573.0B without the
+    multi-token-prediction layer, 49.8B active (47.9B without the embedding lookup and LM head)."""
+    text = subprocess.run([sys.executable, "-m", "moeswarm.cli", "plan", "--model", "deepseek-v4-pro"],
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "deepseek_v4: 61 layers (0 dense, 61 MoE), 384 experts per MoE layer, top-6" in text
+    assert "1,573.0B total, 49.8B active per token (47.9B without embeddings and LM head)" in text
+    assert "model card      1.6T total, 49B active (deepseek-ai/DeepSeek-V4-Pro)" in text
+
+
 def test_the_shipped_config_parses_at_full_scale() -> None:
     """V4-Flash as the engine reads it: 43 layers (2 HCA, then CSA / HCA alternating), the first 3
     hash-routed, 256 experts top-6, 4 residual streams, 64-dim RoPE tail of 512-dim heads."""
@@ -75,3 +87,9 @@ def test_the_shipped_config_parses_at_full_scale() -> None:
     assert (s.main_rope.kind, s.main_rope.theta, s.compress_rope.kind, s.compress_rope.theta) == (
         "default", 10000.0, "default", 160000.0)
     assert cfg.router == "sqrtsoftplus" and cfg.residual_form == "hyper" and cfg.expert_activation == "limited_swiglu"
+    pro = ModelConfig.from_hf(json.loads(PRO.read_text()))
+    p = pro.family
+    assert (pro.num_layers, pro.num_heads, pro.num_experts, pro.hidden_size, pro.q_lora_rank) == (61, 128, 384, 7168, 1536)
+    assert (p.o_groups, p.index_topk, pro.routed_scaling_factor, p.layer_kinds[:3]) == (16, 1024, 2.5, ("hca",) * 3)
+    assert (p.compress_rope.kind, p.compress_rope.factor, p.compress_rope.original_max_position) == ("yarn", 16.0, 65536)
+    assert p.compress_rope.attention_factor == 1.0 and p.main_rope.kind == "default"
