@@ -37,12 +37,17 @@ class Rope:
     def __init__(self, cfg: ModelConfig) -> None:
         self.inv_freq, self.scale = cfg.rope.inv_freq()  # (dim/2,)
         self.interleaved = cfg.rope.interleaved
+        # PhiMoE's longrope: a pass whose last position reaches past ``original`` scales by long_mscale
+        self.long_scale, self.original = cfg.rope.long_mscale, cfg.rope.original_max_position
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """positions (T,) -> cos, sin (T, dim/2), already multiplied by the attention factor."""
         freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
-        return (np.cos(freqs) * np.float32(self.scale)).astype(np.float32), (
-            np.sin(freqs) * np.float32(self.scale)
+        scale = self.scale
+        if self.long_scale and len(positions) and int(positions.max()) + 1 > self.original:
+            scale = self.long_scale
+        return (np.cos(freqs) * np.float32(scale)).astype(np.float32), (
+            np.sin(freqs) * np.float32(scale)
         ).astype(np.float32)
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

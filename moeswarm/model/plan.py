@@ -285,6 +285,8 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
     total += embeddings + H  # + the final norm
     if t["model_type"] == "deepseek_v4":
         total += _hyper_connections(t, H, n)
+    if t["model_type"] == "phimoe":  # LayerNorms with biases, the LM head's bias
+        total += (2 * n + 1) * H + (V if t.get("lm_head_bias") else 0)
     name = str(raw.get("model_type") or t["model_type"])
     if raw.get("text_config"):
         name += f" (text model: {t['model_type']})"
@@ -311,7 +313,8 @@ MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "mistral-small-4": ModelCard("119B", "6B", "mistralai/Mistral-Small-4-119B-2603"),
                "deepseek-v4-flash": ModelCard("284B", "13B", "deepseek-ai/DeepSeek-V4-Flash"),
                "granite-3.0-3b-a800m": ModelCard("3.3B", "800M", "ibm-granite/granite-3.0-3b-a800m-instruct"),
-               "dbrx": ModelCard("132B", "36B", "databricks/dbrx-instruct")}
+               "dbrx": ModelCard("132B", "36B", "databricks/dbrx-instruct"),
+               "phi-3.5-moe": ModelCard("41.9B", "6.6B", "microsoft/Phi-3.5-MoE-instruct")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

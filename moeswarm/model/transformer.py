@@ -106,12 +106,14 @@ class LocalExperts:
         pass
 
 
-def block_norm(cfg: ModelConfig, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The norm before each block and the final one: RMSNorm, or DBRX's LayerNorm without bias."""
+def block_norm(cfg: ModelConfig, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """The norm before each block and the final one: RMSNorm, or LayerNorm (DBRX's without bias,
+    PhiMoE's with the bias ``b``)."""
     if cfg.norm != "layer":
         return rms_norm(x, w, cfg.rms_norm_eps)
     x = x - x.mean(axis=-1, keepdims=True)
-    return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps)) * f32(w)
+    y = x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps)) * f32(w)
+    return y if b is None else y + f32(b)
 
 
 def residual(cfg: ModelConfig, h: np.ndarray) -> np.ndarray:
@@ -119,8 +121,10 @@ def residual(cfg: ModelConfig, h: np.ndarray) -> np.ndarray:
     return h if cfg.residual_multiplier == 1.0 else h * np.float32(cfg.residual_multiplier)
 
 
-def scaled_logits(cfg: ModelConfig, logits: np.ndarray) -> np.ndarray:
-    """float32 logits, divided by Granite's ``logits_scaling``."""
+def scaled_logits(cfg: ModelConfig, logits: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """float32 logits, plus PhiMoE's LM-head ``bias``, divided by Granite's ``logits_scaling``."""
+    if bias is not None:
+        logits = logits + f32(bias)
     if cfg.logits_scaling != 1.0:
         logits = logits / np.float32(cfg.logits_scaling)
     return logits.astype(np.float32, copy=False)
@@ -187,11 +191,12 @@ class Model:
             x = self.layer(L, x, cache.layers[L], positions, step)
         self.experts.end_step()
         if hidden_out is not None:
-            hidden_out.append(block_norm(cfg, x, w["final_norm"]))
+            hidden_out.append(block_norm(cfg, x, w["final_norm"], w.get("final_norm_bias")))
         if last_only:
             x = x[:, -1:]
-        x = block_norm(cfg, x, w["final_norm"])
-        return scaled_logits(cfg, mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1))
+        x = block_norm(cfg, x, w["final_norm"], w.get("final_norm_bias"))
+        logits = mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1)
+        return scaled_logits(cfg, logits, w.get("lm_head_bias"))
 
     def layer(self, L: int, x: np.ndarray, layer_cache: object, positions: np.ndarray, step: dict[str, np.ndarray],
               *, observe: bool = True) -> np.ndarray:
@@ -199,7 +204,7 @@ class Model:
         ``observe`` False keeps the observers (demand counts, state prefetch) out of it."""
         cfg, w = self.config, self.weights
         B, T = x.shape[:2]
-        h = block_norm(cfg, x, w[f"{L}.attn_norm"])
+        h = block_norm(cfg, x, w[f"{L}.attn_norm"], w.get(f"{L}.attn_norm_bias"))
         if cfg.attention == "mla":
             h = mla(self._attn[L], h, cfg, self.rope, layer_cache, positions)  # type: ignore[arg-type]
         elif cfg.sparse_layers and cfg.sparse_layers[L]:  # MiniMax M3 lightning indexer
@@ -212,7 +217,7 @@ class Model:
         if observe:
             for observe_state in self.state_observers:
                 observe_state(L, x.reshape(B * T, -1))
-        h = block_norm(cfg, x, w[f"{L}.mlp_norm"]).reshape(B * T, -1)
+        h = block_norm(cfg, x, w[f"{L}.mlp_norm"], w.get(f"{L}.mlp_norm_bias")).reshape(B * T, -1)
         return x + residual(cfg, self._mlp(L, h, observe=observe).reshape(B, T, -1))
 
     def _mix_tokens(self, L: int, h: np.ndarray, layer_cache: object, positions: np.ndarray,

@@ -62,9 +62,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     s: dict[str, tuple[int, ...]] = {"embed": (V, H), "final_norm": (H,)}
     if not cfg.tie_word_embeddings:
         s["lm_head"] = (V, H)
+    if cfg.lm_head_bias:
+        s["lm_head_bias"] = (V,)
+    if cfg.norm_bias:
+        s["final_norm_bias"] = (H,)
     for L in range(cfg.all_layers):  # the MTP layers' decoder layers too (model/mtp.py)
         p = f"{L}."
         s[p + "attn_norm"] = s[p + "mlp_norm"] = (H,)
+        if cfg.norm_bias:
+            s[p + "attn_norm_bias"] = s[p + "mlp_norm_bias"] = (H,)
         if cfg.attention == "qwen3_5":
             s.update(_qwen3_5_attention_shapes(cfg, L))
         elif cfg.attention in ("mla", "dsa"):
