@@ -224,10 +224,12 @@ def mla_qkv(
     else:
         q = linear(x, w["q"])  # type: ignore[arg-type]
     q = q.reshape(B, T, nh, nope + rd).transpose(0, 2, 1, 3)  # (B, nh, T, nope+rd)
-    q_pass, q_rot = q[..., :nope], q[..., nope:]
     kv = linear(x, w["kv_a"])  # type: ignore[arg-type]  # (B, T, kv_lora + rd)
     latent, k_rot = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
     latent = rms_norm(latent, w["kv_a_norm"], MLA_LATENT_EPS)  # type: ignore[arg-type]
+    if cfg.mla_lora_scale is not None:  # LongCat-Flash
+        q, latent = q * np.float32(cfg.mla_lora_scale[0]), latent * np.float32(cfg.mla_lora_scale[1])
+    q_pass, q_rot = q[..., :nope], q[..., nope:]
     k_rot = k_rot.reshape(B, 1, T, rd)
     cos, sin = rope.tables(positions)
     q_rot, k_rot = rope.apply(q_rot, cos, sin), rope.apply(k_rot, cos, sin)

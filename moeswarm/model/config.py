@@ -177,6 +177,10 @@ class ModelConfig:
     norm: str = "rms"  # block and final norms: "rms", or "layer" (LayerNorm without bias, eps 1e-5: DBRX)
     norm_bias: bool = False  # the "layer" norms have biases (PhiMoE)
     lm_head_bias: bool = False  # the LM head has a bias (PhiMoE)
+    # LongCat-Flash: the router also picks among this many zero-computation experts, numbered after the
+    # routed ones, each returning its input times its weight (computed where the router runs: no holder)
+    zero_experts: int = 0
+    mla_lora_scale: tuple[float, float] | None = None  # LongCat-Flash MLA: q *= [0], the normed kv latent *= [1]
     # multi-token prediction (model/mtp.py): MTP layers loaded, numbered num_layers ... num_layers + mtp_layers - 1;
     # the per-layer tuples above then describe them too (MoE, full attention)
     mtp_layers: int = 0

@@ -241,6 +241,16 @@ def _dbrx_text(t: dict[str, Any]) -> dict[str, Any]:
             "num_experts_per_tok": ffn.get("moe_top_k", 1), "intermediate_size": ffn.get("ffn_hidden_size", 3584)}
 
 
+def _longcat_text(t: dict[str, Any]) -> dict[str, Any]:
+    """LongCat-Flash's fields in the names ``model_size`` reads: ``num_layers`` layers, each counted as
+    one MLA attention and a MoE block whose "shared expert" is the two dense MLPs (always active);
+    ``model_size`` adds the second attention and the zero-computation experts' router rows (they have
+    no other parameters)."""
+    return {**t, "num_hidden_layers": t["num_layers"], "n_routed_experts": t["n_routed_experts"],
+            "num_experts_per_tok": t["moe_topk"], "moe_intermediate_size": t["expert_ffn_hidden_size"],
+            "shared_intermediate_size": 2 * int(t["ffn_hidden_size"])}
+
+
 def model_size(raw: dict[str, Any]) -> ModelSize:
     """Count a config.json's parameters (``KeyError`` names a field it lacks)."""
     t = raw.get("text_config") or raw
@@ -251,6 +261,8 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
         t = _deepseek_v4_text(t, int(t["num_hidden_layers"]))
     if t["model_type"] == "dbrx":
         t = _dbrx_text(t)
+    if t["model_type"] == "longcat_flash":
+        t = _longcat_text(t)
     H, n, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
     E = _one(_first(t, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0))
     k = _one(_first(t, "num_experts_per_tok", "moe_topk", "moe_k", "top_k", default=0))
@@ -285,6 +297,8 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
     total += embeddings + H  # + the final norm
     if t["model_type"] == "deepseek_v4":
         total += _hyper_connections(t, H, n)
+    if t["model_type"] == "longcat_flash":  # each layer's second attention (+ its norms), the zero experts' router rows
+        total += n * (_attention(t, H, "full_attention") + 2 * H + int(t.get("zero_expert_num") or 0) * H)
     if t["model_type"] == "phimoe":  # LayerNorms with biases, the LM head's bias
         total += (2 * n + 1) * H + (V if t.get("lm_head_bias") else 0)
     name = str(raw.get("model_type") or t["model_type"])
@@ -314,7 +328,8 @@ MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "deepseek-v4-flash": ModelCard("284B", "13B", "deepseek-ai/DeepSeek-V4-Flash"),
                "granite-3.0-3b-a800m": ModelCard("3.3B", "800M", "ibm-granite/granite-3.0-3b-a800m-instruct"),
                "dbrx": ModelCard("132B", "36B", "databricks/dbrx-instruct"),
-               "phi-3.5-moe": ModelCard("41.9B", "6.6B", "microsoft/Phi-3.5-MoE-instruct")}
+               "phi-3.5-moe": ModelCard("41.9B", "6.6B", "microsoft/Phi-3.5-MoE-instruct"),
+               "longcat-flash-chat": ModelCard("560B", "18.6B-31.3B", "meituan-longcat/LongCat-Flash-Chat")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

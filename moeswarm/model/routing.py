@@ -62,6 +62,8 @@ def route(
         weights = np.take_along_axis(probs, ids, axis=-1)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
+        if cfg.routed_scaling_factor != 1.0:  # LongCat-Flash
+            weights = weights * np.float32(cfg.routed_scaling_factor)
     elif cfg.router == "topk_softmax":
         ids = _topk(logits, k)
         weights = _softmax(np.take_along_axis(logits, ids, axis=-1))

@@ -50,6 +50,24 @@ class AttentionKind(Protocol):
 ATTENTION_KINDS: dict[str, AttentionKind] = {}
 
 
+class DecoderLayerForm(Protocol):
+    """A family's whole decoder layer, where it is not one attention + one MLP (LongCat-Flash's two
+    attention and dense-MLP sublayers with a MoE shortcut)."""
+
+    def new_cache(self, cfg: ModelConfig, layer: int) -> object:
+        """Layer ``layer``'s empty cache (it needs ``length`` and ``truncate``, as ``LayerCache``)."""
+        ...
+
+    def __call__(self, model: "Model", L: int, x: np.ndarray, cache: object, positions: np.ndarray,
+                 observe: bool) -> np.ndarray:
+        """Decoder layer ``L``: x (B, T, H) -> (B, T, H)."""
+        ...
+
+
+# decoder layer forms a family's module adds (``ModelConfig.arch`` -> form)
+DECODER_LAYERS: dict[str, DecoderLayerForm] = {}
+
+
 class _Done:
     def __init__(self, value: np.ndarray) -> None:
         self._value = value
@@ -170,6 +188,8 @@ class Model:
             return KVCache([DsaLayerCache() for _ in range(cfg.num_layers)])
         if cfg.deltanet is not None:
             return KVCache([DeltaNetState() if linear else LayerCache() for linear in cfg.deltanet.layers[:cfg.num_layers]])
+        if cfg.arch in DECODER_LAYERS:
+            return KVCache([DECODER_LAYERS[cfg.arch].new_cache(cfg, L) for L in range(cfg.num_layers)])  # type: ignore[misc]
         return KVCache([new_layer_cache(cfg, L) for L in range(cfg.num_layers)])  # MiniMax M3: index keys too
 
     def forward(self, ids: np.ndarray, cache: KVCache, *, last_only: bool = False,
@@ -203,6 +223,8 @@ class Model:
         """Decoder layer ``L`` (an MTP layer too: ``model/mtp.py``): x (B, T, H) -> (B, T, H).
         ``observe`` False keeps the observers (demand counts, state prefetch) out of it."""
         cfg, w = self.config, self.weights
+        if cfg.arch in DECODER_LAYERS:
+            return DECODER_LAYERS[cfg.arch](self, L, x, layer_cache, positions, observe)
         B, T = x.shape[:2]
         h = block_norm(cfg, x, w[f"{L}.attn_norm"], w.get(f"{L}.attn_norm_bias"))
         if cfg.attention == "mla":
@@ -243,6 +265,8 @@ class Model:
         if not cfg.moe_layers[L]:
             return ffn(w[f"{L}.mlp.gate"], w[f"{L}.mlp.up"], w[f"{L}.mlp.down"], h)
         ids, weights = route(cfg, h, w[f"{L}.router"], w.get(f"{L}.router_bias"), w.get(f"{L}.router_score_bias"))
+        if cfg.zero_experts:  # LongCat-Flash: the zero-computation choices are done here, the rest sent
+            return self._submit_with_zero_experts(L, h, ids, weights, observe)
         for route_observer in self.observers if observe else ():
             route_observer(L, ids)
         handle = self._submit_scaled(L, h, ids, weights) if cfg.expert_input_scaled else self.experts.submit(
@@ -264,3 +288,20 @@ class Model:
         rows = (h[:, None, :] * weights[:, :, None]).reshape(T * k, -1)  # (T*k, H)
         handle = self.experts.submit(L, rows, ids.reshape(T * k, 1), np.ones((T * k, 1), np.float32))
         return _Summed(handle, T, k)
+
+    def _submit_with_zero_experts(self, L: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                                  observe: bool) -> np.ndarray:
+        """h (T, H) -> (T, H): each choice of a zero-computation expert (id >= num_experts) adds its
+        weight times the input, here; the routed choices go to the executor as one row per (token,
+        choice), so no node holds, and no message carries, a zero-computation expert."""
+        real = ids < self.config.num_experts  # (T, k)
+        out = np.where(real, np.float32(0), weights).sum(axis=-1, dtype=np.float32)[:, None] * h  # (T, H)
+        tokens, choices = np.nonzero(real)
+        if not len(tokens):
+            return out
+        routed = ids[tokens, choices][:, None]  # (R, 1)
+        for route_observer in self.observers if observe else ():
+            route_observer(L, routed)
+        rows = self.experts.submit(L, h[tokens], routed, weights[tokens, choices][:, None]).result()  # (R, H)
+        np.add.at(out, tokens, rows)
+        return out

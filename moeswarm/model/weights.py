@@ -56,8 +56,14 @@ class Weights:
         return self.tensors.get(name)
 
 
+# families whose layers hold other tensors than attention + MLP (``ModelConfig.arch`` -> their shapes)
+FAMILY_SHAPES: dict[str, Callable[[ModelConfig], dict[str, tuple[int, ...]]]] = {}
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape that ``cfg`` implies, for every non-expert tensor."""
+    if cfg.arch in FAMILY_SHAPES:
+        return FAMILY_SHAPES[cfg.arch](cfg)
     H, V, nh, nkv, hd = cfg.hidden_size, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     s: dict[str, tuple[int, ...]] = {"embed": (V, H), "final_norm": (H,)}
     if not cfg.tie_word_embeddings:
