@@ -151,6 +151,8 @@ def _linear_attention(t: dict[str, Any], H: int) -> int:
 def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
     if t.get("model_type") == "deepseek_v4":
         return _deepseek_v4_attention(t, H, layer_type)
+    if t.get("model_type") == "mimo_v2_flash":
+        return _mimo_attention(t, H, layer_type)
     if layer_type == "linear_attention":
         return _linear_attention(t, H)
     nh = int(t["num_attention_heads"])
@@ -178,6 +180,20 @@ def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
         inh, ihd = int(t["index_n_heads"]), int(t["index_head_dim"])
         p += H * inh * ihd + H * ihd + 2 * ihd
     return p + norms
+
+
+def _mimo_attention(t: dict[str, Any], H: int, layer_type: str) -> int:
+    """MiMo-V2-Flash: values ``v_head_dim`` wide; sliding layers have twice the kv heads and a sink per head."""
+    nh, hd, vd = int(t.get("num_attention_heads", 64)), int(t.get("head_dim", 192)), int(t.get("v_head_dim", 128))
+    nkv = int(t.get("num_key_value_heads", 4)) * (2 if layer_type == "sliding_attention" else 1)
+    return H * nh * hd + H * nkv * (hd + vd) + nh * vd * H + (nh if layer_type == "sliding_attention" else 0)
+
+
+def _mimo_text(t: dict[str, Any], n: int) -> dict[str, Any]:
+    """MiMo-V2-Flash's layer patterns as ``MiMoV2FlashConfig`` derives them when the file leaves them out."""
+    types = t.get("layer_types") or ["full_attention" if (i == 0 or not (i + 1) % 6) else "sliding_attention"
+                                     for i in range(n)]
+    return {**t, "layer_types": types, "mlp_layer_types": t.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)}
 
 
 def _llama4_text(t: dict[str, Any], n: int) -> dict[str, Any]:
@@ -263,6 +279,8 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
         t = _dbrx_text(t)
     if t["model_type"] == "longcat_flash":
         t = _longcat_text(t)
+    if t["model_type"] == "mimo_v2_flash":
+        t = _mimo_text(t, int(t["num_hidden_layers"]))
     H, n, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
     E = _one(_first(t, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0))
     k = _one(_first(t, "num_experts_per_tok", "moe_topk", "moe_k", "top_k", default=0))
@@ -329,7 +347,8 @@ MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "granite-3.0-3b-a800m": ModelCard("3.3B", "800M", "ibm-granite/granite-3.0-3b-a800m-instruct"),
                "dbrx": ModelCard("132B", "36B", "databricks/dbrx-instruct"),
                "phi-3.5-moe": ModelCard("41.9B", "6.6B", "microsoft/Phi-3.5-MoE-instruct"),
-               "longcat-flash-chat": ModelCard("560B", "18.6B-31.3B", "meituan-longcat/LongCat-Flash-Chat")}
+               "longcat-flash-chat": ModelCard("560B", "18.6B-31.3B", "meituan-longcat/LongCat-Flash-Chat"),
+               "mimo-v2-flash": ModelCard("309B", "15B", "XiaomiMiMo/MiMo-V2-Flash")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
