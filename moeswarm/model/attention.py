@@ -37,12 +37,17 @@ class Rope:
     def __init__(self, cfg: ModelConfig) -> None:
         self.inv_freq, self.scale = cfg.rope.inv_freq()  # (dim/2,)
         self.interleaved = cfg.rope.interleaved
+        # PhiMoE's longrope: a pass whose last position reaches past ``original`` scales by long_mscale
+        self.long_scale, self.original = cfg.rope.long_mscale, cfg.rope.original_max_position
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """positions (T,) -> cos, sin (T, dim/2), already multiplied by the attention factor."""
         freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
-        return (np.cos(freqs) * np.float32(self.scale)).astype(np.float32), (
-            np.sin(freqs) * np.float32(self.scale)
+        scale = self.scale
+        if self.long_scale and len(positions) and int(positions.max()) + 1 > self.original:
+            scale = self.long_scale
+        return (np.cos(freqs) * np.float32(scale)).astype(np.float32), (
+            np.sin(freqs) * np.float32(scale)
         ).astype(np.float32)
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -219,10 +224,12 @@ def mla_qkv(
     else:
         q = linear(x, w["q"])  # type: ignore[arg-type]
     q = q.reshape(B, T, nh, nope + rd).transpose(0, 2, 1, 3)  # (B, nh, T, nope+rd)
-    q_pass, q_rot = q[..., :nope], q[..., nope:]
     kv = linear(x, w["kv_a"])  # type: ignore[arg-type]  # (B, T, kv_lora + rd)
     latent, k_rot = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
     latent = rms_norm(latent, w["kv_a_norm"], MLA_LATENT_EPS)  # type: ignore[arg-type]
+    if cfg.mla_lora_scale is not None:  # LongCat-Flash
+        q, latent = q * np.float32(cfg.mla_lora_scale[0]), latent * np.float32(cfg.mla_lora_scale[1])
+    q_pass, q_rot = q[..., :nope], q[..., nope:]
     k_rot = k_rot.reshape(B, 1, T, rd)
     cos, sin = rope.tables(positions)
     q_rot, k_rot = rope.apply(q_rot, cos, sin), rope.apply(k_rot, cos, sin)

@@ -34,7 +34,7 @@ from ._attn_lightning import new_layer_cache
 from .attention import LayerCache, gqa_attend, gqa_qkv, linear, mla
 from .config import ModelConfig
 from .experts import f32, mm
-from .transformer import LAYER_CACHES, Model, block_norm, residual, scaled_logits
+from .transformer import DECODER_LAYERS, LAYER_CACHES, Model, block_norm, residual, scaled_logits
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ def native_layer_cache(cfg: ModelConfig, layer: int) -> Any:
         return DsaLayerCache()
     if cfg.deltanet is not None:
         return DeltaNetState() if cfg.deltanet.layers[layer] else LayerCache()
+    if cfg.arch in DECODER_LAYERS:
+        return DECODER_LAYERS[cfg.arch].new_cache(cfg, layer)
     return new_layer_cache(cfg, layer)
 
 
@@ -240,22 +242,23 @@ def forward_batch(model: Model, steps: Sequence[Step]) -> None:
         x = x * np.float32(cfg.embedding_multiplier)
     positions = [np.arange(s.cache.length, s.cache.length + n) for s, n in zip(steps, lens)]
     for L in range(cfg.num_layers):
-        h = block_norm(cfg, x, w[f"{L}.attn_norm"])
+        h = block_norm(cfg, x, w[f"{L}.attn_norm"], w.get(f"{L}.attn_norm_bias"))
         x = x + residual(cfg, _attention(model, L, h, steps, starts, ends, positions))
         for observe_state in model.state_observers:
             observe_state(L, x)
-        x = x + residual(cfg, model._mlp(L, block_norm(cfg, x, w[f"{L}.mlp_norm"])))
+        x = x + residual(cfg, model._mlp(L, block_norm(cfg, x, w[f"{L}.mlp_norm"], w.get(f"{L}.mlp_norm_bias"))))
     model.experts.end_step()
     rows = np.concatenate([np.arange(a, b) if s.all_logits else np.asarray([b - 1])
                            for s, a, b in zip(steps, starts, ends)])
-    logits = scaled_logits(cfg, mm(block_norm(cfg, x[rows], w["final_norm"]), w["lm_head"]))
+    final = block_norm(cfg, x[rows], w["final_norm"], w.get("final_norm_bias"))
+    logits = scaled_logits(cfg, mm(final, w["lm_head"]), w.get("lm_head_bias"))
     at = 0
     for s, n, a, b in zip(steps, lens, starts, ends):
         k = n if s.all_logits else 1
         s.logits = logits[at : at + k]
         at += k
         if s.want_hidden:
-            s.hidden = block_norm(cfg, x[a:b], w["final_norm"])
+            s.hidden = block_norm(cfg, x[a:b], w["final_norm"], w.get("final_norm_bias"))
 
 
 def _attention(model: Model, L: int, h: np.ndarray, steps: Sequence[Step], starts: np.ndarray, ends: np.ndarray,

@@ -41,6 +41,8 @@ class RopeConfig:
     interleaved: bool = False  # DeepSeek pairs (x0, x1), (x2, x3) instead of halves
     low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_position / this are divided by factor
     high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_position / this are kept
+    factors: tuple[float, ...] = ()  # longrope: each frequency's wavelength multiplier (PhiMoE: the short ones)
+    long_mscale: float = 0.0  # longrope: the cos/sin scale of a pass reaching past original_max_position
 
     def inv_freq(self) -> tuple[np.ndarray, float]:
         """Inverse frequencies ``(dim/2,)`` float32 and the cos/sin scale, as transformers computes them."""
@@ -50,6 +52,9 @@ class RopeConfig:
             return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
         if self.kind == "llama3":
             return self._llama3(np.float32(1.0) / pos_freqs), 1.0
+        if self.kind == "longrope":
+            factors = np.asarray(self.factors, np.float32)
+            return (np.float32(1.0) / (factors * pos_freqs)).astype(np.float32), float(self.attention_factor or 1.0)
         if self.kind != "yarn":
             raise CheckpointError(f"unsupported rope type {self.kind!r}")
 
@@ -170,6 +175,12 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     norm: str = "rms"  # block and final norms: "rms", or "layer" (LayerNorm without bias, eps 1e-5: DBRX)
+    norm_bias: bool = False  # the "layer" norms have biases (PhiMoE)
+    lm_head_bias: bool = False  # the LM head has a bias (PhiMoE)
+    # LongCat-Flash: the router also picks among this many zero-computation experts, numbered after the
+    # routed ones, each returning its input times its weight (computed where the router runs: no holder)
+    zero_experts: int = 0
+    mla_lora_scale: tuple[float, float] | None = None  # LongCat-Flash MLA: q *= [0], the normed kv latent *= [1]
     # multi-token prediction (model/mtp.py): MTP layers loaded, numbered num_layers ... num_layers + mtp_layers - 1;
     # the per-layer tuples above then describe them too (MoE, full attention)
     mtp_layers: int = 0

@@ -151,6 +151,8 @@ def _linear_attention(t: dict[str, Any], H: int) -> int:
 def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
     if t.get("model_type") == "deepseek_v4":
         return _deepseek_v4_attention(t, H, layer_type)
+    if t.get("model_type") == "mimo_v2_flash":
+        return _mimo_attention(t, H, layer_type)
     if layer_type == "linear_attention":
         return _linear_attention(t, H)
     nh = int(t["num_attention_heads"])
@@ -178,6 +180,39 @@ def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
         inh, ihd = int(t["index_n_heads"]), int(t["index_head_dim"])
         p += H * inh * ihd + H * ihd + 2 * ihd
     return p + norms
+
+
+def _mimo_attention(t: dict[str, Any], H: int, layer_type: str) -> int:
+    """MiMo-V2-Flash: values ``v_head_dim`` wide; sliding layers have twice the kv heads and a sink per head."""
+    nh, hd, vd = int(t.get("num_attention_heads", 64)), int(t.get("head_dim", 192)), int(t.get("v_head_dim", 128))
+    nkv = int(t.get("num_key_value_heads", 4)) * (2 if layer_type == "sliding_attention" else 1)
+    return H * nh * hd + H * nkv * (hd + vd) + nh * vd * H + (nh if layer_type == "sliding_attention" else 0)
+
+
+def _mimo_text(t: dict[str, Any], n: int) -> dict[str, Any]:
+    """MiMo-V2-Flash's layer patterns as ``MiMoV2FlashConfig`` derives them when the file leaves them out."""
+    types = t.get("layer_types") or ["full_attention" if (i == 0 or not (i + 1) % 6) else "sliding_attention"
+                                     for i in range(n)]
+    return {**t, "layer_types": types, "mlp_layer_types": t.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)}
+
+
+def _mistral_large4_attention(t: dict[str, Any], H: int, L: int) -> int:
+    """Mistral Large 4's layer ``L``: MLA without a q LoRA plus a per-head softmax scaling (ssmax); a
+    NoPE layer's keys are all "nope" (``no_rope_layers``); a layer reading an earlier layer's latent
+    cache (``kv_source_layers``) has no ``kv_a``; a ``full`` indexer layer its own DSA indexer (queries
+    from the LayerNormed hidden state, with their own ssmax)."""
+    n = int(t["num_hidden_layers"])
+    nh, kvr, v = int(t.get("num_attention_heads", 64)), int(t.get("kv_lora_rank", 512)), int(t.get("v_head_dim", 128))
+    nope, rope = int(t.get("qk_nope_head_dim", 64)), int(t.get("qk_rope_head_dim", 64))
+    rotary = bool((t.get("no_rope_layers") or [int((i + 1) % 4 != 0) for i in range(n)])[L])
+    own_kv = (t.get("kv_source_layers") or list(range(n)))[L] == L
+    p = H * nh * (nope + rope) + 2 * nh + kvr * nh * (nope + (0 if rotary else rope) + v) + nh * v * H
+    if own_kv:
+        p += H * (kvr + (rope if rotary else 0)) + kvr
+    if (t.get("indexer_types") or ["full"] * n)[L] == "full":
+        inh, ihd = int(t.get("index_n_heads", 32)), int(t.get("index_head_dim", 128))
+        p += 2 * H + H * inh * ihd + 2 * inh + H * ihd + 2 * ihd + H * inh
+    return p
 
 
 def _llama4_text(t: dict[str, Any], n: int) -> dict[str, Any]:
@@ -241,6 +276,16 @@ def _dbrx_text(t: dict[str, Any]) -> dict[str, Any]:
             "num_experts_per_tok": ffn.get("moe_top_k", 1), "intermediate_size": ffn.get("ffn_hidden_size", 3584)}
 
 
+def _longcat_text(t: dict[str, Any]) -> dict[str, Any]:
+    """LongCat-Flash's fields in the names ``model_size`` reads: ``num_layers`` layers, each counted as
+    one MLA attention and a MoE block whose "shared expert" is the two dense MLPs (always active);
+    ``model_size`` adds the second attention and the zero-computation experts' router rows (they have
+    no other parameters)."""
+    return {**t, "num_hidden_layers": t["num_layers"], "n_routed_experts": t["n_routed_experts"],
+            "num_experts_per_tok": t["moe_topk"], "moe_intermediate_size": t["expert_ffn_hidden_size"],
+            "shared_intermediate_size": 2 * int(t["ffn_hidden_size"])}
+
+
 def model_size(raw: dict[str, Any]) -> ModelSize:
     """Count a config.json's parameters (``KeyError`` names a field it lacks)."""
     t = raw.get("text_config") or raw
@@ -251,6 +296,14 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
         t = _deepseek_v4_text(t, int(t["num_hidden_layers"]))
     if t["model_type"] == "dbrx":
         t = _dbrx_text(t)
+    if t["model_type"] == "longcat_flash":
+        t = _longcat_text(t)
+    if t["model_type"] == "mimo_v2_flash":
+        t = _mimo_text(t, int(t["num_hidden_layers"]))
+    if t["model_type"] == "mistral_large4_text":  # what its config class derives from what the file leaves out
+        n_all, dense = int(t["num_hidden_layers"]), int(t.get("first_k_dense_replace", 1))
+        t = {**t, "n_shared_experts": t.get("n_shared_experts", 1), "mlp_layer_types": t.get("mlp_layer_types") or (
+            ["dense"] * min(dense, n_all) + ["sparse"] * max(n_all - dense, 0))}
     H, n, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
     E = _one(_first(t, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0))
     k = _one(_first(t, "num_experts_per_tok", "moe_topk", "moe_k", "top_k", default=0))
@@ -268,7 +321,9 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
     layer_types = list(t.get("layer_types") or default_types)
     total = 0
     for L in range(n):
-        total += _attention(t, H, layer_types[L]) + 2 * H  # + input and post-attention RMSNorm
+        attention = _mistral_large4_attention(t, H, L) if t["model_type"] == "mistral_large4_text" else _attention(
+            t, H, layer_types[L])
+        total += attention + 2 * H  # + input and post-attention RMSNorm
         if moe[L]:
             total += E * H + (E if gpt_oss or t["model_type"] == "ernie4_5_moe" else 0)  # router (+ its bias, a
             # parameter in gpt-oss and ERNIE's moe_statics; DeepSeek-V3's e_score_correction_bias is a buffer)
@@ -285,6 +340,12 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
     total += embeddings + H  # + the final norm
     if t["model_type"] == "deepseek_v4":
         total += _hyper_connections(t, H, n)
+    if t["model_type"] == "longcat_flash":  # each layer's second attention (+ its norms), the zero experts' router rows
+        total += n * (_attention(t, H, "full_attention") + 2 * H + int(t.get("zero_expert_num") or 0) * H)
+    if t["model_type"] == "mistral_large4_text":  # LeRoPE's learned per-frequency alpha
+        total += int(t.get("qk_rope_head_dim", 64)) // 2
+    if t["model_type"] == "phimoe":  # LayerNorms with biases, the LM head's bias
+        total += (2 * n + 1) * H + (V if t.get("lm_head_bias") else 0)
     name = str(raw.get("model_type") or t["model_type"])
     if raw.get("text_config"):
         name += f" (text model: {t['model_type']})"
@@ -312,7 +373,11 @@ MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "deepseek-v4-flash": ModelCard("284B", "13B", "deepseek-ai/DeepSeek-V4-Flash"),
                "deepseek-v4-pro": ModelCard("1.6T", "49B", "deepseek-ai/DeepSeek-V4-Pro"),
                "granite-3.0-3b-a800m": ModelCard("3.3B", "800M", "ibm-granite/granite-3.0-3b-a800m-instruct"),
-               "dbrx": ModelCard("132B", "36B", "databricks/dbrx-instruct")}
+               "dbrx": ModelCard("132B", "36B", "databricks/dbrx-instruct"),
+               "phi-3.5-moe": ModelCard("41.9B", "6.6B", "microsoft/Phi-3.5-MoE-instruct"),
+               "longcat-flash-chat": ModelCard("560B", "18.6B-31.3B", "meituan-longcat/LongCat-Flash-Chat"),
+               "mimo-v2-flash": ModelCard("309B", "15B", "XiaomiMiMo/MiMo-V2-Flash"),
+               "mistral-large-4": ModelCard("1T", "52B", "mistralai/Mistral-Large-4-1T-A52B")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

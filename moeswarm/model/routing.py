@@ -17,6 +17,9 @@ Read from transformers 5.24's modeling files (see ``shared/spikes/moe/tensors/*_
   token-id table instead and weight them the same way.
 * ``topk_sigmoid`` (Llama 4): top-k on the logits, each chosen expert weighted by the sigmoid of its
   logit (Llama 4 scales the expert's *input* by it: ``ModelConfig.expert_input_scaled``).
+* ``sparsemixer`` (PhiMoE, at inference): the top logit's expert, weighted by its softmax over the
+  experts whose logit is within ``2 * jitter`` of the top (relative: ``(top - s) / max(|s|, top)``);
+  then the same over the others for the second expert.  ``jitter`` is ``cfg.family.router_jitter``.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def route(
         weights = np.take_along_axis(probs, ids, axis=-1)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
+        if cfg.routed_scaling_factor != 1.0:  # LongCat-Flash
+            weights = weights * np.float32(cfg.routed_scaling_factor)
     elif cfg.router == "topk_softmax":
         ids = _topk(logits, k)
         weights = _softmax(np.take_along_axis(logits, ids, axis=-1))
@@ -105,6 +110,24 @@ def route(
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
         weights = weights * np.float32(cfg.routed_scaling_factor)
-    else:  # pragma: no cover - config parsing only produces the three above
+    elif cfg.router == "sparsemixer":
+        ids, weights = _sparsemixer(logits, float(cfg.family.router_jitter), k)
+    else:  # pragma: no cover - config parsing only produces the routers above
         raise ValueError(cfg.router)
     return ids.astype(np.int64), weights.astype(np.float32)
+
+
+def _sparsemixer(logits: np.ndarray, jitter: float, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """PhiMoE's ``sparsemixer`` without training noise: logits (T, E) -> ids, weights (T, k), one expert
+    at a time, each weighted by a softmax over the experts near it (transformers 5.24, eval mode)."""
+    T = logits.shape[0]
+    ids, weights = np.zeros((T, k), np.int64), np.zeros((T, k), np.float32)
+    rows, scores = np.arange(T), logits
+    for j in range(k):
+        best = np.argmax(scores, axis=-1)  # (T,): torch's max, the first of equals
+        top = scores[rows, best][:, None]
+        far = (top - logits) / np.maximum(np.abs(logits), top) > np.float32(2 * jitter)
+        ids[:, j], weights[:, j] = best, _softmax(np.where(far, -np.inf, scores))[rows, best]
+        scores = scores.copy()
+        scores[rows, best] = -np.inf  # the next choice is among the others
+    return ids, weights

@@ -97,6 +97,24 @@ class AddResidual:
 RESIDUAL_FORMS: dict[str, Callable[[ModelConfig, Weights], ResidualForm]] = {"add": AddResidual}
 
 
+class DecoderLayerForm(Protocol):
+    """A family's whole decoder layer, where it is not one attention + one MLP (LongCat-Flash's two
+    attention and dense-MLP sublayers with a MoE shortcut)."""
+
+    def new_cache(self, cfg: ModelConfig, layer: int) -> object:
+        """Layer ``layer``'s empty cache (it needs ``length`` and ``truncate``, as ``LayerCache``)."""
+        ...
+
+    def __call__(self, model: "Model", L: int, x: np.ndarray, cache: object, positions: np.ndarray,
+                 observe: bool) -> np.ndarray:
+        """Decoder layer ``L``: x (B, T, H) -> (B, T, H)."""
+        ...
+
+
+# decoder layer forms a family's module adds (``ModelConfig.arch`` -> form)
+DECODER_LAYERS: dict[str, DecoderLayerForm] = {}
+
+
 class _Done:
     def __init__(self, value: np.ndarray) -> None:
         self._value = value
@@ -154,12 +172,14 @@ class LocalExperts:
         pass
 
 
-def block_norm(cfg: ModelConfig, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The norm before each block and the final one: RMSNorm, or DBRX's LayerNorm without bias."""
+def block_norm(cfg: ModelConfig, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """The norm before each block and the final one: RMSNorm, or LayerNorm (DBRX's without bias,
+    PhiMoE's with the bias ``b``)."""
     if cfg.norm != "layer":
         return rms_norm(x, w, cfg.rms_norm_eps)
     x = x - x.mean(axis=-1, keepdims=True)
-    return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps)) * f32(w)
+    y = x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps)) * f32(w)
+    return y if b is None else y + f32(b)
 
 
 def residual(cfg: ModelConfig, h: np.ndarray) -> np.ndarray:
@@ -167,8 +187,10 @@ def residual(cfg: ModelConfig, h: np.ndarray) -> np.ndarray:
     return h if cfg.residual_multiplier == 1.0 else h * np.float32(cfg.residual_multiplier)
 
 
-def scaled_logits(cfg: ModelConfig, logits: np.ndarray) -> np.ndarray:
-    """float32 logits, divided by Granite's ``logits_scaling``."""
+def scaled_logits(cfg: ModelConfig, logits: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """float32 logits, plus PhiMoE's LM-head ``bias``, divided by Granite's ``logits_scaling``."""
+    if bias is not None:
+        logits = logits + f32(bias)
     if cfg.logits_scaling != 1.0:
         logits = logits / np.float32(cfg.logits_scaling)
     return logits.astype(np.float32, copy=False)
@@ -217,6 +239,8 @@ class Model:
             return KVCache([DsaLayerCache() for _ in range(cfg.num_layers)])
         if cfg.deltanet is not None:
             return KVCache([DeltaNetState() if linear else LayerCache() for linear in cfg.deltanet.layers[:cfg.num_layers]])
+        if cfg.arch in DECODER_LAYERS:
+            return KVCache([DECODER_LAYERS[cfg.arch].new_cache(cfg, L) for L in range(cfg.num_layers)])  # type: ignore[misc]
         return KVCache([new_layer_cache(cfg, L) for L in range(cfg.num_layers)])  # MiniMax M3: index keys too
 
     def forward(self, ids: np.ndarray, cache: KVCache, *, last_only: bool = False,
@@ -241,20 +265,23 @@ class Model:
         x = self.residual_form.collapse(x)
         self.experts.end_step()
         if hidden_out is not None:
-            hidden_out.append(block_norm(cfg, x, w["final_norm"]))
+            hidden_out.append(block_norm(cfg, x, w["final_norm"], w.get("final_norm_bias")))
         if last_only:
             x = x[:, -1:]
-        x = block_norm(cfg, x, w["final_norm"])
-        return scaled_logits(cfg, mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1))
+        x = block_norm(cfg, x, w["final_norm"], w.get("final_norm_bias"))
+        logits = mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1)
+        return scaled_logits(cfg, logits, w.get("lm_head_bias"))
 
     def layer(self, L: int, x: np.ndarray, layer_cache: object, positions: np.ndarray, step: dict[str, np.ndarray],
               *, observe: bool = True) -> np.ndarray:
         """Decoder layer ``L`` (an MTP layer too: ``model/mtp.py``): x (B, T, H) -> (B, T, H).
         ``observe`` False keeps the observers (demand counts, state prefetch) out of it."""
         cfg, w, form = self.config, self.weights, self.residual_form
+        if cfg.arch in DECODER_LAYERS:
+            return DECODER_LAYERS[cfg.arch](self, L, x, layer_cache, positions, observe)
         B, T = x.shape[:2]
         h, held = form.enter(L, "attn", x)
-        h = block_norm(cfg, h, w[f"{L}.attn_norm"])
+        h = block_norm(cfg, h, w[f"{L}.attn_norm"], w.get(f"{L}.attn_norm_bias"))
         if cfg.attention == "mla":
             h = mla(self._attn[L], h, cfg, self.rope, layer_cache, positions)  # type: ignore[arg-type]
         elif cfg.sparse_layers and cfg.sparse_layers[L]:  # MiniMax M3 lightning indexer
@@ -268,7 +295,7 @@ class Model:
         if observe:
             for observe_state in self.state_observers:
                 observe_state(L, h.reshape(B * T, -1))
-        h = block_norm(cfg, h, w[f"{L}.mlp_norm"]).reshape(B * T, -1)
+        h = block_norm(cfg, h, w[f"{L}.mlp_norm"], w.get(f"{L}.mlp_norm_bias")).reshape(B * T, -1)
         out = self._mlp(L, h, observe=observe, tokens=step.get("tokens"))
         return form.leave(L, "mlp", x, out.reshape(B, T, -1), held)
 
@@ -302,6 +329,8 @@ class Model:
             ids, weights = hash_route(cfg, h, w[f"{L}.router"], table, tokens)
         else:
             ids, weights = route(cfg, h, w[f"{L}.router"], w.get(f"{L}.router_bias"), w.get(f"{L}.router_score_bias"))
+        if cfg.zero_experts:  # LongCat-Flash: the zero-computation choices are done here, the rest sent
+            return self._submit_with_zero_experts(L, h, ids, weights, observe)
         for route_observer in self.observers if observe else ():
             route_observer(L, ids)
         handle = self._submit_scaled(L, h, ids, weights) if cfg.expert_input_scaled else self.experts.submit(
@@ -323,3 +352,20 @@ class Model:
         rows = (h[:, None, :] * weights[:, :, None]).reshape(T * k, -1)  # (T*k, H)
         handle = self.experts.submit(L, rows, ids.reshape(T * k, 1), np.ones((T * k, 1), np.float32))
         return _Summed(handle, T, k)
+
+    def _submit_with_zero_experts(self, L: int, h: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                                  observe: bool) -> np.ndarray:
+        """h (T, H) -> (T, H): each choice of a zero-computation expert (id >= num_experts) adds its
+        weight times the input, here; the routed choices go to the executor as one row per (token,
+        choice), so no node holds, and no message carries, a zero-computation expert."""
+        real = ids < self.config.num_experts  # (T, k)
+        out = np.where(real, np.float32(0), weights).sum(axis=-1, dtype=np.float32)[:, None] * h  # (T, H)
+        tokens, choices = np.nonzero(real)
+        if not len(tokens):
+            return out
+        routed = ids[tokens, choices][:, None]  # (R, 1)
+        for route_observer in self.observers if observe else ():
+            route_observer(L, routed)
+        rows = self.experts.submit(L, h[tokens], routed, weights[tokens, choices][:, None]).result()  # (R, H)
+        np.add.at(out, tokens, rows)
+        return out

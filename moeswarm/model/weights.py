@@ -62,17 +62,28 @@ Shapes = dict[str, tuple[int, ...]]
 ATTENTION_SHAPES: dict[str, Callable[[ModelConfig, int], Shapes]] = {}
 EXTRA_SHAPES: dict[str, Callable[[ModelConfig], Shapes]] = {}
 INDEX_TABLES = (".router_table",)  # integer tensors (DeepSeek-V4's token -> experts table), not weights
+# families whose layers hold other tensors than attention + MLP (``ModelConfig.arch`` -> all their
+# shapes, in place of the generic ones): filled by the family modules (LongCat-Flash's, MiMo-V2-Flash's)
+FAMILY_SHAPES: dict[str, Callable[[ModelConfig], Shapes]] = {}
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape that ``cfg`` implies, for every non-expert tensor."""
+    if cfg.arch in FAMILY_SHAPES:
+        return FAMILY_SHAPES[cfg.arch](cfg)
     H, V, nh, nkv, hd = cfg.hidden_size, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     s: dict[str, tuple[int, ...]] = {"embed": (V, H), "final_norm": (H,)}
     if not cfg.tie_word_embeddings:
         s["lm_head"] = (V, H)
+    if cfg.lm_head_bias:
+        s["lm_head_bias"] = (V,)
+    if cfg.norm_bias:
+        s["final_norm_bias"] = (H,)
     for L in range(cfg.all_layers):  # the MTP layers' decoder layers too (model/mtp.py)
         p = f"{L}."
         s[p + "attn_norm"] = s[p + "mlp_norm"] = (H,)
+        if cfg.norm_bias:
+            s[p + "attn_norm_bias"] = s[p + "mlp_norm_bias"] = (H,)
         if cfg.attention in ATTENTION_SHAPES:
             s.update(ATTENTION_SHAPES[cfg.attention](cfg, L))
         elif cfg.attention == "qwen3_5":

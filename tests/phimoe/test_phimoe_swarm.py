@@ -1,0 +1,20 @@
+"""PhiMoE (``phimoe``) in a real swarm on loopback: three expert node processes found through the
+libp2p DHT, the backbone (LayerNorms with biases, GQA with biases and a sliding window, longrope,
+the sparsemixer routers, the LM head's bias) in this process.  The swarm must give the single-process
+logits (prefill in chunks of 5 over the cache, then decode) and transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+from swarm_support import assert_swarm_gives_single_process_tokens
+
+from moeswarm.model import load_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_backbone_and_three_nodes_give_single_process_tokens(phimoe_checkpoints) -> None:
+    folder, ref = phimoe_checkpoints.get("packed")
+    single = load_model(folder)
+    assert single.config.router == "sparsemixer" and single.config.norm_bias
+    assert_swarm_gives_single_process_tokens(single, folder, ref, ["0-2", "3-5", "6-7"], chunk=5)
