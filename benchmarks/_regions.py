@@ -101,8 +101,12 @@ def split_by_region(rng: np.random.Generator, tiers: np.ndarray, shares: tuple[f
 def build(shape_key: str, volunteers: int, ratio: float | None, *, near: bool, seed: int, epochs: int,
           shares: tuple[float, ...], zipf_s: float) -> tuple[RegionalSwarm, np.ndarray, np.random.Generator]:
     """Volunteers join in random order (every tier split over the regions by ``shares``:
-    ``split_by_region``), then ``epochs`` of 10% churn (each leaver replaced by a joiner of its tier
-    and region) and half the nodes re-evaluating; returns the swarm, the true demand and the generator."""
+    ``split_by_region``), every node re-evaluates once (the first joiners saw an empty swarm: a hub
+    that joined while memory held under two copies of the model took rectangles, not whole
+    layers, and with only the epochs' half re-evaluating, a quarter of the nodes never looked
+    again in two epochs), then ``epochs`` of 10% churn (each leaver replaced by a joiner of its
+    tier and region) and half the nodes re-evaluating; returns the swarm, the true demand and the
+    generator."""
     rng = np.random.default_rng(seed)
     shape = sm.SHAPES[shape_key]
     grid = shape.market()
@@ -125,6 +129,9 @@ def build(shape_key: str, volunteers: int, ratio: float | None, *, near: bool, s
             swarm.join(people[k], int(tier_ids[k]), int(region_ids[k]), demand)
 
     arrive(tiers, regions, demand_now())
+    demand = demand_now()
+    for nid in rng.permutation(list(swarm.nodes)):  # the swarm settles: every node re-evaluates once
+        swarm.reconsider(int(nid), demand)
     for _ in range(epochs):
         demand = demand_now()
         ids = list(swarm.nodes)
