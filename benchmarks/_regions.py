@@ -1,7 +1,8 @@
 """Regions for ``swarm_sim.py``: three clusters of volunteers, ~1 ms apart inside, 80-150 ms
 between, people in every region; one person's decode through a gateway in their region.
 
-A volunteer belongs to one region (``swarm_sim.REGIONS``' shares). A call from a backbone in
+A volunteer belongs to one region: each tier's volunteers split over them by
+``swarm_sim.REGIONS``' shares (``split_by_region``). A call from a backbone in
 region ``a`` to a holder in region ``b`` pays the backbone's access round trip, the holder's, and
 ``REGION_RTT_S[a][b]`` (0 inside a region: two hubs there are their access links apart, ~1 ms).
 The market sees regions as the swarm does, from round trips: with ``near`` a volunteer's
@@ -80,10 +81,32 @@ class RegionalSwarm:
         return out
 
 
+def split_by_region(rng: np.random.Generator, tiers: np.ndarray, shares: tuple[float, ...]) -> np.ndarray:
+    """``(n,)`` the region of each volunteer: every tier's volunteers split over the regions in
+    proportion to ``shares`` (largest remainders), in random order within the tier. (Drawn one
+    volunteer at a time, seed 3's 333 volunteers put 1 of their 9 hubs, 70 GB, in region 0: its
+    hubs held 19 of M3's 57 layers and its person's gateway paid 80-150 ms on the other 38, a draw
+    the shares do not describe.)"""
+    p = np.array(shares, dtype=np.float64) / sum(shares)
+    out = np.empty(len(tiers), dtype=np.int64)
+    for t in np.unique(tiers):
+        members = np.flatnonzero(tiers == t)
+        exact = p * len(members)
+        counts = np.floor(exact).astype(np.int64)
+        counts[np.argsort(-(exact - counts), kind="stable")[: len(members) - int(counts.sum())]] += 1
+        out[rng.permutation(members)] = np.repeat(np.arange(len(p)), counts)
+    return out
+
+
 def build(shape_key: str, volunteers: int, ratio: float | None, *, near: bool, seed: int, epochs: int,
           shares: tuple[float, ...], zipf_s: float) -> tuple[RegionalSwarm, np.ndarray, np.random.Generator]:
-    """Volunteers join in random order (region by ``shares``), then ``epochs`` of 10% churn and
-    half the nodes re-evaluating; returns the swarm, the true demand and the generator."""
+    """Volunteers join in random order (every tier split over the regions by ``shares``:
+    ``split_by_region``), every node re-evaluates once (the first joiners saw an empty swarm: a hub
+    that joined while memory held under two copies of the model took rectangles, not whole
+    layers, and with only the epochs' half re-evaluating, a quarter of the nodes never looked
+    again in two epochs), then ``epochs`` of 10% churn (each leaver replaced by a joiner of its
+    tier and region) and half the nodes re-evaluating; returns the swarm, the true demand and the
+    generator."""
     rng = np.random.default_rng(seed)
     shape = sm.SHAPES[shape_key]
     grid = shape.market()
@@ -95,25 +118,28 @@ def build(shape_key: str, volunteers: int, ratio: float | None, *, near: bool, s
                for t in sm.TIERS]
     swarm = RegionalSwarm(shape, grid, configs, near, mk.Supply.empty(grid),
                           [mk.Supply.empty(grid) for _ in REGION_RTT_S])
-    p = np.array(shares) / sum(shares)
+    regions = split_by_region(rng, tiers, shares)
 
     def demand_now() -> mk.Demand:
         return mk.Demand.from_counts(rng.multinomial(2_000_000, truth.reshape(-1)).reshape(grid.grid).astype(float))
 
-    def arrive(tier_ids: np.ndarray, demand: mk.Demand) -> None:
+    def arrive(tier_ids: np.ndarray, region_ids: np.ndarray, demand: mk.Demand) -> None:
         people = sm.volunteers(rng, tier_ids, shape, scale)
         for k in rng.permutation(len(people)):
-            swarm.join(people[k], int(tier_ids[k]), int(rng.choice(len(p), p=p)), demand)
+            swarm.join(people[k], int(tier_ids[k]), int(region_ids[k]), demand)
 
-    arrive(tiers, demand_now())
+    arrive(tiers, regions, demand_now())
+    demand = demand_now()
+    for nid in rng.permutation(list(swarm.nodes)):  # the swarm settles: every node re-evaluates once
+        swarm.reconsider(int(nid), demand)
     for _ in range(epochs):
         demand = demand_now()
         ids = list(swarm.nodes)
         leaving = rng.choice(ids, size=len(ids) // 10, replace=False)
-        left = [swarm.nodes[int(i)][1] for i in leaving]
+        left = [swarm.nodes[int(i)][1:3] for i in leaving]  # (tier, region): a joiner of each takes its place
         for nid in leaving:
             swarm.leave(int(nid))
-        arrive(np.array(left, dtype=np.int64), demand)
+        arrive(np.array([t for t, _ in left], dtype=np.int64), np.array([g for _, g in left], dtype=np.int64), demand)
         for nid in [i for i in list(swarm.nodes) if rng.random() < 0.5]:
             swarm.reconsider(nid, demand)
     return swarm, truth, rng

@@ -55,6 +55,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -542,13 +543,16 @@ GATEWAY_RUNS = (("M3", "m3", 1000), ("DeepSeek-V3", "dsv3", 1000), ("2T", "2t", 
 
 
 def gateway_rows(*, seed: int = SEEDS[0], epochs: int = 2, near: bool = True, quick: bool = False,
-                 shapes: tuple[str, ...] = ("m3", "dsv3", "2t")) -> dict:
+                 shapes: tuple[str, ...] = ("m3", "dsv3", "2t"), ratio: float | None = None) -> dict:
     """Three regions (``_regions.py``: ~1 ms inside, 80-150 ms between, volunteers by ``REGIONS``'
     shares, the memory the tiers offer), people in every region: tokens/s of one person's decode
     through a gateway (a hub-tier backbone) in their region and through their own home backbone,
     per model and region, after ``epochs`` of churn and re-evaluation under the market (``near``:
-    it sees each volunteer's region). Returns ``{"sim_m3_gateway_tok_s", "sim_m3_home_tok_s"}``
-    (M3, the median over the regions) and ``"rows"``: one dict per model and region."""
+    it sees each volunteer's region); ``ratio``: the volunteers' memory scaled to this many copies
+    of the model in all (``None``: what the tiers offer). Returns ``{"sim_m3_gateway_tok_s", "sim_m3_home_tok_s"}``
+    (M3, the median over the regions) and ``"rows"``: one dict per model and region (its
+    volunteers, hubs and their memory in copies of the model, the share of calls whose expert a hub
+    of the region holds, both tok/s)."""
     import _regions as rg
 
     shares = tuple(w for _, w in REGIONS)
@@ -558,11 +562,15 @@ def gateway_rows(*, seed: int = SEEDS[0], epochs: int = 2, near: bool = True, qu
         if key not in shapes:
             continue
         n = volunteers // 3 if quick else volunteers
-        swarm, truth, rng = rg.build(key, n, None, near=near, seed=seed, epochs=epochs, shares=shares,
+        swarm, truth, rng = rg.build(key, n, ratio, near=near, seed=seed, epochs=epochs, shares=shares,
                                      zipf_s=sm.zipf_matching(cv, sm.SHAPES[key].experts))
         inside = rg.in_region_calls(swarm, truth)
         for g in range(len(shares)):
-            rows.append({"model": label, "region": g, "volunteers": len(swarm.nodes),
+            here = [(v, tier) for v, tier, region, _ in swarm.nodes.values() if region == g]
+            rows.append({"model": label, "region": g, "volunteers": len(here),
+                         "hubs": sum(1 for _, tier in here if tier == 0),
+                         "hub_memory_models": sum(v.memory_bytes for v, tier in here if tier == 0)
+                         / swarm.grid.total_bytes,
                          "gateway_tok_s": rg.decode_tok_s(swarm, truth, rng, 0, g),
                          "home_tok_s": rg.decode_tok_s(swarm, truth, rng, 1, g),
                          "calls_on_region_hubs": inside[g], "coverage": swarm.supply.coverage()})
@@ -573,11 +581,12 @@ def gateway_rows(*, seed: int = SEEDS[0], epochs: int = 2, near: bool = True, qu
 
 
 def gateway_table(result: dict) -> str:
-    lines = ["| model | region | volunteers | calls on the region's hubs | one person, gateway in region, tok/s "
-             "| one person, home backbone, tok/s |", "|---|---|---|---|---|---|"]
+    lines = ["| model | region | volunteers | hubs (their memory, models) | calls on the region's hubs "
+             "| one person, gateway in region, tok/s | one person, home backbone, tok/s |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['model']} | {r['region']} | {r['volunteers']:,} | {r['calls_on_region_hubs']:.1%} "
-                     f"| {r['gateway_tok_s']:.2f} | {r['home_tok_s']:.2f} |")
+        lines.append(f"| {r['model']} | {r['region']} | {r['volunteers']:,} | {r['hubs']} ({r['hub_memory_models']:.2f}) "
+                     f"| {r['calls_on_region_hubs']:.1%} | {r['gateway_tok_s']:.2f} | {r['home_tok_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -605,12 +614,19 @@ def main() -> None:
     ap.add_argument("--regions", action="store_true", help="only the regions run: one person's decode through a "
                     "gateway in their region vs their home backbone (gateway_rows), with and without the market "
                     "seeing regions; its last line is the JSON of gateway_rows")
+    ap.add_argument("--memory-ratio", type=float, default=None,
+                    help="with --regions: the volunteers' memory scaled to this many copies of the model in all "
+                         "(default: what the tiers offer)")
     args = ap.parse_args()
     if args.regions:
         t0 = time.perf_counter()
-        blind = gateway_rows(near=False, quick=args.quick, seed=args.seed or SEEDS[0])
-        print("market blind to regions:\n\n" + gateway_table(blind))
-        result = gateway_rows(quick=args.quick, seed=args.seed or SEEDS[0])
+        seed = SEEDS[0] if args.seed is None else args.seed
+        with ProcessPoolExecutor(2) as pool:  # the two placements side by side: one core each
+            runs = [pool.submit(gateway_rows, near=near, quick=args.quick, seed=seed, ratio=args.memory_ratio)
+                    for near in (False, True)]
+            blind, result = (run.result() for run in runs)
+        memory = "the tiers' own" if args.memory_ratio is None else f"{args.memory_ratio:g}x the model"
+        print(f"seed {seed}, memory {memory}; market blind to regions:\n\n" + gateway_table(blind))
         print("\nmarket placing by region (near supply):\n\n" + gateway_table(result))
         print(f"({time.perf_counter() - t0:.0f} s)")
         print(json.dumps({k: round(v, 3) for k, v in result.items() if k != "rows"}))

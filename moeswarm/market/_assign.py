@@ -67,7 +67,7 @@ import numpy as np
 from moeswarm.errors import ConfigError
 
 from ._demand import Demand
-from ._grid import Block, ModelShape, Rect, Score, best_rect, best_signed_rect
+from ._grid import Block, ModelShape, Rect, Score, SignedSearch, best_rect
 from ._layers import whole_layers
 from ._supply import Supply
 from ._target import target_replicas
@@ -347,25 +347,27 @@ def _choose_signed(values: CellValues, capacity: int, config: AssignConfig,
     signed[mask] = taken
     rects: list[Rect] = []
     left = capacity
+    search = SignedSearch(signed)  # the searches below only lower it: each reuses the last one's sums
     while len(rects) < config.max_blocks - 1 and left > 0:
-        found = best_signed_rect(signed, min(left, config.block_cells))
+        found = search.best(min(left, config.block_cells))
         if found is None or (rects and found[1] <= 0):
             break
         rect = found[0]
         rects.append(rect)
         left -= rect.cells
-        signed[rect.slices] = taken
+        search.lower(rect, taken)
     # the rest of memory goes where it covers, adds its tier's copy or replicates (levels 1-3), in
     # the largest rectangles that hold most of it without overlapping the blocks taken
     need = folded((values.cover, values.tier, values.redundancy), capacity)
-    fill = np.where(signed == taken, -2.0 * (float(need.sum()) + 1.0) * max(capacity, 1), need)
+    gone = -2.0 * (float(need.sum()) + 1.0) * max(capacity, 1)
+    search = SignedSearch(np.where(signed == taken, gone, need))
     while len(rects) < config.max_blocks and left > 0:
-        found = best_signed_rect(fill, left)
+        found = search.best(left)
         if found is None or found[1] <= 0:
             break
         rects.append(found[0])
         left -= found[0].cells
-        fill[found[0].slices] = -2.0 * (float(need.sum()) + 1.0) * max(capacity, 1)
+        search.lower(found[0], gone)
     return rects, score_rects(values, rects, config)
 
 

@@ -237,7 +237,40 @@ def paint(grid: tuple[int, int], rects: np.ndarray, weights: np.ndarray) -> np.n
     return out
 
 
-def best_signed_rect(values: np.ndarray, capacity: int) -> tuple[Rect, float] | None:
+class SignedSearch:
+    """Repeated ``best_signed_rect`` searches over one grid whose values only go down between them
+    (``lower``: a block taken is set below every value): the best sum each rectangle shape reached
+    in an earlier search bounds it from above, so a shape whose bound cannot beat the best found
+    so far (by the search's own rule, round-off allowed for) is not summed again. The answers are
+    those of ``best_signed_rect`` on the grid as it is (a skipped shape could not have changed
+    them); a node's choice of up to 64 blocks searches 64 times (``_assign._choose_signed``), and
+    most shapes' best rectangles lie away from the block just taken."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values  # owned: ``lower`` writes into it
+        self.upper: dict[tuple[int, int], float] = {}  # (rows, cols) -> the best sum it reached
+        self.slack = 0.0  # round-off allowance of those sums
+
+    def lower(self, rect: Rect, value: float) -> None:
+        """Set the cells of ``rect`` to ``value`` (a value above any of them forgets the bounds)."""
+        cells = self.values[rect.slices]
+        if (cells < value).any():
+            self.upper.clear()
+        cells[...] = value
+
+    def best(self, capacity: int) -> tuple[Rect, float] | None:
+        """``best_signed_rect(self.values, capacity)``."""
+        return best_signed_rect(self.values, capacity, _search=self)
+
+
+def _unreachable(bound: float, best: float) -> bool:
+    """Whether a sum of at most ``bound`` cannot replace a best of ``best`` (``best_signed_rect``'s
+    rule: it must exceed ``best - tol``, ``tol = 1e-9 * max(1, |sum|)``, which grows with the sum)."""
+    return bound + 1e-9 * max(1.0, abs(bound)) <= best
+
+
+def best_signed_rect(values: np.ndarray, capacity: int, *, _search: SignedSearch | None = None
+                     ) -> tuple[Rect, float] | None:
     """The rectangle of at most ``capacity`` cells with the largest sum of ``values`` (which may
     be negative: a cell below the volunteer's opportunity cost), over every shape, and its sum.
 
@@ -250,13 +283,25 @@ def best_signed_rect(values: np.ndarray, capacity: int) -> tuple[Rect, float] | 
     if capacity < 1:
         return None
     p = prefix_sum(values)
+    upper = {} if _search is None else _search.upper
+    slack = 0.0
+    if _search is not None:  # sums of (L+E)-term prefix differences: error well under 1e-10 of the magnitudes
+        _search.slack = max(_search.slack, 1e-10 * float(np.abs(values).sum()))
+        slack = 2.0 * _search.slack  # the bound's round-off and this search's
     best: tuple[float, int, Rect] | None = None
     for h in range(1, min(L, capacity) + 1):
-        rows = p[h:, :] - p[:-h, :]  # (L-h+1, E+1): column prefix sums of every h-row band
+        rows: np.ndarray | None = None
         for w in range(1, min(E, capacity // h) + 1):
+            bound = upper.get((h, w))
+            if bound is not None and best is not None and _unreachable(bound + slack, best[0]):
+                continue
+            if rows is None:
+                rows = p[h:, :] - p[:-h, :]  # (L-h+1, E+1): column prefix sums of every h-row band
             sums = rows[:, w:] - rows[:, :-w]
-            k = int(np.argmax(sums))
+            k = int(sums.argmax())
             s = float(sums.flat[k])
+            if _search is not None:
+                upper[(h, w)] = s
             tol = 1e-9 * max(1.0, abs(s))
             if best is None or s > best[0] + tol or (s > best[0] - tol and h * w < best[1]):
                 i, j = divmod(k, sums.shape[1])

@@ -50,3 +50,11 @@ def is_whole_layers(shape: ModelShape, rects: list[Rect], capacity: int) -> bool
     n = min(capacity // experts, layers)
     return n >= 1 and all(r.e0 == 0 and r.e1 == experts - 1 for r in rects) \
         and sum(r.r1 - r.r0 + 1 for r in rects) == n
+
+
+def bare_layers(supply: Supply, layer_rate: float, share: float) -> np.ndarray:
+    """``(L,)``: the layers whose holders in ``supply`` serve at under ``share`` of ``layer_rate``
+    pairs/s in all (a hub's rate per layer it holds): no fast holder there. Over a region's supply
+    (``_near.py``), the layers whose calls a backbone of the region sends across an ocean."""
+    out: np.ndarray = supply.throughput.sum(axis=1) < share * layer_rate
+    return out

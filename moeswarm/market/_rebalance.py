@@ -36,7 +36,7 @@ from ._assign import (
 )
 from ._demand import Demand
 from ._grid import Block, ModelShape, Rect, better, cell_mask, union_cells
-from ._layers import is_whole_layers
+from ._layers import bare_layers, is_whole_layers
 from ._supply import Supply
 
 
@@ -198,6 +198,22 @@ def _keep_and_choose(values: CellValues, keep: list[Rect], capacity: int, assign
     return keep + more
 
 
+def _bares_more(shape: ModelShape, supply: Supply, volunteer: Volunteer, config: AssignConfig, capacity: int,
+                rects: Sequence[Rect], span: Sequence[Rect]) -> bool:
+    """Whether a hub on whole layers ``rects`` should move to ``span``: more of the span's layers
+    than of its own have no fast holder in ``supply`` but it (``bare_layers``, its rate per layer,
+    ``edge_rate_share``). Over its region's supply: a backbone there pays an ocean's round trip on
+    every bare layer, every token (swarm_sim's regions at 8x memory: a region's three hubs on
+    layers 17-39, 25-40 and 41-56, layers 0-16 held by none of them, stayed: 70% of calls on the
+    region's hubs, its gateway 0.73 tok/s). Each such move lowers the region's bare layers: moves
+    end. ``edge_rate_share`` 0: never."""
+    layers = shape.grid[1]
+    rate = volunteer.serving_rate(config.call_bytes) / max(capacity // layers, 1)
+    bare = bare_layers(supply, rate, config.edge_rate_share)
+    mine, there = cell_mask(shape.grid, rects)[:, 0], cell_mask(shape.grid, span)[:, 0]
+    return int(bare[there].sum()) > int(bare[mine].sum())
+
+
 def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volunteer, current: Sequence[Block],
               *, assign_config: AssignConfig = AssignConfig(), config: RebalanceConfig = RebalanceConfig(),
               epochs_since_move: int | None = None, near: Supply | None = None) -> MovePlan | None:
@@ -235,7 +251,8 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
         rival = choose_rects(values, k, assign_config)[0] if values.cover.any() or values.redundancy.any() else []
         span = layer_choice(shape, others, demand, volunteer, assign_config, values, k, rival, near)
     if span is not None:  # a hub that can hold a whole layer: whole layers (_layers.py)
-        if is_whole_layers(shape, rects, k):
+        if is_whole_layers(shape, rects, k) and not _bares_more(shape, others if near is None else near, volunteer,
+                                                                 assign_config, k, rects, span):
             return None  # joiners fill the layers short of rate; a hub on whole layers stays
         return plan_move(shape, others.replicas, [shape.block(r) for r in rects], [shape.block(r) for r in span],
                          limit, float("inf"))  # no score level measures it: whole layers are the rule

@@ -124,3 +124,27 @@ def test_the_market_path_reads_round_trips_into_the_near_supply() -> None:
     assert state.supply.holders == 2 and state.near is not None and state.near.holders == 0
     assert near_state.near is not None and near_state.near.holders == 1
     assert any(b.layers[0] <= 2 <= b.layers[1] and b.experts[0] <= 2 <= b.experts[1] for b in blocks)
+
+
+def test_a_hub_on_whole_layers_its_region_holds_twice_moves_to_the_layers_it_lacks() -> None:
+    """Region B's two hubs both hold layers 2-3, none holds 0-1 (region A's hubs hold everything
+    twice): a backbone in B pays an ocean's round trip on layers 0-1 every token. Re-evaluating,
+    one of them moves to 0-1 by a safe plan, and then stays; a hub whose layers no other hub of
+    its region serves does not swap them for others, nor does a hub blind to regions. Before the
+    rule a hub on whole layers always stayed: this printed ``assert None is not None``."""
+    demand = _demand()
+    hub = Volunteer(32 * 1_000_000, 1e5, "hub")  # two whole layers
+    back = [Rect(2, 3, 0, 15)]
+    supply = _far_hubs().changed(back, 1e5, +1).changed(back, 1e5, +1)  # region A x2, region B's two hubs
+    near = Supply.empty(GRID).changed(back, 1e5, +1).changed(back, 1e5, +1)
+    plan = rebalance(GRID, supply, demand, hub, [GRID.block(back[0])], near=near)
+    assert plan is not None
+    assert [GRID.rect(b) for b in plan.target] == [Rect(0, 1, 0, 15)]
+    others = supply.changed(back, 1e5, -1)
+    assert check_plan(GRID, others.replicas, plan, 32) == []
+    front = [Rect(0, 1, 0, 15)]  # after the move: it stays
+    assert rebalance(GRID, others.changed(front, 1e5, +1), demand, hub, [GRID.block(front[0])],
+                     near=near.changed(back, 1e5, -1).changed(front, 1e5, +1)) is None
+    alone = Supply.empty(GRID).changed(back, 1e5, +1)  # its layers bare without it: no sideways swap
+    assert rebalance(GRID, _far_hubs().changed(back, 1e5, +1), demand, hub, [GRID.block(back[0])], near=alone) is None
+    assert rebalance(GRID, supply, demand, hub, [GRID.block(back[0])]) is None  # blind: the world serves 0-1

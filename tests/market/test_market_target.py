@@ -20,6 +20,7 @@ from moeswarm.market import (
     best_signed_rect,
     target_replicas,
 )
+from moeswarm.market._grid import SignedSearch
 
 
 @settings(max_examples=200, deadline=None)
@@ -72,6 +73,26 @@ def test_signed_search_finds_the_best_rectangle_of_any_shape(L: int, E: int, cap
     assert rect.cells <= cap and s == pytest.approx(float(values[rect.slices].sum()))
     assert s == pytest.approx(_brute(values, cap))
     assert best_signed_rect(values, 0) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.integers(0, 2**32 - 1), st.booleans())
+def test_repeated_searches_over_a_lowered_grid_answer_as_a_fresh_search(L: int, E: int, seed: int,
+                                                                         ties: bool) -> None:
+    """``SignedSearch`` (``_choose_signed``'s up to 64 searches, each after the block found is set
+    below every value) skips shapes whose earlier best cannot win: every answer, rectangle and sum,
+    is the fresh ``best_signed_rect``'s on the grid as it is then (ties too: small integers)."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-2, 3, size=(L, E)).astype(float) if ties else rng.normal(size=(L, E))
+    search = SignedSearch(values.copy())
+    floor = -2.0 * (float(np.abs(values).sum()) + 1.0)
+    for _ in range(L * E):
+        cap = int(rng.integers(1, L * E + 1))
+        fresh = best_signed_rect(search.values.copy(), cap)
+        found = search.best(cap)
+        assert found == fresh
+        assert found is not None and found[1] == pytest.approx(_brute(search.values, cap))
+        search.lower(found[0], floor)
 
 
 def test_a_volunteer_with_several_blocks_gathers_the_scattered_hot_experts() -> None:
