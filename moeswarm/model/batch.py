@@ -34,7 +34,7 @@ from ._attn_lightning import new_layer_cache
 from .attention import LayerCache, gqa_attend, gqa_qkv, linear, mla
 from .config import ModelConfig
 from .experts import f32, mm
-from .transformer import DECODER_LAYERS, Model, block_norm, residual, scaled_logits
+from .transformer import DECODER_LAYERS, LAYER_CACHES, Model, block_norm, residual, scaled_logits
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ def native_layer_cache(cfg: ModelConfig, layer: int) -> Any:
         return DeltaNetState() if cfg.deltanet.layers[layer] else LayerCache()
     if cfg.arch in DECODER_LAYERS:
         return DECODER_LAYERS[cfg.arch].new_cache(cfg, layer)
+    if cfg.attention in LAYER_CACHES:
+        return LAYER_CACHES[cfg.attention](cfg, layer)
     return new_layer_cache(cfg, layer)
 
 
