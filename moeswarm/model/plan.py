@@ -155,6 +155,9 @@ def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
         return _mimo_attention(t, H, layer_type)
     if t.get("model_type") == "kimi_linear" and layer_type == "linear_attention":
         return _kda_attention(t, H)
+    if t.get("model_type") == "minimax" and layer_type == "linear_attention":  # lightning: qkv, gate, norm, out
+        hd = int(t["num_attention_heads"]) * int(t.get("head_dim") or H // int(t["num_attention_heads"]))
+        return 3 * H * hd + H * hd + hd + hd * H
     if layer_type == "linear_attention":
         return _linear_attention(t, H)
     nh = int(t["num_attention_heads"])
@@ -331,6 +334,9 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
         t = _mimo_text(t, int(t["num_hidden_layers"]))
     if t["model_type"] == "kimi_linear":
         t = _kimi_linear_text(t, int(t["num_hidden_layers"]))
+    if t["model_type"] == "minimax" and not t.get("layer_types"):  # MiniMaxConfig's default: every other layer
+        t = {**t, "layer_types": ["full_attention" if (i + 1) % 2 else "linear_attention"
+                                  for i in range(int(t["num_hidden_layers"]))]}
     if t["model_type"] == "mistral_large4_text":  # what its config class derives from what the file leaves out
         n_all, dense = int(t["num_hidden_layers"]), int(t.get("first_k_dense_replace", 1))
         t = {**t, "n_shared_experts": t.get("n_shared_experts", 1), "mlp_layer_types": t.get("mlp_layer_types") or (
@@ -408,7 +414,8 @@ MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "longcat-flash-chat": ModelCard("560B", "18.6B-31.3B", "meituan-longcat/LongCat-Flash-Chat"),
                "mimo-v2-flash": ModelCard("309B", "15B", "XiaomiMiMo/MiMo-V2-Flash"),
                "mistral-large-4": ModelCard("1T", "52B", "mistralai/Mistral-Large-4-1T-A52B"),
-               "kimi-linear-48b-a3b": ModelCard("48B", "3B", "moonshotai/Kimi-Linear-48B-A3B-Instruct")}
+               "kimi-linear-48b-a3b": ModelCard("48B", "3B", "moonshotai/Kimi-Linear-48B-A3B-Instruct"),
+               "minimax-text-01": ModelCard("456B", "45.9B", "MiniMaxAI/MiniMax-Text-01")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
