@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from . import _config_dots1_ernie, _config_glm4, _config_hunyuan, _config_qwen3_next  # noqa: F401 - register more families
 from . import _config_dbrx, _config_granite, _config_llama4, _config_mistral4, _config_phimoe  # noqa: F401
-from . import _config_longcat, _config_mimo  # noqa: F401
+from . import _config_kimi_linear, _config_longcat, _config_mimo, _config_minimax_text01  # noqa: F401
 from . import _attn_dsv4, _config_dsv4, _residual_hc  # noqa: F401 - DeepSeek-V4
 from . import _config_minimax_kimi, _rules_minimax_kimi  # noqa: F401
 from .attention import KVCache

@@ -153,6 +153,11 @@ def _attention(t: dict[str, Any], H: int, layer_type: str) -> int:
         return _deepseek_v4_attention(t, H, layer_type)
     if t.get("model_type") == "mimo_v2_flash":
         return _mimo_attention(t, H, layer_type)
+    if t.get("model_type") == "kimi_linear" and layer_type == "linear_attention":
+        return _kda_attention(t, H)
+    if t.get("model_type") == "minimax" and layer_type == "linear_attention":  # lightning: qkv, gate, norm, out
+        hd = int(t["num_attention_heads"]) * int(t.get("head_dim") or H // int(t["num_attention_heads"]))
+        return 3 * H * hd + H * hd + hd + hd * H
     if layer_type == "linear_attention":
         return _linear_attention(t, H)
     nh = int(t["num_attention_heads"])
@@ -187,6 +192,33 @@ def _mimo_attention(t: dict[str, Any], H: int, layer_type: str) -> int:
     nh, hd, vd = int(t.get("num_attention_heads", 64)), int(t.get("head_dim", 192)), int(t.get("v_head_dim", 128))
     nkv = int(t.get("num_key_value_heads", 4)) * (2 if layer_type == "sliding_attention" else 1)
     return H * nh * hd + H * nkv * (hd + vd) + nh * vd * H + (nh if layer_type == "sliding_attention" else 0)
+
+
+_KIMI_HUB_NAMES = {"num_experts": "num_local_experts", "num_experts_per_token": "num_experts_per_tok",
+                   "num_shared_experts": "n_shared_experts", "num_expert_group": "n_group"}
+
+
+def _kimi_linear_text(t: dict[str, Any], n: int) -> dict[str, Any]:
+    """Kimi Linear's fields (the hub's spellings too) in the names ``model_size`` reads."""
+    t = {**{_KIMI_HUB_NAMES.get(k, k): v for k, v in t.items()}}
+    lin = t.get("linear_attn_config") or {}
+    types = t.get("layer_types")
+    if types is None and "full_attn_layers" in lin:
+        full = {int(i) - 1 for i in lin["full_attn_layers"]}
+        types = ["full_attention" if i in full else "linear_attention" for i in range(n)]
+    dense = int(t.get("first_k_dense_replace", 1))
+    return {**t, "layer_types": types or ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)],
+            "mlp_layer_types": t.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(n)],
+            "n_shared_experts": t.get("n_shared_experts", 1), "linear_attn_config": lin}
+
+
+def _kda_attention(t: dict[str, Any], H: int) -> int:
+    """A Kimi delta attention layer: q/k/v, their convolutions, the low-rank forget gate (+ dt_bias,
+    A_log), beta, the low-rank output gate, the output norm and projection."""
+    lin = t.get("linear_attn_config") or {}
+    h, d = int(lin.get("num_heads", t.get("linear_num_heads", 32))), int(lin.get("head_dim", t.get("linear_head_dim", 128)))
+    K = int(lin.get("short_conv_kernel_size", t.get("linear_conv_kernel_dim", 4)))
+    return 3 * H * h * d + 3 * h * d * K + 2 * (H * d + d * h * d) + h * d + h + H * h + d + h * d * H
 
 
 def _mimo_text(t: dict[str, Any], n: int) -> dict[str, Any]:
@@ -300,6 +332,11 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
         t = _longcat_text(t)
     if t["model_type"] == "mimo_v2_flash":
         t = _mimo_text(t, int(t["num_hidden_layers"]))
+    if t["model_type"] == "kimi_linear":
+        t = _kimi_linear_text(t, int(t["num_hidden_layers"]))
+    if t["model_type"] == "minimax" and not t.get("layer_types"):  # MiniMaxConfig's default: every other layer
+        t = {**t, "layer_types": ["full_attention" if (i + 1) % 2 else "linear_attention"
+                                  for i in range(int(t["num_hidden_layers"]))]}
     if t["model_type"] == "mistral_large4_text":  # what its config class derives from what the file leaves out
         n_all, dense = int(t["num_hidden_layers"]), int(t.get("first_k_dense_replace", 1))
         t = {**t, "n_shared_experts": t.get("n_shared_experts", 1), "mlp_layer_types": t.get("mlp_layer_types") or (
@@ -377,7 +414,9 @@ MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "phi-3.5-moe": ModelCard("41.9B", "6.6B", "microsoft/Phi-3.5-MoE-instruct"),
                "longcat-flash-chat": ModelCard("560B", "18.6B-31.3B", "meituan-longcat/LongCat-Flash-Chat"),
                "mimo-v2-flash": ModelCard("309B", "15B", "XiaomiMiMo/MiMo-V2-Flash"),
-               "mistral-large-4": ModelCard("1T", "52B", "mistralai/Mistral-Large-4-1T-A52B")}
+               "mistral-large-4": ModelCard("1T", "52B", "mistralai/Mistral-Large-4-1T-A52B"),
+               "kimi-linear-48b-a3b": ModelCard("48B", "3B", "moonshotai/Kimi-Linear-48B-A3B-Instruct"),
+               "minimax-text-01": ModelCard("456B", "45.9B", "MiniMaxAI/MiniMax-Text-01")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:

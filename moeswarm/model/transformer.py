@@ -113,6 +113,9 @@ class DecoderLayerForm(Protocol):
 
 # decoder layer forms a family's module adds (``ModelConfig.arch`` -> form)
 DECODER_LAYERS: dict[str, DecoderLayerForm] = {}
+# the cache each layer of an attention kind needs, where not a ``LayerCache`` (``ModelConfig.attention`` ->
+# (cfg, layer) -> cache), e.g. Kimi Linear's delta-attention layers
+LAYER_CACHES: dict[str, Callable[[ModelConfig, int], object]] = {}
 
 
 class _Done:
@@ -241,6 +244,8 @@ class Model:
             return KVCache([DeltaNetState() if linear else LayerCache() for linear in cfg.deltanet.layers[:cfg.num_layers]])
         if cfg.arch in DECODER_LAYERS:
             return KVCache([DECODER_LAYERS[cfg.arch].new_cache(cfg, L) for L in range(cfg.num_layers)])  # type: ignore[misc]
+        if cfg.attention in LAYER_CACHES:
+            return KVCache([LAYER_CACHES[cfg.attention](cfg, L) for L in range(cfg.num_layers)])  # type: ignore[misc]
         return KVCache([new_layer_cache(cfg, L) for L in range(cfg.num_layers)])  # MiniMax M3: index keys too
 
     def forward(self, ids: np.ndarray, cache: KVCache, *, last_only: bool = False,

@@ -1,0 +1,19 @@
+"""Oracle checkpoints of MiniMax-Text-01 (``minimax``), one per layout, built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_support import OracleCheckpoints
+
+
+class _Checkpoints(OracleCheckpoints):
+    def get(self, layout: str = "per_expert") -> tuple[Path, Any]:  # type: ignore[override]
+        return super().get(layout)
+
+
+@pytest.fixture(scope="session")
+def minimax_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
+    return _Checkpoints("oracle_minimax_text01", tmp_path_factory.mktemp("minimax_text01"))
