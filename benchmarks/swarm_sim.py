@@ -585,8 +585,9 @@ def gateway_table(result: dict) -> str:
              "| one person, gateway in region, tok/s | one person, home backbone, tok/s |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['model']} | {r['region']} | {r['volunteers']:,} | {r['hubs']} ({r['hub_memory_models']:.2f}) "
-                     f"| {r['calls_on_region_hubs']:.1%} | {r['gateway_tok_s']:.2f} | {r['home_tok_s']:.2f} |")
+        lines.append(f"| {r['model']} | {r['region']} | {r['volunteers']:,} | {r['hubs']} "
+                     f"({r['hub_memory_models']:.2f}) | {r['calls_on_region_hubs']:.1%} | {r['gateway_tok_s']:.2f} "
+                     f"| {r['home_tok_s']:.2f} |")
     return "\n".join(lines)
 
 

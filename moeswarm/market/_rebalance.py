@@ -253,7 +253,7 @@ def rebalance(shape: ModelShape, supply: Supply, demand: Demand, volunteer: Volu
     if span is not None:  # a hub that can hold a whole layer: whole layers (_layers.py)
         if is_whole_layers(shape, rects, k) and not _bares_more(shape, others if near is None else near, volunteer,
                                                                  assign_config, k, rects, span):
-            return None  # joiners fill the layers short of rate; a hub on whole layers stays
+            return None  # joiners fill the layers short of rate; a hub on whole layers stays (but see _bares_more)
         return plan_move(shape, others.replicas, [shape.block(r) for r in rects], [shape.block(r) for r in span],
                          limit, float("inf"))  # no score level measures it: whole layers are the rule
     held = cell_mask(shape.grid, rects)
