@@ -15,7 +15,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -158,10 +158,14 @@ class Rebalancer:
     """
 
     def __init__(self, p2p: Any, peer_id: bytes, shape: ModelShape, volunteer: Volunteer, holding: Holding,
-                 config: NodeConfig, on_decision: Callable[[Decision], None] = report_decision) -> None:
+                 config: NodeConfig, on_decision: Callable[[Decision], None] = report_decision,
+                 round_trips: Callable[[Sequence[Any]], Awaitable[dict[bytes, float]]] | None = None) -> None:
         from ..market import RebalanceConfig
 
         self.p2p, self.peer_id, self.shape, self.volunteer = p2p, peer_id, shape, volunteer
+        # holders' announcements -> this node's round trips to them (``round_trips.measure_round_trips``):
+        # the market's supply near it (its region); None: the market is blind to regions
+        self.round_trips = round_trips
         self.holding, self.config, self.on_decision = holding, config, on_decision
         self.policy = config.rebalance or RebalanceConfig()
         self.last: Decision | None = None  # the latest decision, for status
@@ -206,8 +210,9 @@ class Rebalancer:
         from ..market import fetch_announcements, fetch_state
 
         found = await fetch_announcements(self.p2p, self.shape)
+        rtts = await self.round_trips(found) if self.round_trips is not None else None
         state = await fetch_state(self.p2p, self.shape, exclude_peers=(self.peer_id,),
-                                  ledger_url=self.config.market_ledger, announcements=found)
+                                  ledger_url=self.config.market_ledger, announcements=found, round_trips=rtts)
         mine = {(b.layers, b.experts) for b in self.holding.blocks}
         twins = [a.peer_id for a in found if a.peer_id != self.peer_id and set(a.blocks()) == mine]
         return state, twins
@@ -228,9 +233,11 @@ class Rebalancer:
         measured = self.holding.server.throughput
         me = replace(self.volunteer, throughput=float(measured)) if measured > 0 else self.volunteer
         supply = state.supply.changed(rects, me.throughput, +1)
+        near = state.near.changed(rects, me.throughput, +1) if state.near is not None else None  # the node included
         since = None if self.moved_epoch is None else state.epoch - self.moved_epoch
         plan = rebalance(self.shape, supply, state.demand, me, list(current), config=self.policy,
-                         assign_config=AssignConfig(max_blocks=self.config.max_blocks), epochs_since_move=since)
+                         assign_config=AssignConfig(max_blocks=self.config.max_blocks), epochs_since_move=since,
+                         near=near)
         if plan is None:
             if since is not None and since < self.policy.cooldown_epochs:
                 return self._decision("stay", f"moved {since} epochs ago, cooling down")

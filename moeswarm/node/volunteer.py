@@ -21,7 +21,7 @@ from ..daemon import (
     span,
     stop_event,
 )
-from ..market import AssignConfig, Block, market_assignment
+from ..market import NEAR_RTT_S, AssignConfig, Block, fetch_announcements, market_assignment
 from ..model import ModelConfig, load_config
 from ..model.model_id import config_bytes, model_id_for, model_name
 from ..net.announce import AnnounceConfig, Announcer
@@ -32,6 +32,7 @@ from .config import NodeConfig
 from .expert_server import ExpertServer, ExpertServerConfig
 from .fetch import serve_weights
 from .links import ProbeConfig
+from .round_trips import measure_round_trips
 from .rebalancer import (
     Decision,
     Holding,
@@ -70,8 +71,13 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
         if chosen is None:
             say("asking the swarm's market which experts it lacks...")
             market = market_view(cfg, model_id, config)
+            round_trips = await measure_round_trips(identity, await fetch_announcements(p2p, market[0]))
+            say(f"measured round trips to {len(round_trips)} holder(s): "
+                f"{sum(r <= NEAR_RTT_S for r in round_trips.values())} within {NEAR_RTT_S * 1e3:.0f} ms "
+                "(the market's region)")
             blocks = await market_assignment(p2p, *market, ledger_url=config.market_ledger,
-                                             config=AssignConfig(max_blocks=config.max_blocks))
+                                             config=AssignConfig(max_blocks=config.max_blocks),
+                                             round_trips=round_trips)
         else:
             blocks = chosen
         (layers, experts), more = (blocks[0].layers, blocks[0].experts), blocks[1:]
@@ -122,7 +128,8 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
                     + (f", status at {status_url}" if status_url else "") + " (Ctrl-C to stop)")
                 if market is not None and config.rebalance_interval_s > 0:
                     holding = Holding(cfg, server, announcer, weights, tuple(blocks), config.memory_budget)
-                    await Rebalancer(p2p, identity.peer_id, *market, holding, config, on_decision).run_until(stop)
+                    await Rebalancer(p2p, identity.peer_id, *market, holding, config, on_decision,
+                                     round_trips=lambda found: measure_round_trips(identity, found)).run_until(stop)
                 else:
                     await stop.wait()
             say("withdrawing the announcement...")

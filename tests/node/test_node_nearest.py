@@ -22,7 +22,9 @@ from moeswarm.demo.swarm import expert_nodes
 from moeswarm.model import SamplingParams, generate, load_model
 from moeswarm.net.routing_table import Holder, plan_dispatch
 from moeswarm.node.backbone import SwarmBackbone
+from moeswarm.market import NEAR_RTT_S
 from moeswarm.node.config import BackboneConfig
+from moeswarm.node.round_trips import measure_round_trips
 from moeswarm.node.verify import VerifyConfig
 from moeswarm.protocol import Identity, peer_id_from_str
 
@@ -91,6 +93,9 @@ def test_calls_go_to_the_nearer_replica_and_move_when_it_dies(oracle_checkpoints
                     while not (far in links and near in links) and time.monotonic() < deadline:
                         await asyncio.sleep(0.05)  # bounded poll on the probes' first round
                     assert far in links and near in links, bb.tiers.links.errors
+                    # what an --experts auto volunteer measures for the market's regions: its own pings
+                    rtts = await measure_round_trips(Identity.generate(), list(bb.table.holders.values()))
+                    assert rtts[near] <= NEAR_RTT_S < rtts[far], rtts
                     params = SamplingParams(max_new_tokens=4)
                     first = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
                     before = set(bb.executor.served_by)
