@@ -71,12 +71,76 @@ def _count_bytes() -> None:
     RawConnection.read = counted  # type: ignore[method-assign]
 
 
+_CONTROL: dict[str, int] = {}  # GossipSub control messages and RPCs handled in this process, by kind
+_LAST_HEARTBEAT: dict[int, float] = {}  # router -> when its heartbeat last ran
+
+
+def _count_control() -> None:
+    """Count the GossipSub control messages (GRAFT, PRUNE, IHAVE, IWANT) and RPCs this process's
+    routers handle, and their heartbeats (instrumentation: what an idle swarm spends its CPU on)."""
+    from libp2p.pubsub.gossipsub import GossipSub
+
+    def counting(name: str) -> None:
+        original = getattr(GossipSub, name)
+
+        async def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _CONTROL[name] = _CONTROL.get(name, 0) + 1
+            return await original(self, *args, **kwargs)
+
+        setattr(GossipSub, name, counted)
+
+    for name in ("handle_rpc", "handle_graft", "handle_prune", "handle_ihave", "handle_iwant", "emit_control_message"):
+        counting(name)
+    mesh_heartbeat = GossipSub.mesh_heartbeat
+
+    def heartbeat(self: Any) -> Any:
+        _CONTROL["heartbeat"] = _CONTROL.get("heartbeat", 0) + 1
+        _LAST_HEARTBEAT[id(self)] = time.monotonic()
+        return mesh_heartbeat(self)
+
+    GossipSub.mesh_heartbeat = heartbeat  # type: ignore[method-assign]
+
+
+def _profile(seconds: float, interval_s: float = 0.005, top: int = 30) -> dict[str, Any]:
+    """Where this process's threads are, sampled every ``interval_s`` for ``seconds``: the share
+    of samples per innermost Python function (``self``) and per function anywhere on the stack
+    (``total``), leaving out threads idle in trio's epoll wait or in a queue/lock wait."""
+    import collections
+    import threading
+
+    me = threading.get_ident()
+    idle_leaves = {"get_events", "wait", "select", "_wait_for_tstate_lock", "readline", "_worker"}
+    own: collections.Counter[str] = collections.Counter()
+    anywhere: collections.Counter[str] = collections.Counter()
+    busy = samples = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for ident, frame in sys._current_frames().items():
+            if ident == me or frame.f_code.co_name in idle_leaves:
+                continue
+            busy += 1
+            own[f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"] += 1
+            seen = set()
+            f: Any = frame
+            while f is not None:
+                name = f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}"
+                if name not in seen:
+                    seen.add(name)
+                    anywhere[name] += 1
+                f = f.f_back
+        samples += 1
+        time.sleep(interval_s)
+    share = lambda c: [(k, round(v / max(busy, 1), 3)) for k, v in c.most_common(top)]  # noqa: E731
+    return {"samples": samples, "busy_thread_samples": busy, "self": share(own), "total": share(anywhere)}
+
+
 async def _worker(args: argparse.Namespace) -> None:
     from moeswarm.net.announce import AnnounceConfig, Announcer
     from moeswarm.net.p2p import P2PConfig, P2PNode
     from moeswarm.protocol import Identity
 
     _count_bytes()
+    _count_control()
     moe = tuple(range(args.layers))
     nodes: list[P2PNode] = []
     announcers: dict[int, Announcer] = {}
@@ -120,7 +184,11 @@ async def _worker(args: argparse.Namespace) -> None:
                 reply = {"ok": True}
             elif cmd["op"] == "stats":
                 reply = {"rss_kib": _rss_kib(), "cpu_s": _cpu_s(), "bytes_in": _Counter.bytes_in,
-                         "nodes": len(nodes), "messages": _messages(announcers)}
+                         "nodes": len(nodes), "messages": _messages(announcers), "control": dict(_CONTROL),
+                         "stalled_heartbeats": sum(time.monotonic() - t > 5 for t in _LAST_HEARTBEAT.values()),
+                         "routers": len(_LAST_HEARTBEAT)}
+            elif cmd["op"] == "profile":
+                reply = await asyncio.to_thread(_profile, cmd["seconds"])
             else:
                 break
             print(json.dumps(reply), flush=True)
@@ -230,6 +298,14 @@ class PeerSwarm:
 
     async def move(self, holder: int, experts: tuple[int, int]) -> None:
         await self.command(self.owner[holder], op="move", holder=holder, experts=list(experts))
+
+    async def profile(self, seconds: float) -> list[dict[str, Any]]:
+        """Every worker's sampled profile over the same ``seconds`` (``_profile``)."""
+        for worker in self.workers:
+            assert worker.stdin is not None
+            worker.stdin.write(json.dumps({"op": "profile", "seconds": seconds}) + "\n")
+            worker.stdin.flush()
+        return [await self._read(w, timeout_s=seconds + 120) for w in self.workers]
 
     async def stats(self) -> list[dict[str, Any]]:
         return [await self.command(w, op="stats") for w in self.workers]

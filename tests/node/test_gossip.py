@@ -167,3 +167,67 @@ def test_yamux_readers_batch_window_updates(patched: bool, monkeypatch: pytest.M
         assert sent < MESSAGES * 4, f"{sent} WINDOW_UPDATE frames for {MESSAGES} small messages"
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("adaptive", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, reason="py-libp2p 0.8.1's adaptive gossip stretches a 1 s heartbeat to 30-60 s"))],
+    ids=["with-fix", "without-fix"])
+def test_gossipsub_heartbeat_stays_what_we_configured(adaptive: bool) -> None:
+    """The router's heartbeat (mesh repair, IHAVE gossip) stays at 1 s whatever GossipSub
+    thinks of the network's health. Each heartbeat runs ``_update_network_health`` and
+    ``_adapt_gossip_parameters`` when adaptive gossip is on (as in py-libp2p's ``heartbeat``);
+    with it on, a health below 0.7 set the interval to 60 s and below 0.4 to 30 s: in a
+    20-peer harness every router's heartbeat had stopped within 40 s of start (the
+    without-fix variant: intervals [30, 60, 1] for healths 0.3, 0.6, 0.9)."""
+    from moeswarm.net._libp2p_gossip import make_router
+
+    router = make_router(degree=6, heartbeat_s=1)
+    if adaptive:
+        router.adaptive_gossip_enabled = True
+    intervals = []
+    for health in (0.3, 0.6, 0.9):
+        router.network_health_score = health
+        if router.adaptive_gossip_enabled:  # what GossipSub.heartbeat does after each round
+            router._update_network_health()
+            router._adapt_gossip_parameters()
+        intervals.append(router.heartbeat_interval)
+    assert intervals == [1, 1, 1]
+    assert (router.degree_low, router.degree_high) == (4, 12)
+
+
+@pytest.mark.parametrize("patched", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="py-libp2p 0.8.1 grafts 2 peers of equal score on every heartbeat"))],
+    ids=["with-patch", "without-patch"])
+def test_gossipsub_mesh_does_not_churn_when_nothing_changes(patched: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router whose mesh is at the target degree D = 6, with 10 more peers of the topic, all
+    scoring alike (the scorer's default weights are 0): 30 heartbeats' mesh maintenance
+    (``mesh_heartbeat``, which runs opportunistic grafting, as ``GossipSub.heartbeat`` does;
+    then the PRUNEs it decided are handled as the peers would) must graft and prune nobody.
+    Without the patch each heartbeat grafted 2 more peers until the mesh passed D_high and
+    was pruned back to D: the without-patch variant counted 10 GRAFTs and 8 PRUNEs in 30
+    heartbeats (the harness measured 0.55 GRAFT and 0.50 PRUNE received per idle peer per second)."""
+    from types import SimpleNamespace
+
+    from libp2p.peer.id import ID
+    from libp2p.pubsub.gossipsub import GossipSub
+
+    from moeswarm.net._libp2p_gossip import make_router
+
+    router = make_router(degree=6, heartbeat_s=1)
+    if not patched:
+        monkeypatch.setattr(GossipSub, "_get_grafting_candidates", GossipSub._moeswarm_unfixed_get_grafting_candidates)
+    topic = "/moeswarm/v1/m/announce"
+    peers = [ID(Identity.generate().peer_id) for _ in range(16)]
+    router.pubsub = SimpleNamespace(peer_topics={topic: set(peers)})  # what mesh_heartbeat reads of pubsub
+    for peer in peers:
+        router.peer_protocol[peer] = router.protocols[0]
+    router.mesh[topic] = set(peers[:6])
+    grafts = prunes = 0
+    for _ in range(30):
+        to_graft, to_prune = router.mesh_heartbeat()
+        grafts += sum(len(t) for t in to_graft.values())
+        prunes += sum(len(t) for t in to_prune.values())
+        for peer in to_prune:  # the pruner backs off from them, as a received PRUNE's answer would make it
+            router._add_back_off(peer, topic, False)
+    assert (grafts, prunes) == (0, 0), f"{grafts} GRAFTs and {prunes} PRUNEs in 30 idle heartbeats"
+    assert router.mesh[topic] == set(peers[:6])
