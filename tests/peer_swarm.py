@@ -16,7 +16,9 @@ Worker processes (``python tests/peer_swarm.py``) start their share of holders (
 once their first three holders run, on which the coordinator starts the next workers; ``ready``
 once all run) and answer JSON commands on stdin, one line each: ``withdraw``, ``move``, ``stats``
 (resident memory, CPU seconds, bytes read from libp2p connections, counted in RawConnection.read: every
-control-plane byte, DHT and gossip), ``stop``.
+control-plane byte, DHT and gossip; GossipSub control messages handled, routers whose heartbeat
+has not run for 5 s), ``refresh`` (every holder publishes once more), ``profile`` (where the
+process's threads are, sampled), ``stop``.
 """
 
 from __future__ import annotations
@@ -187,6 +189,11 @@ async def _worker(args: argparse.Namespace) -> None:
                          "nodes": len(nodes), "messages": _messages(announcers), "control": dict(_CONTROL),
                          "stalled_heartbeats": sum(time.monotonic() - t > 5 for t in _LAST_HEARTBEAT.values()),
                          "routers": len(_LAST_HEARTBEAT)}
+            elif cmd["op"] == "refresh":  # every holder publishes its record again, spread over "seconds"
+                for a in list(announcers.values()):
+                    await a.publish()
+                    await asyncio.sleep(cmd["seconds"] / max(len(announcers), 1))
+                reply = {"ok": True, "published": len(announcers)}
             elif cmd["op"] == "profile":
                 reply = await asyncio.to_thread(_profile, cmd["seconds"])
             else:
@@ -298,6 +305,15 @@ class PeerSwarm:
 
     async def move(self, holder: int, experts: tuple[int, int]) -> None:
         await self.command(self.owner[holder], op="move", holder=holder, experts=list(experts))
+
+    async def refresh(self, seconds: float) -> int:
+        """Every holder publishes its record once more, spread over ``seconds`` (all workers at
+        once); returns how many did."""
+        for worker in self.workers:
+            assert worker.stdin is not None
+            worker.stdin.write(json.dumps({"op": "refresh", "seconds": seconds}) + "\n")
+            worker.stdin.flush()
+        return sum([(await self._read(w, timeout_s=seconds + 300))["published"] for w in self.workers])
 
     async def profile(self, seconds: float) -> list[dict[str, Any]]:
         """Every worker's sampled profile over the same ``seconds`` (``_profile``)."""
