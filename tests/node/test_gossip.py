@@ -238,8 +238,10 @@ def test_gossipsub_mesh_does_not_churn_when_nothing_changes(patched: bool, monke
     strict=True, reason="py-libp2p 0.8.1 sends IDONTWANT for every message, however small")),
     pytest.param("records", marks=pytest.mark.xfail(
         strict=True, reason="py-libp2p 0.8.1 checks the sender's peer record twice per RPC, lists its "
-                            "own addresses per RPC sent"))],
-    ids=["with-patches", "without-idontwant-threshold", "without-record-cache"])
+                            "own addresses per RPC sent")),
+    pytest.param("record once", marks=pytest.mark.xfail(
+        strict=True, reason="py-libp2p 0.8.1 sends its signed peer record in every pubsub RPC"))],
+    ids=["with-patches", "without-idontwant-threshold", "without-record-cache", "without-record-once"])
 def test_gossipsub_per_message_work(disabled: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two real nodes (TCP, Noise, Yamux, GossipSub); one publishes 30 announcement-sized
     (349-byte) messages, one at a time, that the other receives. Counted in this process: IDONTWANT
@@ -247,7 +249,8 @@ def test_gossipsub_per_message_work(disabled: str, monkeypatch: pytest.MonkeyPat
     a host's own addresses (``get_addrs``). With the patches: no IDONTWANT, and records and
     addresses already known (0 of each here). The without-idontwant-threshold variant sent 60
     IDONTWANTs (one per message and node); the without-record-cache variant checked 30 records
-    and listed addresses 60 times for the 30 messages."""
+    and listed addresses 60 times for the 30 messages. RPCs serialized with the sender's signed
+    peer record are counted too: the without-record-once variant sent it with every RPC (30)."""
     import asyncio
 
     from libp2p.host.basic_host import BasicHost
@@ -259,15 +262,20 @@ def test_gossipsub_per_message_work(disabled: str, monkeypatch: pytest.MonkeyPat
     from moeswarm.net import _libp2p_gossip
     from moeswarm.net.p2p import P2PConfig, P2PNode
 
+    from libp2p.pubsub.pubsub import Pubsub
+
     _libp2p_gossip.install_idontwant_threshold()
     _libp2p_gossip.install_signed_record_cache()
+    _libp2p_gossip.install_signed_record_once()
     if disabled == "idontwant":
         monkeypatch.setattr(GossipSub, "_emit_idontwant_for_message", GossipSub._moeswarm_unbounded_emit_idontwant)
+    if disabled in ("record once", "records"):  # with the record in every RPC, the cache has work to do
+        monkeypatch.setattr(Pubsub, "write_msg", Pubsub._moeswarm_unlean_write_msg)
     if disabled == "records":
         for module in (pubsub_module, gossipsub_module):
             monkeypatch.setattr(module, "maybe_consume_signed_record", utils._moeswarm_unchecked_original)
             monkeypatch.setattr(module, "env_to_send_in_RPC", utils._moeswarm_unkept_own_record)
-    counts = {"idontwant": 0, "records checked": 0, "own addresses listed": 0}
+    counts = {"idontwant": 0, "records checked": 0, "own addresses listed": 0, "records sent": 0}
 
     def counting(owner: object, name: str, kind: str) -> None:
         original = getattr(owner, name)
@@ -285,6 +293,13 @@ def test_gossipsub_per_message_work(disabled: str, monkeypatch: pytest.MonkeyPat
     counting(GossipSub, "emit_idontwant", "idontwant")
     counting(utils, "consume_envelope", "records checked")
     counting(BasicHost, "get_addrs", "own addresses listed")
+    serialize = gossipsub_module.rpc_pb2.RPC.SerializeToString
+
+    def serialized(rpc: object) -> bytes:
+        counts["records sent"] += rpc.HasField("senderRecord")  # type: ignore[attr-defined]
+        return serialize(rpc)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gossipsub_module.rpc_pb2.RPC, "SerializeToString", serialized)
     topic, got = "/moeswarm/test/per-message", []
     payload = bytes(349)
 
@@ -309,6 +324,7 @@ def test_gossipsub_per_message_work(disabled: str, monkeypatch: pytest.MonkeyPat
                     await writer.publish(topic, payload[:-2] + n.to_bytes(2, "big"))
                     while len(got) <= n:
                         await asyncio.sleep(0.01)
-        assert counts["idontwant"] == 0 and counts["records checked"] <= 6 and counts["own addresses listed"] <= 6, counts
+        assert (counts["idontwant"], counts["records checked"], counts["own addresses listed"]) == (0, 0, 0), counts
+        assert counts["records sent"] <= 2 or disabled == "records", counts  # the peer record goes once per stream (already did)
 
     asyncio.run(scenario())
