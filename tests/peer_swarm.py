@@ -17,8 +17,8 @@ once their first three holders run, on which the coordinator starts the next wor
 once all run) and answer JSON commands on stdin, one line each: ``withdraw``, ``move``, ``stats``
 (resident memory, CPU seconds, bytes read from libp2p connections, counted in RawConnection.read: every
 control-plane byte, DHT and gossip; GossipSub control messages handled, routers whose heartbeat
-has not run for 5 s), ``refresh`` (every holder publishes once more), ``profile`` (where the
-process's threads are, sampled), ``stop``.
+has not run for 5 s, topic messages the holders' gates refused, by reason), ``refresh`` (every
+holder publishes once more), ``profile`` (where the process's threads are, sampled), ``stop``.
 """
 
 from __future__ import annotations
@@ -132,7 +132,10 @@ def _profile(seconds: float, interval_s: float = 0.005, top: int = 30) -> dict[s
                 f = f.f_back
         samples += 1
         time.sleep(interval_s)
-    share = lambda c: [(k, round(v / max(busy, 1), 3)) for k, v in c.most_common(top)]  # noqa: E731
+
+    def share(counter: collections.Counter[str]) -> list[tuple[str, float]]:
+        return [(k, round(v / max(busy, 1), 3)) for k, v in counter.most_common(top)]
+
     return {"samples": samples, "busy_thread_samples": busy, "self": share(own), "total": share(anywhere)}
 
 
@@ -186,7 +189,8 @@ async def _worker(args: argparse.Namespace) -> None:
                 reply = {"ok": True}
             elif cmd["op"] == "stats":
                 reply = {"rss_kib": _rss_kib(), "cpu_s": _cpu_s(), "bytes_in": _Counter.bytes_in,
-                         "nodes": len(nodes), "messages": _messages(announcers), "control": dict(_CONTROL),
+                         "nodes": len(nodes), "messages": _messages(announcers), "refused": _refused(announcers),
+                         "control": dict(_CONTROL),
                          "stalled_heartbeats": sum(time.monotonic() - t > 5 for t in _LAST_HEARTBEAT.values()),
                          "routers": len(_LAST_HEARTBEAT)}
             elif cmd["op"] == "refresh":  # every holder publishes its record again, spread over "seconds"
@@ -204,6 +208,16 @@ async def _worker(args: argparse.Namespace) -> None:
             with contextlib.suppress(Exception):
                 await node.stop()
         await asyncio.gather(*(stop(n) for n in nodes))
+
+
+def _refused(announcers: dict[int, Any]) -> dict[str, int]:
+    """Announcement messages the holders' gates refused, by reason."""
+    out: dict[str, int] = {}
+    for a in announcers.values():
+        if a.gossip is not None:
+            for k, v in a.gossip.gate.refused.items():
+                out[k] = out.get(k, 0) + v
+    return out
 
 
 def _messages(announcers: dict[int, Any]) -> int:

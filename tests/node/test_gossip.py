@@ -258,11 +258,10 @@ def test_gossipsub_per_message_work(disabled: str, monkeypatch: pytest.MonkeyPat
     from libp2p.pubsub import pubsub as pubsub_module
     from libp2p.pubsub import utils
     from libp2p.pubsub.gossipsub import GossipSub
+    from libp2p.pubsub.pubsub import Pubsub
 
     from moeswarm.net import _libp2p_gossip
     from moeswarm.net.p2p import P2PConfig, P2PNode
-
-    from libp2p.pubsub.pubsub import Pubsub
 
     _libp2p_gossip.install_idontwant_threshold()
     _libp2p_gossip.install_signed_record_cache()
