@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -44,10 +45,14 @@ BASELINE_KIB = 95_000  # one worker's resident memory before its first peer (pyt
 
 
 async def _until(condition: Any, timeout_s: float) -> float:
+    """Seconds until ``condition()`` holds; NaN if it did not within ``timeout_s`` (reported as measured)."""
     t0 = time.monotonic()
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.02)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        return float("nan")
     return time.monotonic() - t0
 
 
@@ -91,13 +96,15 @@ async def run(peers: int, args: argparse.Namespace) -> dict[str, Any]:
             return all(any(h.experts == (gone, gone) and h.expires_at_ms <= t_ms + 5_000 for h in d.table.holders.values())
                        for d in backbones)
 
-        await _until(departed, args.timeout)
-        departure_s = time.monotonic() - t0
+        # from before the command to the holder; NaN if some backbone did not see it within --timeout
+        waited = await _until(departed, args.timeout)
+        departure_s = waited if math.isnan(waited) else time.monotonic() - t0
         t0 = time.monotonic()
         await swarm.move(moved, (moved, moved + 1))
-        await _until(lambda: all(any(h.experts == (moved, moved + 1) for h in d.table.holders.values())
-                                 for d in backbones), args.timeout)
-        move_s = time.monotonic() - t0
+        waited = await _until(lambda: all(any(h.experts == (moved, moved + 1) for h in d.table.holders.values())
+                                          for d in backbones), args.timeout)
+        move_s = waited if math.isnan(waited) else time.monotonic() - t0
+
         def control(kind: str) -> float:  # GossipSub control messages handled per node per second
             return round(sum(b["control"].get(kind, 0) - a["control"].get(kind, 0) for a, b in zip(s0, s1))
                          / peers / window, 3)
