@@ -17,8 +17,8 @@ once their first three holders run, on which the coordinator starts the next wor
 once all run) and answer JSON commands on stdin, one line each: ``withdraw``, ``move``, ``stats``
 (resident memory, CPU seconds, bytes read from libp2p connections, counted in RawConnection.read: every
 control-plane byte, DHT and gossip; GossipSub control messages handled, routers whose heartbeat
-has not run for 5 s, topic messages the holders' gates refused, by reason), ``refresh`` (every
-holder publishes once more), ``profile`` (where the process's threads are, sampled), ``stop``.
+has not run for 5 s, topic messages the holders' gates refused, by reason), ``refresh`` (holders
+publish once more), ``profile`` (where the process's threads are, sampled), ``stop``.
 """
 
 from __future__ import annotations
@@ -193,11 +193,12 @@ async def _worker(args: argparse.Namespace) -> None:
                          "control": dict(_CONTROL),
                          "stalled_heartbeats": sum(time.monotonic() - t > 5 for t in _LAST_HEARTBEAT.values()),
                          "routers": len(_LAST_HEARTBEAT)}
-            elif cmd["op"] == "refresh":  # every holder publishes its record again, spread over "seconds"
-                for a in list(announcers.values()):
+            elif cmd["op"] == "refresh":  # "count" holders publish their record again, spread over "seconds"
+                chosen = list(announcers.values())[:cmd.get("count", len(announcers))]
+                for a in chosen:
                     await a.publish()
-                    await asyncio.sleep(cmd["seconds"] / max(len(announcers), 1))
-                reply = {"ok": True, "published": len(announcers)}
+                    await asyncio.sleep(cmd["seconds"] / max(len(chosen), 1))
+                reply = {"ok": True, "published": len(chosen)}
             elif cmd["op"] == "profile":
                 reply = await asyncio.to_thread(_profile, cmd["seconds"])
             else:
@@ -320,12 +321,14 @@ class PeerSwarm:
     async def move(self, holder: int, experts: tuple[int, int]) -> None:
         await self.command(self.owner[holder], op="move", holder=holder, experts=list(experts))
 
-    async def refresh(self, seconds: float) -> int:
-        """Every holder publishes its record once more, spread over ``seconds`` (all workers at
-        once); returns how many did."""
+    async def refresh(self, seconds: float, count: int | None = None) -> int:
+        """Every holder (``count``: about that many in all) publishes its record once more, spread
+        over ``seconds`` (all workers at once); returns how many did."""
+        each = None if count is None else -(-count // len(self.workers))
         for worker in self.workers:
             assert worker.stdin is not None
-            worker.stdin.write(json.dumps({"op": "refresh", "seconds": seconds}) + "\n")
+            worker.stdin.write(json.dumps({"op": "refresh", "seconds": seconds,
+                                           **({} if each is None else {"count": each})}) + "\n")
             worker.stdin.flush()
         return sum([(await self._read(w, timeout_s=seconds + 300))["published"] for w in self.workers])
 
