@@ -12,7 +12,15 @@ record was seen), then measures:
 - ``move_s``: a holder announces another block; until every backbone holds the new record;
 - over ``--window`` seconds of steady state (holders refreshing every 240 s as shipped):
   bytes every holder read from its libp2p connections (DHT and gossip together), announcement
-  messages it checked, CPU, per holder; resident memory per holder.
+  messages it checked, CPU, per holder; resident memory per holder; GossipSub GRAFT, PRUNE and
+  IHAVE messages handled per holder per second (mesh churn: none when nothing changes);
+- then, per announcement: ``--announcements`` holders publish their record once more (spread
+  over ``--spread`` seconds); the bytes and CPU each node spends above its idle rate, divided
+  by the announcements (``bytes_per_message``, ``cpu_ms_per_message``: every node receives
+  each). Last, so that its backlog (50 holders share a process and its GIL) does not delay the
+  departure and the move;
+- ``uncovered_each``: experts each backbone still had no holder for when ``--timeout`` ended
+  (0: full coverage), and the machine's load average at the start and end of the size.
 
 The last line is one JSON object for the largest size that ran. A size that does not start
 within ``--start-timeout`` is reported as such and stops the sweep.
@@ -23,6 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
 import statistics
 import sys
 import time
@@ -37,22 +47,29 @@ BASELINE_KIB = 95_000  # one worker's resident memory before its first peer (pyt
 
 
 async def _until(condition: Any, timeout_s: float) -> float:
+    """Seconds until ``condition()`` holds; NaN if it did not within ``timeout_s`` (reported as measured)."""
     t0 = time.monotonic()
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.02)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        return float("nan")
     return time.monotonic() - t0
 
 
 async def run(peers: int, args: argparse.Namespace) -> dict[str, Any]:
     async with PeerSwarm(peers, per_process=args.per_process) as swarm:
+        load_started = os.getloadavg()[0]
         coverage: list[float] = []
+        uncovered: list[int] = []
         backbones = []
         for _ in range(args.backbones):
             t0 = time.monotonic()
             d = await swarm.backbone()
             missing = await d.wait_for_coverage(peers, args.timeout)
             coverage.append(time.monotonic() - t0 if not missing else float("nan"))
+            uncovered.append(len(missing))
             backbones.append(d)
         s0, t0 = await swarm.stats(), time.monotonic()
         await asyncio.sleep(args.window)
@@ -70,15 +87,35 @@ async def run(peers: int, args: argparse.Namespace) -> dict[str, Any]:
             return all(any(h.experts == (gone, gone) and h.expires_at_ms <= t_ms + 5_000 for h in d.table.holders.values())
                        for d in backbones)
 
-        await _until(departed, args.timeout)
-        departure_s = time.monotonic() - t0
+        # from before the command to the holder; NaN if some backbone did not see it within --timeout
+        waited = await _until(departed, args.timeout)
+        departure_s = waited if math.isnan(waited) else time.monotonic() - t0
         t0 = time.monotonic()
         await swarm.move(moved, (moved, moved + 1))
-        await _until(lambda: all(any(h.experts == (moved, moved + 1) for h in d.table.holders.values())
-                                 for d in backbones), args.timeout)
-        move_s = time.monotonic() - t0
+        waited = await _until(lambda: all(any(h.experts == (moved, moved + 1) for h in d.table.holders.values())
+                                          for d in backbones), args.timeout)
+        move_s = waited if math.isnan(waited) else time.monotonic() - t0
+
+        # per announcement: --announcements holders publish once more, spread over --spread seconds; what each
+        # node reads and spends above the idle window's rate, divided by the announcements
+        r0, t0 = await swarm.stats(), time.monotonic()
+        published = await swarm.refresh(args.spread, args.announcements)
+        await asyncio.sleep(15)  # the last ones propagate, the processes work off their backlog
+        r1, burst = await swarm.stats(), time.monotonic() - t0
+        idle_bps = (total(s1, "bytes_in") - total(s0, "bytes_in")) / peers / window
+        idle_cpu = (total(s1, "cpu_s") - total(s0, "cpu_s")) / peers / window
+        bytes_per_message = ((total(r1, "bytes_in") - total(r0, "bytes_in")) / peers - idle_bps * burst) / published
+        cpu_per_message = ((total(r1, "cpu_s") - total(r0, "cpu_s")) / peers - idle_cpu * burst) / published
+
+        def control(kind: str) -> float:  # GossipSub control messages handled per node per second
+            return round(sum(b["control"].get(kind, 0) - a["control"].get(kind, 0) for a, b in zip(s0, s1))
+                         / peers / window, 3)
+
         return {
             "peers": peers, "processes": len(swarm.workers), "startup_s": round(swarm.startup_s, 1),
+            "uncovered_each": uncovered, "graft_per_node_s": control("handle_graft"),
+            "prune_per_node_s": control("handle_prune"), "ihave_per_node_s": control("handle_ihave"),
+            "load_at_start": round(load_started, 1), "load_at_end": round(os.getloadavg()[0], 1),
             "coverage_s": round(statistics.median(coverage), 3), "coverage_each_s": [round(c, 3) for c in coverage],
             "departure_s": round(departure_s, 3), "move_s": round(move_s, 3),
             "bytes_per_node_s": round((total(s1, "bytes_in") - total(s0, "bytes_in")) / peers / window, 1),
@@ -86,6 +123,7 @@ async def run(peers: int, args: argparse.Namespace) -> dict[str, Any]:
             "cpu_per_node": round((total(s1, "cpu_s") - total(s0, "cpu_s")) / peers / window, 5),
             "rss_mib_per_node": round((total(s1, "rss_kib") - BASELINE_KIB * len(swarm.workers)) / peers / 1024, 2),
             "dht_passes": sum(d.dht_passes for d in backbones),
+            "bytes_per_message": round(bytes_per_message, 1), "cpu_ms_per_message": round(cpu_per_message * 1e3, 3),
         }
 
 
@@ -96,6 +134,8 @@ def main() -> None:
     parser.add_argument("--backbones", type=int, default=3)
     parser.add_argument("--window", type=float, default=60.0)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--spread", type=float, default=30.0, help="seconds over which holders publish once more")
+    parser.add_argument("--announcements", type=int, default=60, help="how many holders publish once more")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     for peers in args.peers:
@@ -106,7 +146,9 @@ def main() -> None:
             break
         print(json.dumps(rows[-1]), flush=True)
     keys = ["peers", "processes", "startup_s", "coverage_s", "departure_s", "move_s", "bytes_per_node_s",
-            "messages_per_node_min", "cpu_per_node", "rss_mib_per_node", "dht_passes"]
+            "messages_per_node_min", "cpu_per_node", "rss_mib_per_node", "dht_passes", "graft_per_node_s",
+            "bytes_per_message", "cpu_ms_per_message",
+            "load_at_start", "load_at_end"]
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for row in rows:

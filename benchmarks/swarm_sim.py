@@ -435,11 +435,15 @@ ANNOUNCE_EVERY_S = 240.0  # AnnounceConfig.interval_s: each node re-publishes it
 # shared by ~8 agents (load 37-56), 2026-12-05 (protocol_spec/discovery.md, "Measured"):
 FIRST_VIEW_S = 0.05  # a first view's round trip to 3 peers of the topic (3 holders, one process)
 FIRST_VIEW_S_PER_RECORD = 0.15e-3  # checking one record of it: decode, validate, Ed25519 (TopicGate.check, CPU)
-GOSSIP_IDLE_BPS = 312.0  # bytes/s a holder reads with no announcement in flight (40 peers: heartbeats, DHT upkeep)
-GOSSIP_BYTES_PER_MESSAGE = 5_530.0  # bytes each node reads per announcement on its topic (20 nodes, 100 messages:
-# every copy, py-libp2p's signed peer record on every RPC, IHAVE/IWANT)
-GOSSIP_CPU_S_PER_MESSAGE = 7.0e-3  # CPU each node spends per announcement (same probe; py-libp2p's per-RPC work)
-DEPARTURE_S, DEPARTURE_PEERS = 0.068, 40  # a withdrawal reaching every backbone, at 40 peers (grows with gossip hops)
+# session 30 (GossipSub patched: heartbeat kept at 1 s, no mesh churn, no IDONTWANT for small messages, the
+# signed peer record once per stream and checked once), benchmarks/discovery.py at 100 peers, load 12-19:
+GOSSIP_IDLE_BPS = 78.6  # bytes/s a holder reads with no announcement in flight (Yamux pings; was 312 at 40 peers)
+GOSSIP_IDLE_CPU = 0.00162  # cores a holder spends then (GossipSub heartbeat every second, pings)
+GOSSIP_BYTES_PER_MESSAGE = 3_487.0  # bytes each node reads per announcement on its topic (60 announcements among
+# 100 holders: every copy through the mesh, IHAVE/IWANT; was 5,530 at 20 nodes)
+GOSSIP_CPU_S_PER_MESSAGE = 8.3e-3  # CPU each node spends per announcement (same burst; 50 holders share a process)
+DEPARTURE_S, DEPARTURE_PEERS = 4.31, 100  # a withdrawal reaching both backbones, at 100 peers and load 13-19
+# (50 holders to a process and GIL; was 0.068 s at 40 peers on a quieter machine; grows with gossip hops)
 # one relay with its shipped defaults (100 MB/s per device and per client address) forwards 269 MB/s,
 # both directions counted: benchmarks/relay.py's "relay forwarded MB/s" at 16 devices, 2026-12-01
 # run on the idle machine (README, relay.py); 209 / 279 at 1 / 4 devices
@@ -474,7 +478,8 @@ def limits(rows: list[dict], shape: sm.Shape, sizes: tuple[int, ...] = (1_000, 1
         departure = DEPARTURE_S * hops / math.log2(DEPARTURE_PEERS)
         relay = calls[2] * scale * 2 * shape.call_bytes  # hidden state in and out per call: both directions
         lines.append(f"| {n:,} | {records:,.0f} | {FIRST_VIEW_S + records * FIRST_VIEW_S_PER_RECORD:,.1f} s "
-                     f"| {60 * per_s:,.0f} | {traffic / 1e3:,.1f} KB/s | {per_s * GOSSIP_CPU_S_PER_MESSAGE:.1%} of a core "
+                     f"| {60 * per_s:,.0f} | {traffic / 1e3:,.1f} KB/s "
+                     f"| {GOSSIP_IDLE_CPU + per_s * GOSSIP_CPU_S_PER_MESSAGE:.1%} of a core "
                      f"| {departure:.2f} s | {writes:,.0f} ({msgs:,.0f}) "
                      f"| {relay / 1e6:,.0f} MB/s ({phone_share:.1%} of calls) | {math.ceil(relay / RELAY_BPS)} |")
     return "\n".join(lines)

@@ -16,7 +16,9 @@ Worker processes (``python tests/peer_swarm.py``) start their share of holders (
 once their first three holders run, on which the coordinator starts the next workers; ``ready``
 once all run) and answer JSON commands on stdin, one line each: ``withdraw``, ``move``, ``stats``
 (resident memory, CPU seconds, bytes read from libp2p connections, counted in RawConnection.read: every
-control-plane byte, DHT and gossip), ``stop``.
+control-plane byte, DHT and gossip; GossipSub control messages handled, routers whose heartbeat
+has not run for 5 s, topic messages the holders' gates refused, by reason), ``refresh`` (holders
+publish once more), ``profile`` (where the process's threads are, sampled), ``stop``.
 """
 
 from __future__ import annotations
@@ -71,12 +73,79 @@ def _count_bytes() -> None:
     RawConnection.read = counted  # type: ignore[method-assign]
 
 
+_CONTROL: dict[str, int] = {}  # GossipSub control messages and RPCs handled in this process, by kind
+_LAST_HEARTBEAT: dict[int, float] = {}  # router -> when its heartbeat last ran
+
+
+def _count_control() -> None:
+    """Count the GossipSub control messages (GRAFT, PRUNE, IHAVE, IWANT) and RPCs this process's
+    routers handle, and their heartbeats (instrumentation: what an idle swarm spends its CPU on)."""
+    from libp2p.pubsub.gossipsub import GossipSub
+
+    def counting(name: str) -> None:
+        original = getattr(GossipSub, name)
+
+        async def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _CONTROL[name] = _CONTROL.get(name, 0) + 1
+            return await original(self, *args, **kwargs)
+
+        setattr(GossipSub, name, counted)
+
+    for name in ("handle_rpc", "handle_graft", "handle_prune", "handle_ihave", "handle_iwant", "emit_control_message"):
+        counting(name)
+    mesh_heartbeat = GossipSub.mesh_heartbeat
+
+    def heartbeat(self: Any) -> Any:
+        _CONTROL["heartbeat"] = _CONTROL.get("heartbeat", 0) + 1
+        _LAST_HEARTBEAT[id(self)] = time.monotonic()
+        return mesh_heartbeat(self)
+
+    GossipSub.mesh_heartbeat = heartbeat  # type: ignore[method-assign]
+
+
+def _profile(seconds: float, interval_s: float = 0.005, top: int = 30) -> dict[str, Any]:
+    """Where this process's threads are, sampled every ``interval_s`` for ``seconds``: the share
+    of samples per innermost Python function (``self``) and per function anywhere on the stack
+    (``total``), leaving out threads idle in trio's epoll wait or in a queue/lock wait."""
+    import collections
+    import threading
+
+    me = threading.get_ident()
+    idle_leaves = {"get_events", "wait", "select", "_wait_for_tstate_lock", "readline", "_worker"}
+    own: collections.Counter[str] = collections.Counter()
+    anywhere: collections.Counter[str] = collections.Counter()
+    busy = samples = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for ident, frame in sys._current_frames().items():
+            if ident == me or frame.f_code.co_name in idle_leaves:
+                continue
+            busy += 1
+            own[f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"] += 1
+            seen = set()
+            f: Any = frame
+            while f is not None:
+                name = f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}"
+                if name not in seen:
+                    seen.add(name)
+                    anywhere[name] += 1
+                f = f.f_back
+        samples += 1
+        time.sleep(interval_s)
+
+    def share(counter: collections.Counter[str]) -> list[tuple[str, float]]:
+        return [(k, round(v / max(busy, 1), 3)) for k, v in counter.most_common(top)]
+
+    return {"samples": samples, "busy_thread_samples": busy, "self": share(own), "total": share(anywhere)}
+
+
 async def _worker(args: argparse.Namespace) -> None:
     from moeswarm.net.announce import AnnounceConfig, Announcer
     from moeswarm.net.p2p import P2PConfig, P2PNode
     from moeswarm.protocol import Identity
 
     _count_bytes()
+    _count_control()
     moe = tuple(range(args.layers))
     nodes: list[P2PNode] = []
     announcers: dict[int, Announcer] = {}
@@ -120,7 +189,18 @@ async def _worker(args: argparse.Namespace) -> None:
                 reply = {"ok": True}
             elif cmd["op"] == "stats":
                 reply = {"rss_kib": _rss_kib(), "cpu_s": _cpu_s(), "bytes_in": _Counter.bytes_in,
-                         "nodes": len(nodes), "messages": _messages(announcers)}
+                         "nodes": len(nodes), "messages": _messages(announcers), "refused": _refused(announcers),
+                         "control": dict(_CONTROL),
+                         "stalled_heartbeats": sum(time.monotonic() - t > 5 for t in _LAST_HEARTBEAT.values()),
+                         "routers": len(_LAST_HEARTBEAT)}
+            elif cmd["op"] == "refresh":  # "count" holders publish their record again, spread over "seconds"
+                chosen = list(announcers.values())[:cmd.get("count", len(announcers))]
+                for a in chosen:
+                    await a.publish()
+                    await asyncio.sleep(cmd["seconds"] / max(len(chosen), 1))
+                reply = {"ok": True, "published": len(chosen)}
+            elif cmd["op"] == "profile":
+                reply = await asyncio.to_thread(_profile, cmd["seconds"])
             else:
                 break
             print(json.dumps(reply), flush=True)
@@ -129,6 +209,16 @@ async def _worker(args: argparse.Namespace) -> None:
             with contextlib.suppress(Exception):
                 await node.stop()
         await asyncio.gather(*(stop(n) for n in nodes))
+
+
+def _refused(announcers: dict[int, Any]) -> dict[str, int]:
+    """Announcement messages the holders' gates refused, by reason."""
+    out: dict[str, int] = {}
+    for a in announcers.values():
+        if a.gossip is not None:
+            for k, v in a.gossip.gate.refused.items():
+                out[k] = out.get(k, 0) + v
+    return out
 
 
 def _messages(announcers: dict[int, Any]) -> int:
@@ -230,6 +320,25 @@ class PeerSwarm:
 
     async def move(self, holder: int, experts: tuple[int, int]) -> None:
         await self.command(self.owner[holder], op="move", holder=holder, experts=list(experts))
+
+    async def refresh(self, seconds: float, count: int | None = None) -> int:
+        """Every holder (``count``: about that many in all) publishes its record once more, spread
+        over ``seconds`` (all workers at once); returns how many did."""
+        each = None if count is None else -(-count // len(self.workers))
+        for worker in self.workers:
+            assert worker.stdin is not None
+            worker.stdin.write(json.dumps({"op": "refresh", "seconds": seconds,
+                                           **({} if each is None else {"count": each})}) + "\n")
+            worker.stdin.flush()
+        return sum([(await self._read(w, timeout_s=seconds + 300))["published"] for w in self.workers])
+
+    async def profile(self, seconds: float) -> list[dict[str, Any]]:
+        """Every worker's sampled profile over the same ``seconds`` (``_profile``)."""
+        for worker in self.workers:
+            assert worker.stdin is not None
+            worker.stdin.write(json.dumps({"op": "profile", "seconds": seconds}) + "\n")
+            worker.stdin.flush()
+        return [await self._read(w, timeout_s=seconds + 120) for w in self.workers]
 
     async def stats(self) -> list[dict[str, Any]]:
         return [await self.command(w, op="stats") for w in self.workers]

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from ..errors import SwarmError
+from ..errors import ProtocolError, SwarmError
 from ..protocol import (
     Announcement,
+    ErrorCode,
     announcement_key,
     decode,
     peer_id_to_str,
@@ -33,6 +34,11 @@ from ..protocol import (
 
 ANNOUNCE_TOPIC_PREFIX: Final = "/moeswarm/v1/"
 SYNC_MAX_MODEL_ID_BYTES: Final = 128  # a first-view request names a model in at most this many UTF-8 bytes
+# A withdrawal is a record that expires a second after it is signed; one that arrives expired (the
+# gossip hops took longer: a loaded machine, a long path) still replaces its signer's older record
+# if it expired at most this long ago, so the holder leaves every view instead of staying live
+# until its last refresh expires (10 minutes)
+WITHDRAWAL_GRACE_MS: Final = 60_000
 
 
 def announce_topic(model_id: str) -> str:
@@ -163,8 +169,10 @@ class TopicGate:
 
     In order, cheapest first: the forwarding peer's and address's budgets, the decoding and
     validation of the record exactly as a DHT value (``validate_record`` under the key of its
-    first layer: size, signature, expiry, ranges inside the model), the signer's budget, a
-    new signer's budget per forwarding address, then the view (seq above the one kept, room).
+    first layer: size, signature, expiry, ranges inside the model; a withdrawal of a signer in
+    the view that expired on its way, ``WITHDRAWAL_GRACE_MS`` ago at most, is taken), the
+    signer's budget, a new signer's budget per forwarding address, then the view (seq above the
+    one kept, room).
     Counters say why messages were refused.
     """
 
@@ -198,7 +206,15 @@ class TopicGate:
             if not isinstance(record, Announcement) or record.model_id != self.model_id:
                 return self._refuse("not an announcement of this model")
             now_ms = self._wall_ms()
-            validate_record(announcement_key(record.model_id, record.layers[0], record.peer_id), value, now_ms=now_ms)
+            key = announcement_key(record.model_id, record.layers[0], record.peer_id)
+            try:
+                validate_record(key, value, now_ms=now_ms)
+            except ProtocolError as e:
+                known = self.view.seq_of(record.peer_id)
+                if (e.code != ErrorCode.EXPIRED or known is None or known >= record.seq
+                        or now_ms - record.expires_at_ms > WITHDRAWAL_GRACE_MS):
+                    raise
+                validate_record(key, value, now_ms=record.expires_at_ms - 1)  # all but the expiry, checked
         except SwarmError:
             return self._refuse("invalid")
         if not fits_model(record, self.num_layers, self.num_experts):
