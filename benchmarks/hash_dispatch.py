@@ -51,9 +51,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _delay import spawn_delay_proxy  # noqa: E402  benchmarks/_delay.py
+from _delay import spawn_delay_proxy  # benchmarks/_delay.py
 
-SIZE = dict(hidden_size=1024, moe_intermediate_size=2048, n_routed_experts=8)
+SIZE = {"hidden_size": 1024, "moe_intermediate_size": 2048, "n_routed_experts": 8}
 
 
 def build(folder: Path) -> Path:
@@ -115,6 +115,16 @@ def run_case(folder: str, rtt_ms: float, budget: str | None, tokens: int, rounds
                         return submit(layer, x, ids, weights)
 
                     ex.dispatch, ex.submit = timed_dispatch, timed_submit  # type: ignore[method-assign]
+                    computed: list[tuple[int, float]] = []  # (layer, the holder's compute ms) of each real call
+                    call_once = ex._call_once_or_reconnect
+
+                    async def timed_call(holder, request):  # type: ignore[no-untyped-def]
+                        response = await call_once(holder, request)
+                        if request.hidden.any():  # not a warm-up (zeros)
+                            computed.append((request.layer, response.compute_us / 1e3))
+                        return response
+
+                    ex._call_once_or_reconnect = timed_call  # type: ignore[method-assign]
 
                     def one_round(early: bool) -> tuple[list[float], list[tuple[int, float]], np.ndarray, int]:
                         ex.config = dataclasses.replace(ex.config, early_hash=early)
@@ -122,12 +132,13 @@ def run_case(folder: str, rtt_ms: float, budget: str | None, tokens: int, rounds
                         cache = model.new_cache()
                         model.forward(np.asarray([prompt]), cache, last_only=True)
                         per_layer.clear()
+                        computed.clear()
                         steps, logits = [], []
                         for t in forced:
                             t0 = time.perf_counter()
                             logits.append(model.forward(np.asarray([[t]]), cache)[0, -1])
                             steps.append(time.perf_counter() - t0)
-                        return steps, list(per_layer), np.stack(logits), ex.warmups - warm0
+                        return steps, list(per_layer), np.stack(logits), ex.warmups - warm0, list(computed)
 
                     await asyncio.to_thread(one_round, False)  # warm-up, untimed
                     out: dict[bool, list] = {True: [], False: []}  # type: ignore[type-arg]
@@ -160,6 +171,11 @@ def summarise(name: str, res: dict, moe_hash: list[int]) -> dict:  # type: ignor
         row[f"step_ms_{key}"] = statistics.median(steps) * 1e3
         row[f"layer_ms_{key}"] = {L: statistics.median(v) * 1e3 for L, v in sorted(layers.items())}
         row[f"warmups_{key}"] = sum(o[3] for o in out[early])
+        holder: dict[int, list[float]] = defaultdict(list)
+        for o in out[early]:
+            for L, ms in o[4]:
+                holder[L].append(ms)
+        row[f"compute_ms_{key}"] = {L: statistics.median(v) for L, v in sorted(holder.items())}
     row["hash_layers"] = moe_hash
     return row
 
@@ -196,6 +212,14 @@ def main() -> None:
                            for L in range(cfg.num_layers))
         print(f"| {r['case']} | {r['ping_ms']:.1f} | {r['step_ms_off']:.1f} | {r['step_ms_on']:.1f} | "
               f"{r['step_ms_off'] - r['step_ms_on']:+.1f} | {cells} | {r['warmups_on']} | {r['max_logit_diff']:.1e} |")
+    print("\nthe holder's side of each layer's own call (compute_us in its answer: reading the experts when not "
+          "resident, and the matmuls), ms, median per call, early dispatch off / on")
+    print("| holders | " + " | ".join(f"layer {L}{' (hash)' if L in hashed else ''}" for L in range(cfg.num_layers)) + " |")
+    print("|---|" + "---|" * cfg.num_layers)
+    for r in rows:
+        print(f"| {r['case']} | " + " | ".join(
+            f"{r['compute_ms_off'].get(L, float('nan')):.1f} / {r['compute_ms_on'].get(L, float('nan')):.1f}"
+            for L in range(cfg.num_layers)) + " |")
     result = {"rtt_ms": args.rtt_ms, "load_avg": round(max(load), 1)}
     for r in rows:
         c = r["case"]

@@ -192,7 +192,7 @@ class RemoteExperts:
         """On the loop: warm-up calls (zeros) for the layer's experts to the holders its dispatch will
         use (planned now, before that dispatch can start), so that they read (page in) the weights
         before the layer's hidden states arrive."""
-        experts = sorted(set(int(e) for e in np.unique(ids)))
+        experts = sorted({int(e) for e in np.unique(ids)})
         if self.tiers is not None:
             experts = [e for e in experts if not self._here(layer, e)]
         plan, _ = (self.verifier.plan(layer, experts, set()) if self.verifier is not None
