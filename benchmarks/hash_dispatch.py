@@ -118,13 +118,28 @@ def run_case(folder: str, rtt_ms: float, budget: str | None, tokens: int, rounds
                     computed: list[tuple[int, float]] = []  # (layer, the holder's compute ms) of each real call
                     call_once = ex._call_once_or_reconnect
 
+                    sent: dict[bytes, list] = {}  # type: ignore[type-arg]  # diagnostics of refused receipts
+
                     async def timed_call(holder, request):  # type: ignore[no-untyped-def]
+                        sent[request.request_id] = ["call" if request.hidden.any() else "warm-up", request.layer,
+                                                    time.perf_counter(), None]
                         response = await call_once(holder, request)
+                        sent[request.request_id][3] = time.perf_counter()
                         if request.hidden.any():  # not a warm-up (zeros)
                             computed.append((request.layer, response.compute_us / 1e3))
                         return response
 
                     ex._call_once_or_reconnect = timed_call  # type: ignore[method-assign]
+                    settle_batch = ex._settle_batch
+
+                    def checked_settle(peer, batch):  # type: ignore[no-untyped-def]
+                        for r in batch.receipts:
+                            if (peer, r.request_id) not in ex._awaiting:
+                                print(f"DIAG receipt for {sent.get(r.request_id)} now={time.perf_counter()} "
+                                      f"unchecked={len(ex._unchecked)}", flush=True)
+                        return settle_batch(peer, batch)
+
+                    ex._settle_batch = checked_settle  # type: ignore[method-assign]
 
                     def one_round(early: bool) -> tuple[list[float], list[tuple[int, float]], np.ndarray, int]:
                         ex.config = dataclasses.replace(ex.config, early_hash=early)

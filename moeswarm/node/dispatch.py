@@ -156,7 +156,6 @@ class RemoteExperts:
         are) and ``result`` waits on the loop. From a worker thread: two thread hops."""
         if on_loop_greenlet() and _on_loop(self.loop):
             task = self.loop.create_task(self.dispatch(layer, x, ids, weights))
-            self._warm_next(layer)
             for _ in range(2):  # the dispatch starts, then its calls write their requests
                 if task.done():
                     break
@@ -165,28 +164,24 @@ class RemoteExperts:
         if _on_loop(self.loop):
             raise ConfigError("run the model's forward pass in a worker thread or with onloop.run_on_loop, "
                               "not directly on the event loop")
-        handle = _Handle(asyncio.run_coroutine_threadsafe(self.dispatch(layer, x, ids, weights), self.loop))
-        self._warm_next(layer)
-        return handle
+        return _Handle(asyncio.run_coroutine_threadsafe(self.dispatch(layer, x, ids, weights), self.loop))
 
     def hint(self, routes: dict[int, np.ndarray]) -> None:
         """Before a forward pass: the experts (T, k) of its hash-routed layers, from the token ids
         (``Model._announce_hashed``).  With ``early_hash`` each is warmed after the MoE layer before it."""
-        self._ahead = dict(sorted(routes.items())) if self.config.early_hash else {}
+        ahead = dict(sorted(routes.items())) if self.config.early_hash else {}
+        if _on_loop(self.loop):
+            self._ahead = ahead
+        else:  # before this pass's first dispatch reaches the loop
+            self.loop.call_soon_threadsafe(setattr, self, "_ahead", ahead)
 
     def _warm_next(self, layer: int) -> None:
-        """Warm the first hash-routed layer after ``layer`` that is not warmed yet (called after the
-        requests of ``layer`` are scheduled, so that they go out first)."""
+        """On the loop, once ``layer``'s calls are under way: warm the first hash-routed layer after it."""
         later = [L for L in self._ahead if L > layer]
         for L in [L for L in self._ahead if L <= layer]:
             del self._ahead[L]
-        if not later:
-            return
-        ids = self._ahead.pop(later[0])
-        if _on_loop(self.loop):
-            self._start_warmup(later[0], ids)
-        else:
-            self.loop.call_soon_threadsafe(self._start_warmup, later[0], ids)
+        if later:
+            self._start_warmup(later[0], self._ahead.pop(later[0]))
 
     def _start_warmup(self, layer: int, ids: np.ndarray) -> None:
         """On the loop: warm-up calls (zeros) for the layer's experts to the holders its dispatch will
@@ -198,8 +193,9 @@ class RemoteExperts:
         plan, _ = (self.verifier.plan(layer, experts, set()) if self.verifier is not None
                    else plan_dispatch(layer, experts, self.table.live()))
         self._warmed[layer] = plan
-        # Behind the previous layer's requests, a little later: a holder takes everything queued as
-        # one batch, and a warm-up merged with that layer's call would hold its answer back.
+        # Behind the previous layer's requests (its call tasks were created first), a little later: a
+        # holder takes everything queued as one batch, and a warm-up merged with that layer's call
+        # would hold its answer back.
         for peer, held in plan.items():
             task = self.loop.create_task(self._warm_call(peer, layer, held, self.config.warm_after_s))
             self._warming.add(task)
@@ -266,7 +262,8 @@ class RemoteExperts:
                 plan, unheld = (self.verifier.plan(layer, pending, exclude) if self.verifier is not None
                                 else plan_dispatch(layer, pending, self.table.live(), exclude=exclude))
             warmed = None
-            calls = [self._call(peer, layer, x, ids, experts, y) for peer, experts in plan.items()]
+            calls = [asyncio.ensure_future(self._call(peer, layer, x, ids, experts, y)) for peer, experts in plan.items()]
+            self._warm_next(layer)  # the next hash-routed layer, behind these requests
             results = await asyncio.gather(*calls, return_exceptions=True)
             failed = list(unheld)
             for (peer, experts), result in zip(plan.items(), results):
