@@ -148,6 +148,7 @@ class RemoteExperts:
         self._ahead: dict[int, np.ndarray] = {}  # hash-routed layers of this pass not warmed yet -> ids (T, k)
         self._warmed: dict[int, dict[bytes, list[int]]] = {}  # layer -> the plan its warm-up calls used
         self._warming: set[asyncio.Task[None]] = set()
+        self._checking: set[tuple[bytes, bytes]] = set()  # (peer, request id) of calls the verifier is checking
         self.warmups = 0  # warm-up calls answered
 
     def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> _Handle | _LoopHandle:
@@ -347,7 +348,11 @@ class RemoteExperts:
         outputs = response.outputs.astype(np.float32, copy=False)
         honest = True
         if self.verifier is not None:  # a sample is checked before its outputs are used
-            outputs, honest = await self.verifier.check(peer, request, response, outputs)
+            self._checking.add((peer, request.request_id))  # its receipt batch waits for the verdict
+            try:
+                outputs, honest = await self.verifier.check(peer, request, response, outputs)
+            finally:
+                self._checking.discard((peer, request.request_id))
         self.calls += 1
         offset = 0
         for e, tokens in zip(experts, token_sets):
@@ -396,6 +401,10 @@ class RemoteExperts:
             if self.audit is not None:
                 self.audit(request, response.outputs, countersigned)
         while self._batches:
+            peer, batch = self._batches[0]
+            if any((peer, r.request_id) in self._checking for r in batch.receipts):
+                self._settle_when_idle()  # a call it names is still being checked: settled after that
+                break
             bad += self._settle_batch(*self._batches.popleft())
         return bad
 
