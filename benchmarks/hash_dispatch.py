@@ -4,9 +4,9 @@ A hash-routed layer's experts follow from the token ids, so the backbone knows t
 layer's attention finishes (``Model._announce_hashed``); their input, though, is the layer's
 post-attention hidden state, so the expert call itself cannot leave earlier and every MoE layer
 still costs one round trip.  What can start early is the holder's side: with
-``DispatchConfig.early_hash`` each hash layer's holders get a warm-up call (zeros, outputs
-discarded) for exactly its experts a layer early, and the layer's call then goes to the same
-holders.  That saves time only where a holder has work to do before it can compute: reading
+``DispatchConfig.early_hash`` each hash layer after the pass's first MoE layer (here layer 1)
+has its holders sent a warm-up call (zeros, outputs discarded) for exactly its experts, right
+behind the previous layer's requests, and the layer's call then goes to the same holders.  That saves time only where a holder has work to do before it can compute: reading
 (paging in) experts it does not keep resident.  Measured in two swarms of the same checkpoint:
 
 - ``resident``: the nodes keep every expert in memory (the default);
@@ -20,10 +20,11 @@ in float32), 8 experts top-2; built once with transformers into ``--dir``.  Two 
 data-plane call pays it), the backbone in this process.  Each round prefills 8 tokens and then
 decodes ``--tokens`` forced random tokens (the same in every case), with early dispatch on and off
 alternated; per forward pass the median wall time, and per layer the median time from the
-layer's submit to its result.  The logits must be the same on and off (checked).  The last line
-is one JSON object.
+layer's submit to its result, and the compute time the holder reports for each layer's own call
+(the profile: paging vs matmuls).  The logits must be the same on and off (printed).  A receipt
+naming no call of ours is printed as a DIAG line.  The last line is one JSON object.
 
-    python benchmarks/hash_dispatch.py [--tokens 24] [--rounds 5] [--rtt-ms 30] [--memory-budget 420MiB]
+    python benchmarks/hash_dispatch.py [--tokens 24] [--rounds 5] [--rtt-ms 30] [--memory-budget 420MiB] [--warm-after-ms 2]
 
 Every process runs with OPENBLAS_NUM_THREADS=1.  Figures measured while other work shares the
 machine are noisy: the load average is printed.
@@ -73,7 +74,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_case(folder: str, rtt_ms: float, budget: str | None, tokens: int, rounds: int) -> dict:  # type: ignore[type-arg]
+def run_case(folder: str, rtt_ms: float, budget: str | None, tokens: int, rounds: int, warm_after_s: float) -> dict:  # type: ignore[type-arg]
     from moeswarm.daemon import SwarmConfig
     from moeswarm.demo.swarm import expert_nodes
     from moeswarm.node.backbone import SwarmBackbone
@@ -142,7 +143,7 @@ def run_case(folder: str, rtt_ms: float, budget: str | None, tokens: int, rounds
                     ex._settle_batch = checked_settle  # type: ignore[method-assign]
 
                     def one_round(early: bool) -> tuple[list[float], list[tuple[int, float]], np.ndarray, int]:
-                        ex.config = dataclasses.replace(ex.config, early_hash=early)
+                        ex.config = dataclasses.replace(ex.config, early_hash=early, warm_after_s=warm_after_s)
                         warm0 = ex.warmups
                         cache = model.new_cache()
                         model.forward(np.asarray([prompt]), cache, last_only=True)
@@ -195,6 +196,10 @@ def summarise(name: str, res: dict, moe_hash: list[int]) -> dict:  # type: ignor
     return row
 
 
+def _kind(L: int, hashed: list[int], warmed: list[int]) -> str:
+    return " (hash, warmed)" if L in warmed else " (hash)" if L in hashed else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/tmp/moeswarm-bench/hash-dispatch-v4", help="checkpoint folder (built once)")
@@ -203,23 +208,28 @@ def main() -> None:
     ap.add_argument("--rtt-ms", type=float, default=30.0, help="round trip added to every data-plane connection")
     ap.add_argument("--memory-budget", default="420MiB",
                     help="the paging nodes' --memory-budget (below the 400 MB of experts each holds plus its baseline)")
+    ap.add_argument("--warm-after-ms", type=float, default=2.0,
+                    help="DispatchConfig.warm_after_s: a warm-up leaves at least this long after the previous layer's "
+                         "requests (more on a holder that computes longer: dispatch.py _warm_delay)")
     args = ap.parse_args()
     folder = str(build(Path(args.dir)))
     from moeswarm.model import load_config
 
     cfg = load_config(folder)
     hashed = [L for L, h in enumerate(cfg.family.hash_layers) if h]
+    first_moe = cfg.moe_layers.index(True)
+    warmed = [L for L in hashed if L > first_moe]  # the first MoE layer is not warmed (dispatch.py)
     rows = []
     load = [os.getloadavg()[0]]
     for name, budget in (("resident", None), ("paging", args.memory_budget)):
-        rows.append(summarise(name, run_case(folder, args.rtt_ms, budget, args.tokens, args.rounds), hashed))
+        rows.append(summarise(name, run_case(folder, args.rtt_ms, budget, args.tokens, args.rounds, args.warm_after_ms / 1e3), hashed))
         load.append(os.getloadavg()[0])
     print(f"\nDeepSeek-V4 ({cfg.num_layers} layers, hash-routed {hashed}; hidden {cfg.hidden_size}, "
           f"{cfg.num_experts} experts of {cfg.moe_intermediate_size} wide, top-{cfg.top_k}) through 2 expert nodes, "
           f"data plane {args.rtt_ms} ms RTT (delay proxies); {args.tokens} forced decode tokens x {args.rounds} "
-          f"alternating rounds per case; load average {min(load):.1f}-{max(load):.1f}")
+          f"alternating rounds per case; warm-ups >= {args.warm_after_ms} ms behind the previous layer's requests; load average {min(load):.1f}-{max(load):.1f}")
     print("| holders | data-plane ping ms | decode ms/token, early off | on | saved | "
-          + " | ".join(f"layer {L}{' (hash)' if L in hashed else ''} ms off / on" for L in range(cfg.num_layers))
+          + " | ".join(f"layer {L}{_kind(L, hashed, warmed)} ms off / on" for L in range(cfg.num_layers))
           + " | warm-up calls on | max logit diff on vs off |")
     print("|---|---|---|---|---|" + "---|" * cfg.num_layers + "---|---|")
     for r in rows:
@@ -229,20 +239,23 @@ def main() -> None:
               f"{r['step_ms_off'] - r['step_ms_on']:+.1f} | {cells} | {r['warmups_on']} | {r['max_logit_diff']:.1e} |")
     print("\nthe holder's side of each layer's own call (compute_us in its answer: reading the experts when not "
           "resident, and the matmuls), ms, median per call, early dispatch off / on")
-    print("| holders | " + " | ".join(f"layer {L}{' (hash)' if L in hashed else ''}" for L in range(cfg.num_layers)) + " |")
+    print("| holders | " + " | ".join(f"layer {L}{_kind(L, hashed, warmed)}" for L in range(cfg.num_layers)) + " |")
     print("|---|" + "---|" * cfg.num_layers)
     for r in rows:
         print(f"| {r['case']} | " + " | ".join(
             f"{r['compute_ms_off'].get(L, float('nan')):.1f} / {r['compute_ms_on'].get(L, float('nan')):.1f}"
             for L in range(cfg.num_layers)) + " |")
-    result = {"rtt_ms": args.rtt_ms, "load_avg": round(max(load), 1)}
+    result = {"rtt_ms": args.rtt_ms, "warm_after_ms": args.warm_after_ms, "load_avg": round(max(load), 1)}
     for r in rows:
         c = r["case"]
         result[f"{c}_ms_per_token_off"] = round(r["step_ms_off"], 2)
         result[f"{c}_ms_per_token_on"] = round(r["step_ms_on"], 2)
         result[f"{c}_saved_ms_per_token"] = round(r["step_ms_off"] - r["step_ms_on"], 2)
-        result[f"{c}_hash_layer_saved_ms"] = round(statistics.mean(
-            r["layer_ms_off"][L] - r["layer_ms_on"][L] for L in hashed), 2)
+        result[f"{c}_warmed_layers_saved_ms"] = round(statistics.mean(
+            r["layer_ms_off"][L] - r["layer_ms_on"][L] for L in warmed), 2)
+        for key in ("off", "on"):
+            result[f"{c}_warmed_layers_holder_compute_ms_{key}"] = round(statistics.mean(
+                r[f"compute_ms_{key}"][L] for L in warmed), 2)
         result[f"{c}_max_logit_diff"] = r["max_logit_diff"]
     print(json.dumps(result))
 
