@@ -91,7 +91,7 @@ class DispatchConfig:
     versions: tuple[int, ...] = SUPPORTED_VERSIONS  # protocol versions offered ((1,): receipts in every answer)
     max_awaiting: int = 16384  # v1.3: calls kept waiting for their receipt batch (the oldest are dropped)
     early_hash: bool = False  # warm hash-routed layers' holders a layer early (see the module docstring)
-    warm_after_s: float = 0.002  # ... sending a warm-up this long after the previous layer's requests
+    warm_after_s: float = 0.002  # ... a warm-up leaving at least this long after the previous layer's requests
 
 
 ReceiptSink = Callable[[CountersignedReceipt | BatchedReceipt], None]
@@ -171,6 +171,8 @@ class RemoteExperts:
         """Before a forward pass: the experts (T, k) of its hash-routed layers, from the token ids
         (``Model._announce_hashed``).  With ``early_hash`` each is warmed after the MoE layer before it."""
         ahead = dict(sorted(routes.items())) if self.config.early_hash else {}
+        if not ahead and not self._ahead:
+            return
         if _on_loop(self.loop):
             self._ahead = ahead
         else:  # before this pass's first dispatch reaches the loop
@@ -194,13 +196,21 @@ class RemoteExperts:
         plan, _ = (self.verifier.plan(layer, experts, set()) if self.verifier is not None
                    else plan_dispatch(layer, experts, self.table.live()))
         self._warmed[layer] = plan
-        # Behind the previous layer's requests (its call tasks were created first), a little later: a
-        # holder takes everything queued as one batch, and a warm-up merged with that layer's call
-        # would hold its answer back.
         for peer, held in plan.items():
-            task = self.loop.create_task(self._warm_call(peer, layer, held, self.config.warm_after_s))
+            task = self.loop.create_task(self._warm_call(peer, layer, held, self._warm_delay(peer)))
             self._warming.add(task)
             task.add_done_callback(self._warming.discard)
+
+    def _warm_delay(self, peer: bytes) -> float:
+        """How long after the previous layer's requests (whose call tasks were created first) a warm-up
+        leaves: long enough to reach the holder once it has answered that layer's call (it takes
+        everything queued as one batch, and paging in during that answer delayed it: +5 ms on layer 0
+        measured at 2 ms), at most half its round trip, so that it still arrives well before the
+        layer's own call (which leaves at least a round trip after the previous layer's)."""
+        holder = self.table.holders.get(peer)
+        service = holder.service_s if holder is not None and holder.service_s is not None else 0.0
+        rtt = holder.rtt_s if holder is not None and holder.rtt_s is not None else 0.0
+        return max(self.config.warm_after_s, min(2 * service + self.config.warm_after_s, rtt / 2))
 
     async def _warm_call(self, peer: bytes, layer: int, experts: list[int], delay: float) -> None:
         if delay:
