@@ -264,6 +264,7 @@ class Model:
             x = x * np.float32(cfg.embedding_multiplier)
         # what one layer hands the next within this pass (DSA top-k), and the token ids (hash routing)
         step: dict[str, np.ndarray] = {"tokens": ids.reshape(-1)}
+        self._announce_hashed(step["tokens"])
         x = self.residual_form.expand(x)
         for L in range(cfg.num_layers):
             x = self.layer(L, x, cache.layers[L], positions, step)
@@ -276,6 +277,17 @@ class Model:
         x = block_norm(cfg, x, w["final_norm"], w.get("final_norm_bias"))
         logits = mm(x.reshape(-1, x.shape[-1]), w["lm_head"]).reshape(*x.shape[:-1], -1)
         return scaled_logits(cfg, logits, w.get("lm_head_bias"))
+
+    def _announce_hashed(self, tokens: np.ndarray) -> None:
+        """Hash-routed layers (DeepSeek-V4's) take their experts from the token ids alone: an executor
+        with ``hint`` learns them before any layer runs (the swarm's warms their holders early)."""
+        hint = getattr(self.experts, "hint", None)
+        if hint is None or not any(self.config.moe_layers):
+            return
+        tables = {L: self.weights.get(f"{L}.router_table") for L in range(self.config.num_layers)}
+        routes = {L: np.asarray(t[tokens.astype(np.int64)], np.int64) for L, t in tables.items() if t is not None}
+        if routes:
+            hint(routes)
 
     def layer(self, L: int, x: np.ndarray, layer_cache: object, positions: np.ndarray, step: dict[str, np.ndarray],
               *, observe: bool = True) -> np.ndarray:

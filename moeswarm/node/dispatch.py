@@ -8,6 +8,17 @@ retries failed experts on other replicas, optionally falls back to the local mem
 checkpoint, and otherwise fails with an error that names the missing experts.  Outputs are
 combined in slot order, the same on every run.
 
+Hash-routed layers (DeepSeek-V4's) take their experts from the token ids, which the forward pass
+hands over before any layer runs (``hint``).  With ``DispatchConfig.early_hash`` each such layer
+after the first MoE layer has its holders sent a warm-up call (rows of zeros, one per top_k
+experts) for exactly those experts a layer early, just behind the previous MoE layer's requests:
+a holder that pages its experts in under a memory budget reads them in the round trip it would
+otherwise idle through; the layer's own call then goes to the same holders.  The warm-up is an
+ordinary (paid, receipted) call whose outputs are discarded: no protocol change.  The pass's
+first MoE layer is not warmed: its warm-up would reach the holder only an attention ahead of the
+call and be computed in front of it (measured: +9 ms on that layer).  Off by default: on holders
+that keep their experts resident it only adds their compute (benchmarks/hash_dispatch.py).
+
 Receipts are settled off the token path (``settle_receipts``, between steps). On a v1.3
 connection the answers come without receipts and the server signs them in batches: each
 batch's receipts are checked against the calls they name, its statement is countersigned once,
@@ -31,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._tasks import cancel_and_wait
 from ..errors import BadResponse, ConfigError, NetworkError, ProtocolError, SwarmError
 from ..model import ExpertWeights, ModelConfig, Weights, expert_ffn
 from ..model.experts import F32Cache
@@ -78,6 +90,8 @@ class DispatchConfig:
     max_unsettled: int = 4096  # ... or as soon as this many are waiting
     versions: tuple[int, ...] = SUPPORTED_VERSIONS  # protocol versions offered ((1,): receipts in every answer)
     max_awaiting: int = 16384  # v1.3: calls kept waiting for their receipt batch (the oldest are dropped)
+    early_hash: bool = False  # warm hash-routed layers' holders a layer early (see the module docstring)
+    warm_after_s: float = 0.002  # ... a warm-up leaving at least this long after the previous layer's requests
 
 
 ReceiptSink = Callable[[CountersignedReceipt | BatchedReceipt], None]
@@ -131,6 +145,11 @@ class RemoteExperts:
         self._batches: deque[tuple[bytes, ReceiptBatch]] = deque()
         self.batches_settled = 0
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._ahead: dict[int, np.ndarray] = {}  # hash-routed layers of this pass not warmed yet -> ids (T, k)
+        self._warmed: dict[int, dict[bytes, list[int]]] = {}  # layer -> the plan its warm-up calls used
+        self._warming: set[asyncio.Task[None]] = set()
+        self._checking: set[tuple[bytes, bytes]] = set()  # (peer, request id) of calls the verifier is checking
+        self.warmups = 0  # warm-up calls answered
 
     def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> _Handle | _LoopHandle:
         """Start one MoE layer's dispatch. From a forward pass run on the loop by ``onloop.run_on_loop``
@@ -147,6 +166,67 @@ class RemoteExperts:
             raise ConfigError("run the model's forward pass in a worker thread or with onloop.run_on_loop, "
                               "not directly on the event loop")
         return _Handle(asyncio.run_coroutine_threadsafe(self.dispatch(layer, x, ids, weights), self.loop))
+
+    def hint(self, routes: dict[int, np.ndarray]) -> None:
+        """Before a forward pass: the experts (T, k) of its hash-routed layers, from the token ids
+        (``Model._announce_hashed``).  With ``early_hash`` each is warmed after the MoE layer before it."""
+        ahead = dict(sorted(routes.items())) if self.config.early_hash else {}
+        if not ahead and not self._ahead:
+            return
+        if _on_loop(self.loop):
+            self._ahead = ahead
+        else:  # before this pass's first dispatch reaches the loop
+            self.loop.call_soon_threadsafe(setattr, self, "_ahead", ahead)
+
+    def _warm_next(self, layer: int) -> None:
+        """On the loop, once ``layer``'s calls are under way: warm the first hash-routed layer after it."""
+        later = [L for L in self._ahead if L > layer]
+        for L in [L for L in self._ahead if L <= layer]:
+            del self._ahead[L]
+        if later:
+            self._start_warmup(later[0], self._ahead.pop(later[0]))
+
+    def _start_warmup(self, layer: int, ids: np.ndarray) -> None:
+        """On the loop: warm-up calls (zeros) for the layer's experts to the holders its dispatch will
+        use (planned now, before that dispatch can start), so that they read (page in) the weights
+        before the layer's hidden states arrive."""
+        experts = sorted({int(e) for e in np.unique(ids)})
+        if self.tiers is not None:
+            experts = [e for e in experts if not self._here(layer, e)]
+        plan, _ = (self.verifier.plan(layer, experts, set()) if self.verifier is not None
+                   else plan_dispatch(layer, experts, self.table.live()))
+        self._warmed[layer] = plan
+        for peer, held in plan.items():
+            task = self.loop.create_task(self._warm_call(peer, layer, held, self._warm_delay(peer)))
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
+
+    def _warm_delay(self, peer: bytes) -> float:
+        """How long after the previous layer's requests (whose call tasks were created first) a warm-up
+        leaves: long enough to reach the holder once it has answered that layer's call (it takes
+        everything queued as one batch, and paging in during that answer delayed it: +5 ms on layer 0
+        measured at 2 ms), at most half its round trip, so that it still arrives well before the
+        layer's own call (which leaves at least a round trip after the previous layer's)."""
+        holder = self.table.holders.get(peer)
+        service = holder.service_s if holder is not None and holder.service_s is not None else 0.0
+        rtt = holder.rtt_s if holder is not None and holder.rtt_s is not None else 0.0
+        return max(self.config.warm_after_s, min(2 * service + self.config.warm_after_s, rtt / 2))
+
+    async def _warm_call(self, peer: bytes, layer: int, experts: list[int], delay: float) -> None:
+        if delay:
+            await asyncio.sleep(delay)
+        k = self.cfg.top_k  # a holder takes at most top_k (expert, row) pairs per row
+        request = ExpertRequest(
+            request_id=os.urandom(16), model_id=self.table.model_id, layer=layer, seq=next(self._seq),
+            hidden=np.zeros((-(-len(experts) // k), self.cfg.hidden_size), self.config.wire_dtype),
+            experts=tuple(ExpertRows(e, np.array([i // k], np.uint32)) for i, e in enumerate(experts)))
+        try:
+            response = await self._call_once_or_reconnect(self.table.holders[peer], request)
+        except (SwarmError, OSError) as e:  # only a warm-up: the layer's own call retries as always
+            log.debug("warm-up of layer %d at %s failed: %s", layer, peer.hex()[-12:], e)
+            return
+        self.warmups += 1
+        self._unchecked.append((request, response, peer))  # a call like any other: its receipt is settled
 
     async def dispatch(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """x (T, H), ids (T, k), weights (T, k) -> (T, H)."""
@@ -182,13 +262,19 @@ class RemoteExperts:
         """Call holders for ``pending`` experts, retrying failures on other replicas; returns the
         experts nobody computed."""
         tried: dict[int, set[bytes]] = {e: set() for e in pending}
+        warmed = self._warmed.pop(layer, None)  # the holders warmed for this layer, if it was
         for _ in range(self.config.attempts):
             if not pending:
                 break
             exclude = set().union(*(tried[e] for e in pending))
-            plan, unheld = (self.verifier.plan(layer, pending, exclude) if self.verifier is not None
-                            else plan_dispatch(layer, pending, self.table.live(), exclude=exclude))
-            calls = [self._call(peer, layer, x, ids, experts, y) for peer, experts in plan.items()]
+            if warmed is not None and self._still_fits(warmed, pending, exclude):
+                plan, unheld = warmed, []
+            else:
+                plan, unheld = (self.verifier.plan(layer, pending, exclude) if self.verifier is not None
+                                else plan_dispatch(layer, pending, self.table.live(), exclude=exclude))
+            warmed = None
+            calls = [asyncio.ensure_future(self._call(peer, layer, x, ids, experts, y)) for peer, experts in plan.items()]
+            self._warm_next(layer)  # the next hash-routed layer, behind these requests
             results = await asyncio.gather(*calls, return_exceptions=True)
             failed = list(unheld)
             for (peer, experts), result in zip(plan.items(), results):
@@ -203,6 +289,12 @@ class RemoteExperts:
             if unheld and len(unheld) == len(pending):
                 break  # nobody else to ask
         return pending
+
+    def _still_fits(self, plan: dict[bytes, list[int]], pending: list[int], exclude: set[bytes]) -> bool:
+        """A warm-up's plan serves the layer's call if it covers exactly ``pending`` with live holders."""
+        live = {h.peer_id for h in self.table.live()}
+        return (sorted(e for held in plan.values() for e in held) == pending
+                and all(peer in live and peer not in exclude for peer in plan))
 
     def _here(self, layer: int, expert: int) -> bool:
         assert self.tiers is not None
@@ -266,7 +358,11 @@ class RemoteExperts:
         outputs = response.outputs.astype(np.float32, copy=False)
         honest = True
         if self.verifier is not None:  # a sample is checked before its outputs are used
-            outputs, honest = await self.verifier.check(peer, request, response, outputs)
+            self._checking.add((peer, request.request_id))  # its receipt batch waits for the verdict
+            try:
+                outputs, honest = await self.verifier.check(peer, request, response, outputs)
+            finally:
+                self._checking.discard((peer, request.request_id))
         self.calls += 1
         offset = 0
         for e, tokens in zip(experts, token_sets):
@@ -315,6 +411,10 @@ class RemoteExperts:
             if self.audit is not None:
                 self.audit(request, response.outputs, countersigned)
         while self._batches:
+            peer, batch = self._batches[0]
+            if any((peer, r.request_id) in self._checking for r in batch.receipts):
+                self._settle_when_idle()  # a call it names is still being checked: settled after that
+                break
             bad += self._settle_batch(*self._batches.popleft())
         return bad
 
@@ -416,6 +516,8 @@ class RemoteExperts:
     async def aclose(self) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
+        for task in list(self._warming):
+            await cancel_and_wait(task)
         self.settle_receipts()
         await self.flush_receipts()
         await self.connections.aclose()
