@@ -83,7 +83,10 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
     w.add_feed_forward_length(cfg.dense_intermediate_size or cfg.moe_intermediate_size)
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.norm == "layer":  # DBRX's LayerNorm: llama.cpp's key for a LayerNorm's epsilon
+        w.add_layer_norm_eps(cfg.rms_norm_eps)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope.theta)
     w.add_rope_dimension_count(cfg.rope.dim)
     w.add_expert_count(cfg.num_experts)
@@ -111,6 +114,8 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
                                  else gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
+    if cfg.arch == "glm4_moe":  # its multi-token-prediction layers are not written (llama.cpp counts them here)
+        w.add_nextn_predict_layers(0)
     if cfg.arch == "minimax_m2":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if cfg.q_position_scale is not None:  # Mistral 4's llama_4_scaling_beta over its length
@@ -236,6 +241,16 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    logits_scaling=_f32(get(L.LOGIT_SCALE)))
     elif arch == "llama4_text":
         _llama4_config(raw, get, tensors, experts, expert_ff)
+    elif arch == "dbrx":
+        clip = get(A.CLAMP_KQV, None)
+        raw = {"model_type": "dbrx", "vocab_size": raw["vocab_size"], "d_model": raw["hidden_size"], "n_heads": heads,
+               "n_layers": n, "max_seq_len": raw["max_position_embeddings"],
+               "tie_word_embeddings": raw["tie_word_embeddings"], "bos_token_id": raw["bos_token_id"],
+               "eos_token_id": raw["eos_token_id"], "pad_token_id": raw["pad_token_id"],
+               "attn_config": {"kv_n_heads": raw["num_key_value_heads"], "clip_qkv": _f32(clip) if clip else None,
+                               "rope_theta": raw["rope_parameters"]["rope_theta"]},
+               "ffn_config": {"ffn_hidden_size": expert_ff, "moe_num_experts": experts,
+                              "moe_top_k": raw["num_experts_per_tok"], "moe_normalize_expert_weights": 1.0}}
     elif arch == "gpt_oss":
         window = get(A.SLIDING_WINDOW, None)
         raw.update(sliding_window=int(window) if window else None, attention_bias=has("attn_q.bias"))

@@ -58,6 +58,7 @@ class NameRow:
     hf: str  # Hugging Face key template (per-expert hub layout)
     permute: str | None = None  # "heads" / "kv_heads": llama.cpp's rotary row permutation (llama arch)
     invented: bool = False  # no llama.cpp tensor of this name in this architecture
+    fused: int | None = None  # place among the rows of one GGUF tensor several canonical ones share (DBRX's attn_qkv)
 
     @property
     def stacked(self) -> bool:
@@ -357,3 +358,33 @@ NAME_MAP["granitemoe"] = NAME_MAP["granitemoeshared"] = (
 # position-scaled query); ``kv_b_proj`` kept whole as ``attn_kv_b``, as for deepseek2.
 GGUF_ARCH["mistral4"] = "mistral4"
 NAME_MAP["mistral4"] = NAME_MAP["deepseek_v3"]
+
+
+# ---------------------------------------------------------------- DBRX (dbrx)
+# As llama.cpp's convert_hf_to_gguf.py (DbrxModel) writes it: the fused ``Wqkv`` kept whole as attn_qkv (q,
+# k, v rows; the engine's q / k / v are its row ranges, ``fused``), NeoX rotary (no permutation), norm_2 as
+# attn_output_norm, the flat experts as ffn_{gate,up,down}_exps (w2 transposed per expert: [E, H, I]).
+_D = "transformer.blocks.{L}."
+GGUF_ARCH["dbrx"] = "dbrx"
+NAME_MAP["dbrx"] = _rows(
+    ("embed", "token_embd.weight", "transformer.wte.weight"),
+    ("final_norm", "output_norm.weight", "transformer.norm_f.weight"),
+    ("lm_head", "output.weight", "lm_head.weight"),
+    ("{L}.attn_norm", "blk.{L}.attn_norm.weight", _D + "norm_attn_norm.norm_1.weight"),
+    ("{L}.mlp_norm", "blk.{L}.attn_output_norm.weight", _D + "norm_attn_norm.norm_2.weight"),
+    ("{L}.attn.q", "blk.{L}.attn_qkv.weight", _D + "norm_attn_norm.attn.Wqkv.weight", None, False, 0),
+    ("{L}.attn.k", "blk.{L}.attn_qkv.weight", _D + "norm_attn_norm.attn.Wqkv.weight", None, False, 1),
+    ("{L}.attn.v", "blk.{L}.attn_qkv.weight", _D + "norm_attn_norm.attn.Wqkv.weight", None, False, 2),
+    ("{L}.attn.o", "blk.{L}.attn_output.weight", _D + "norm_attn_norm.attn.out_proj.weight"),
+    ("{L}.router", "blk.{L}.ffn_gate_inp.weight", _D + "ffn.router.layer.weight"),
+    ("{L}.experts.{E}.gate", "blk.{L}.ffn_gate_exps.weight", _D + "ffn.experts.mlp.w1"),
+    ("{L}.experts.{E}.up", "blk.{L}.ffn_up_exps.weight", _D + "ffn.experts.mlp.v1"),
+    ("{L}.experts.{E}.down", "blk.{L}.ffn_down_exps.weight", _D + "ffn.experts.mlp.w2"),
+)
+
+
+def fused_siblings(arch: str, row: NameRow) -> tuple[NameRow, ...]:
+    """The rows sharing ``row``'s GGUF tensor, in their order inside it (just ``row`` when not fused)."""
+    if row.fused is None:
+        return (row,)
+    return tuple(sorted((r for r in NAME_MAP[arch] if r.gguf == row.gguf), key=lambda r: r.fused or 0))

@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..errors import CheckpointError
 from ._gguf_meta import FORMAT_VERSION, HF_CONFIG, VERSION, hf_config_from_metadata
-from ._gguf_names import GGUF_ARCH, NameRow, gguf_name, rope_permutation, v_head_order
+from ._gguf_names import GGUF_ARCH, NameRow, fused_siblings, gguf_name, rope_permutation, v_head_order
 from ._gguf_path import split_paths
 from ._gguf_tensor import QuantizedTensor
 from ._kernel_file import open_or_build
@@ -257,6 +257,12 @@ class GGUFFile:
         self._check_shape(t, shape)
         return _wrap(t.data, t.tensor_type, shape, rows, cols)
 
+    def rows_of(self, name: str, start: int, shape: tuple[int, ...], total: int) -> Any:
+        """Rows ``start .. start + shape[0]`` of a ``[total, shape[1]]`` tensor (DBRX's fused attn_qkv), a view."""
+        t = self._tensor(name)
+        self._check_shape(t, (total, *shape[1:]))
+        return _wrap(t.data[start:start + shape[0]], t.tensor_type, shape, None)
+
     def experts(self, name: str, shape: tuple[int, ...], count: int) -> Callable[[int], Any]:
         """Expert ``e`` of a stacked ``[count, *shape]`` tensor, as a view of its own bytes."""
         t = self._tensor(name)
@@ -370,8 +376,16 @@ def load_gguf_weights(
         raise CheckpointError(f"GGUF architecture {f.architecture!r} is not {GGUF_ARCH[cfg.arch]!r} "
                               f"({cfg.arch})", path=f.path)
     w = Weights(cfg, str(Path(f.path).resolve().parent), {}, {})
-    for name, shape in expected_shapes(cfg).items():
+    shapes = expected_shapes(cfg)
+    for name, shape in shapes.items():
         row, gname = gguf_name(cfg.arch, name)
+        if row.fused is not None:  # a row range of a tensor several canonical ones share
+            layer = name.split(".", 1)[0]
+            sizes = [shapes[f"{layer}.{r.canonical.split('.', 1)[1]}"][0] for r in fused_siblings(cfg.arch, row)]
+            start = sum(sizes[: row.fused])
+            w.tensors[name] = f.rows_of(gname, start, shape, sum(sizes))
+            w.sources[name] = TensorRef(f.file_of(gname), f"{gname}[{start}:{start + shape[0]}]")
+            continue
         w.tensors[name] = f.tensor(gname, shape, *_unpermute(row, cfg, shape))
         w.sources[name] = TensorRef(f.file_of(gname), gname)
     if cfg.tie_word_embeddings:

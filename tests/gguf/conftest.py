@@ -32,3 +32,21 @@ class GGUFCheckpoints:
 def gguf_checkpoints(tmp_path_factory, oracle_checkpoints) -> GGUFCheckpoints:  # type: ignore[no-untyped-def]
     return GGUFCheckpoints(tmp_path_factory.mktemp("gguf"), oracle_checkpoints)
 
+
+
+@pytest.fixture(scope="session")
+def family_oracles(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """``get(module, *key)`` -> (folder, Reference) of a family's oracle checkpoint (tests/oracle_*.py), each
+    built once per session."""
+    from engine_support import OracleCheckpoints
+
+    root = tmp_path_factory.mktemp("families")
+    oracles: dict[str, OracleCheckpoints] = {}
+
+    class _Get:
+        def get(self, module: str, *key: str):  # type: ignore[no-untyped-def]
+            if module not in oracles:
+                oracles[module] = OracleCheckpoints(module, root / module)
+            return oracles[module].get(*key)
+
+    return _Get()
