@@ -14,7 +14,9 @@ which layers are dense is read from which tensors exist.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import gguf
 import numpy as np
 from gguf import GGUFWriter, Keys
 
-from .config import ModelConfig
+from .config import ModelConfig, RopeConfig
 
 FORMAT_VERSION = 1
 HF_CONFIG = "moeswarm.hf_config"  # config.json, verbatim
@@ -144,8 +146,10 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
             w.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope.mscale_all_dim)
 
 
-def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: str) -> dict[str, Any]:
-    """A config.json-like dict from llama.cpp keys (``meta``: key -> value) and tensor names."""
+def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: str,
+                            rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """A config.json-like dict from llama.cpp keys (``meta``: key -> value) and tensor names; ``rope_freqs``:
+    the values of llama.cpp's ``rope_freqs`` tensor when the file has one (Llama 4's llama3 RoPE scaling)."""
     from ._gguf_names import model_type_of
 
     arch = model_type_of(garch)
@@ -240,7 +244,7 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    embedding_multiplier=_f32(get(L.EMBEDDING_SCALE)), residual_multiplier=_f32(get(L.RESIDUAL_SCALE)),
                    logits_scaling=_f32(get(L.LOGIT_SCALE)))
     elif arch == "llama4_text":
-        _llama4_config(raw, get, tensors, experts, expert_ff)
+        _llama4_config(raw, get, tensors, experts, expert_ff, rope_freqs)
     elif arch == "dbrx":
         clip = get(A.CLAMP_KQV, None)
         raw = {"model_type": "dbrx", "vocab_size": raw["vocab_size"], "d_model": raw["hidden_size"], "n_heads": heads,
@@ -333,12 +337,12 @@ def _dsa_deltanet_config(raw: dict[str, Any], get: Any, tensors: set[str], n: in
 # ---------------------------------------------------------------- Llama 4 (llama4)
 
 
-def _llama4_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: int, expert_ff: int) -> None:
+def _llama4_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: int, expert_ff: int,
+                   rope_freqs: np.ndarray | None) -> None:
     """Llama 4's config.json fields from llama.cpp's keys.  llama.cpp stores no chunk size, NoPE
     interval, temperature or q/k-norm switch: it fixes them (8192, every 4th layer NoPE, floor 8192
-    and scale 0.1; q/k norm unless 128 experts, i.e. Maverick), and so does this reading."""
-    if "rope_freqs.weight" in tensors:
-        raise ValueError("llama.cpp's rope_freqs tensor (Llama 4 Scout's llama3 RoPE scaling) is not read")
+    and scale 0.1; q/k norm unless 128 experts, i.e. Maverick), and so does this reading.  Its
+    ``rope_freqs`` tensor (per-frequency divisors) is read back as ``llama3`` scaling (``llama3_from_factors``)."""
     chunked = get(Keys.Attention.SLIDING_WINDOW, None) != 0
     raw.update(num_local_experts=experts, intermediate_size=expert_ff,
                intermediate_size_mlp=int(get(Keys.LLM.FEED_FORWARD_LENGTH)),
@@ -346,3 +350,49 @@ def _llama4_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: in
                attention_bias=any(t.endswith(".attn_q.bias") for t in tensors), use_qk_norm=experts != 128,
                attention_chunk_size=8192 if chunked else None, floor_scale=8192, attn_scale=0.1,
                attn_temperature_tuning=True, no_rope_layer_interval=4 if chunked else raw["num_hidden_layers"])
+    if rope_freqs is not None:
+        head_dim = int(raw["head_dim"] or raw["hidden_size"] // raw["num_attention_heads"])
+        raw["rope_parameters"].update(llama3_from_factors(rope_freqs, raw["rope_parameters"]["rope_theta"], head_dim))
+
+
+LLAMA3_CONTEXT = 8192  # the original context llama.cpp's converter assumes, and Llama 4 Scout's
+
+
+def llama3_factors(rope: RopeConfig) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` of a ``llama3`` RoPE: each frequency's divisor, float32 ``(dim / 2,)``."""
+    with np.errstate(divide="ignore", invalid="ignore"):  # no band between (Scout: low = high factor)
+        scaled = rope.inv_freq()[0]
+    return (replace(rope, kind="default").inv_freq()[0] / scaled).astype(np.float32)
+
+
+def llama3_from_factors(factors: np.ndarray, theta: float, dim: int) -> dict[str, Any]:
+    """``rope_parameters`` of the ``llama3`` scaling whose divisors are ``factors``.  They fix the factor
+    (the largest) and the bands relative to the original context, which is taken as ``LLAMA3_CONTEXT``
+    (every such triple gives these frequencies): through the frequencies between the bands (two at least),
+    or, with none there (Llama 4 Scout's low = high factor), through where the divisors step."""
+    rf = np.asarray(factors, np.float64).reshape(-1)
+    if rf.shape != (dim // 2,) or not np.all(np.isfinite(rf)) or rf.min() < 1 - 1e-6:
+        raise ValueError(f"rope_freqs holds {rf.shape[0]} divisors, not {dim // 2} of at least 1")
+    factor = float(rf.max())
+    if factor <= 1 + 1e-6:
+        return {}
+    wavelength = 2 * math.pi * theta ** (np.arange(0, dim, 2) / dim)
+    smooth = (1 / rf - 1 / factor) / (1 - 1 / factor)  # 1 in the kept band, 0 in the divided one
+    mid = (smooth > 1e-4) & (smooth < 1 - 1e-4)
+    if mid.sum() >= 2:
+        a, minus_b = np.polyfit(1 / wavelength[mid], smooth[mid], 1)  # smooth = a / wavelength - b
+        low = round(-minus_b * LLAMA3_CONTEXT / a, 4)
+        high = round(low + LLAMA3_CONTEXT / a, 4)
+    elif mid.any():
+        raise ValueError("rope_freqs has one frequency between llama3's bands: its parameters are not determined")
+    else:  # a step: kept below some wavelength, divided above; the step's place is all that is fixed
+        kept, divided = wavelength[smooth >= 0.5].max(initial=0.0), wavelength[smooth < 0.5].min()
+        step = LLAMA3_CONTEXT if kept < LLAMA3_CONTEXT < divided else math.sqrt(max(kept, 1.0) * divided)
+        low = high = round(LLAMA3_CONTEXT / step, 4)
+    params = {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": low, "high_freq_factor": high,
+              "original_max_position_embeddings": LLAMA3_CONTEXT}
+    rope = RopeConfig(theta=theta, dim=dim, kind="llama3", factor=params["factor"],
+                      original_max_position=LLAMA3_CONTEXT, low_freq_factor=low, high_freq_factor=high)
+    if not np.allclose(llama3_factors(rope), rf, rtol=1e-4, atol=0):
+        raise ValueError("rope_freqs is not a llama3 RoPE scaling")
+    return params

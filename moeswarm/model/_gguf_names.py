@@ -316,8 +316,8 @@ NAME_MAP["glm4_moe"] = (
 # RoPE already pairs adjacent dimensions, as llama.cpp's does), the packed experts as
 # ffn_{gate,up,down}_exps, the router as ffn_gate_inp, the shared expert as ffn_*_shexp, the dense
 # layers as ffn_*.  The hf names are those gguf-py's TensorNameMap knows (the experts after
-# llama.cpp splits ``gate_up_proj``).  Not written: llama.cpp's ``rope_freqs`` tensor, which carries
-# the llama3 RoPE scaling of Llama 4 Scout to llama.cpp (moeswarm reads it from the embedded config).
+# llama.cpp splits ``gate_up_proj``).  The llama3 RoPE scaling (Llama 4 Scout) travels as llama.cpp's
+# ``rope_freqs`` tensor (``_gguf_meta.llama3_factors``), outside this table.
 _F = "model.layers.{L}.feed_forward."
 GGUF_ARCH["llama4_text"] = GGUF_ARCH["llama4"] = "llama4"  # llama4_text first: llama.cpp's files read as text-only
 NAME_MAP["llama4_text"] = NAME_MAP["llama4"] = (

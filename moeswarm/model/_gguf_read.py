@@ -202,7 +202,9 @@ class GGUFFile:
                 raise CheckpointError(f"embedded {HF_CONFIG} is not a JSON object", path=self.path)
         else:
             try:
-                raw = hf_config_from_metadata(self.meta, set(self.tensors), self.architecture)
+                freqs = self.tensors.get("rope_freqs.weight")
+                raw = hf_config_from_metadata(self.meta, set(self.tensors), self.architecture,
+                                              None if freqs is None else np.asarray(freqs.data))
             except KeyError as e:
                 raise CheckpointError(f"GGUF metadata lacks {e.args[0]!r} (and has no {HF_CONFIG})",
                                       path=self.path) from None

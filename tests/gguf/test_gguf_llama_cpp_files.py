@@ -10,9 +10,10 @@ For each family, on its tiny transformers oracle checkpoint (tests/oracle_*.py),
 * ``convert-gguf``'s file holds the same tensors bit for bit (names, GGML types, bytes) and every
   hyper-parameter key llama.cpp's converter writes, with its value.
 
-Not here: Llama 4 (llama.cpp fixes the attention chunk, NoPE interval and temperature its keys do not carry,
-so the tiny checkpoint's values cannot be written for it; tests/llama4/test_llama4_gguf.py), Mistral 4
-(llama.cpp converts it only inside ``Mistral3ForConditionalGeneration``).
+Llama 4: llama.cpp fixes the attention chunk, NoPE interval, temperature and q/k norm its keys do not carry,
+so its checkpoint here (``oracle_llama4_llama_cpp``) takes llama.cpp's values; its llama3 RoPE scaling travels
+as llama.cpp's ``rope_freqs`` tensor, which both converters write and the engine reads back.
+Not here: Mistral 4 (llama.cpp converts it only inside ``Mistral3ForConditionalGeneration``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ CASES = {
     "granitemoe": ("oracle_granite", "granitemoe", "per_expert"),
     "granitemoeshared": ("oracle_granite", "granitemoeshared", "per_expert"),
     "dbrx": ("oracle_dbrx",),
+    "llama4": ("oracle_llama4_llama_cpp",),
 }
 
 
@@ -71,10 +73,46 @@ def test_llama_cpp_converter_file(family_oracles, family: str, tmp_path: Path) -
     assert set(f.tensors) == set(g.tensors)
     for name, t in g.tensors.items():
         mine = f.tensors[name]
-        assert mine.tensor_type == t.tensor_type and np.array_equal(np.asarray(mine.data), np.asarray(t.data)), name
+        assert mine.tensor_type == t.tensor_type, name
+        if name == "rope_freqs.weight":  # computed, not copied: llama.cpp in torch, ours in numpy (1 ulp apart)
+            assert np.allclose(np.asarray(mine.data), np.asarray(t.data), rtol=1e-6, atol=0)
+        else:
+            assert np.array_equal(np.asarray(mine.data), np.asarray(t.data)), name
     for key, value in g.meta.items():
         if key.startswith(("general.", "tokenizer.", "GGUF.")):
             continue
         assert key in f.meta, key
         assert np.array_equal(_value(f.meta[key]), _value(value)) or np.allclose(_value(f.meta[key]), _value(value)), \
             (key, f.meta[key], value)
+
+
+def test_rope_freqs_read_back_as_llama3_scaling() -> None:
+    """Llama 4 Scout's llama3 scaling (low = high factor: a step) and the oracle's (a band between), written
+    as llama.cpp's rope_freqs, read back as the published parameters (Scout) or ones giving the same
+    frequencies; divisors no llama3 scaling gives are refused, and so is one frequency between the bands."""
+    import json
+    from dataclasses import replace
+
+    from moeswarm.model import ModelConfig
+    from moeswarm.model._gguf_meta import llama3_factors, llama3_from_factors
+
+    configs = Path(__file__).resolve().parents[2] / "moeswarm" / "model" / "configs"
+    scout = ModelConfig.from_hf(json.loads((configs / "llama-4-scout.json").read_text())).rope
+    factors = llama3_factors(scout)
+    assert factors.max() == scout.factor and factors.min() == 1.0
+    assert llama3_from_factors(factors, scout.theta, scout.dim) == {
+        "rope_type": "llama3", "factor": scout.factor, "low_freq_factor": scout.low_freq_factor,
+        "high_freq_factor": scout.high_freq_factor, "original_max_position_embeddings": scout.original_max_position}
+
+    band = replace(scout, low_freq_factor=1.0, high_freq_factor=16.0, original_max_position=1024)
+    factors = llama3_factors(band)
+    params = llama3_from_factors(factors, band.theta, band.dim)
+    assert (params["low_freq_factor"], params["high_freq_factor"]) == (8.0, 128.0)  # 1024 -> 8192: x 8
+    bent = factors.copy()
+    bent[np.flatnonzero((factors > 1) & (factors < band.factor))[0]] *= 1.01
+    with pytest.raises(ValueError, match="not a llama3"):
+        llama3_from_factors(bent, band.theta, band.dim)
+    one = llama3_factors(replace(band, high_freq_factor=1.2))
+    assert ((one > 1) & (one < band.factor)).sum() == 1
+    with pytest.raises(ValueError, match="one frequency between"):
+        llama3_from_factors(one, band.theta, band.dim)
