@@ -108,7 +108,7 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.shared_intermediate_size:
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe", "mistral4"):
+    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe", "mistral4", "dots1"):
         w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
         w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
@@ -229,6 +229,12 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         raw["rope_parameters"]["partial_rotary_factor"] = int(get(R.DIMENSION_COUNT, head_dim)) / head_dim
     elif arch in ("glm_moe_dsa", "qwen3_5_moe"):
         _dsa_deltanet_config(raw, get, tensors, n, experts, dense)
+    elif arch == "dots1":  # llama.cpp's dots1 has no sliding-window layers
+        raw.update(n_routed_experts=experts, head_dim=int(raw["head_dim"] or raw["hidden_size"] // heads),
+                   attention_bias=has("attn_q.bias"), first_k_dense_replace=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
+                   n_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)),
+                   routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)), sliding_window=None,
+                   n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)))
     elif arch == "glm4_moe":
         head_dim = int(raw["head_dim"] or raw["hidden_size"] // heads)
         raw.update(n_routed_experts=experts, head_dim=head_dim, attention_bias=has("attn_q.bias"),

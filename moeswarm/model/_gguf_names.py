@@ -388,3 +388,15 @@ def fused_siblings(arch: str, row: NameRow) -> tuple[NameRow, ...]:
     if row.fused is None:
         return (row,)
     return tuple(sorted((r for r in NAME_MAP[arch] if r.gguf == row.gguf), key=lambda r: r.fused or 0))
+
+
+# ---------------------------------------------------------------- dots.llm1 (dots1)
+# As llama.cpp's convert_hf_to_gguf.py (Dots1Model, a DeepseekV2-style MoE over Qwen3's attention) writes
+# it: NeoX rotary (no permutation), q/k norms, q/k/v/o biases, DeepSeek-V3's router, correction bias,
+# shared expert and leading dense layers.  llama.cpp's dots1 has no sliding-window layers.
+GGUF_ARCH["dots1"] = "dots1"
+NAME_MAP["dots1"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _O_BIAS + _QK_NORM + _ROUTER
+    + _rows(("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.gate.e_score_correction_bias"))
+    + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
+)

@@ -107,3 +107,30 @@ def greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[float
     assert done.returncode == 0, f"llama.cpp could not run {path.name}:\n{done.stderr[-3000:]}"
     out = json.loads(done.stdout.strip().splitlines()[-1])
     return out["tokens"], out["first_logits"]
+
+
+def with_vocab(ours: Path, theirs: Path, out: Path) -> Path:
+    """``ours`` (a convert-gguf file of a checkpoint without a tokenizer, which llama.cpp refuses) with the
+    ``tokenizer.*`` keys of ``theirs`` (``convert``'s file of the same checkpoint): its tensors and every other
+    key unchanged, byte for byte."""
+    import gguf
+
+    src, vocab = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
+    writer = gguf.GGUFWriter(out, str(src.get_field(gguf.Keys.General.ARCHITECTURE).contents()))
+    for reader, tokenizer in ((src, False), (vocab, True)):
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue
+            if field.name.startswith("tokenizer.") == tokenizer:
+                kind = field.types[0]
+                sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for t in src.tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in src.tensors:
+        writer.write_tensor_data(t.data)
+    writer.close()
+    return out
