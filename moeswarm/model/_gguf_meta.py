@@ -116,6 +116,10 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
                                  else gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
+    if cfg.arch == "ernie4_5_moe":  # llama.cpp's ERNIE: MoE from the leading dense layers on, every step-th
+        w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
+        w.add_interleave_moe_layer_step(int(cfg.raw.get("moe_layer_interval", 1)))
+        w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
     if cfg.arch == "glm4_moe":  # its multi-token-prediction layers are not written (llama.cpp counts them here)
         w.add_nextn_predict_layers(0)
     if cfg.arch == "minimax_m2":
@@ -235,6 +239,11 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    n_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)),
                    routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)), sliding_window=None,
                    n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)))
+    elif arch == "ernie4_5_moe":
+        moe = [i for i in range(n) if i not in dense]
+        raw.update(moe_layer_start_index=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
+                   moe_layer_interval=int(get(L.INTERLEAVE_MOE_LAYER_STEP, 1)),
+                   moe_layer_end_index=moe[-1] if moe else -1, moe_num_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)))
     elif arch == "glm4_moe":
         head_dim = int(raw["head_dim"] or raw["hidden_size"] // heads)
         raw.update(n_routed_experts=experts, head_dim=head_dim, attention_bias=has("attn_q.bias"),

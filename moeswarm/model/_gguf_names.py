@@ -400,3 +400,16 @@ NAME_MAP["dots1"] = (
     + _rows(("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.gate.e_score_correction_bias"))
     + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
 )
+
+
+# ---------------------------------------------------------------- ERNIE 4.5 MoE (ernie4_5-moe)
+# As llama.cpp's convert_hf_to_gguf.py (Ernie4_5MoeModel) writes it: Llama's names, no q/k permutation
+# (ERNIE's RoPE already pairs adjacent dimensions), the router's score bias (``moe_statics``) as
+# exp_probs_b kept [1, E] as the hub stores it (``ROW_VECTORS``), DeepSeek-V3's shared-expert and dense names.
+GGUF_ARCH["ernie4_5_moe"] = "ernie4_5-moe"
+NAME_MAP["ernie4_5_moe"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _ROUTER
+    + _rows(("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.moe_statics.e_score_correction_bias"))
+    + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
+)
+ROW_VECTORS = {("ernie4_5_moe", "{L}.router_score_bias")}  # 1-D in the engine, stored [1, n] by llama.cpp

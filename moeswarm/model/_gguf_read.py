@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..errors import CheckpointError
 from ._gguf_meta import FORMAT_VERSION, HF_CONFIG, VERSION, hf_config_from_metadata
-from ._gguf_names import GGUF_ARCH, NameRow, fused_siblings, gguf_name, rope_permutation, v_head_order
+from ._gguf_names import GGUF_ARCH, ROW_VECTORS, NameRow, fused_siblings, gguf_name, rope_permutation, v_head_order
 from ._gguf_path import split_paths
 from ._gguf_tensor import QuantizedTensor
 from ._kernel_file import open_or_build
@@ -388,7 +388,10 @@ def load_gguf_weights(
             w.tensors[name] = f.rows_of(gname, start, shape, sum(sizes))
             w.sources[name] = TensorRef(f.file_of(gname), f"{gname}[{start}:{start + shape[0]}]")
             continue
-        w.tensors[name] = f.tensor(gname, shape, *_unpermute(row, cfg, shape))
+        if (cfg.arch, row.canonical) in ROW_VECTORS:  # stored [1, n]
+            w.tensors[name] = np.asarray(f.tensor(gname, (1, *shape))).reshape(shape)
+        else:
+            w.tensors[name] = f.tensor(gname, shape, *_unpermute(row, cfg, shape))
         w.sources[name] = TensorRef(f.file_of(gname), gname)
     if cfg.tie_word_embeddings:
         w.tensors["lm_head"] = w.tensors["embed"]

@@ -30,7 +30,7 @@ from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from ..errors import ConfigError
 from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, llama3_factors, write_metadata
-from ._gguf_names import GGUF_ARCH, fused_siblings, gguf_name, rope_permutation, template, v_head_order
+from ._gguf_names import GGUF_ARCH, ROW_VECTORS, fused_siblings, gguf_name, rope_permutation, template, v_head_order
 from ._gguf_path import find_gguf
 from ._gguf_read import GGUFFile
 from .checkpoint import load_weights
@@ -134,12 +134,13 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
             continue
         qtype, note = _choose(name, a.shape, base)
         rows = cols = None
+        shape = (1, *a.shape) if (cfg.arch, template(name)[0]) in ROW_VECTORS else tuple(a.shape)
         if row.permute in ("heads", "kv_heads"):
             rows = rope_permutation(a.shape[0], cfg.num_heads if row.permute == "heads" else cfg.num_kv_heads)
         elif row.permute:
             rows, cols = v_head_order(row.permute, cfg, a.shape)
         order = -1 if name == "embed" else (layer if layer is not None else cfg.num_layers)
-        plans.append(((order, 0), TensorPlan(gname, qtype, tuple(a.shape), (a,), rows, note, cols)))
+        plans.append(((order, 0), TensorPlan(gname, qtype, shape, (a,), rows, note, cols)))
     for L, experts in w.experts.items():
         if L >= cfg.num_layers:
             continue

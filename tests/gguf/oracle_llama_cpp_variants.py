@@ -12,6 +12,7 @@ import oracle_families
 from oracle import PROMPT, reference_run  # noqa: F401  (OracleCheckpoints reads them here)
 
 OVERRIDES: dict[str, dict[str, Any]] = {
+    "ernie4_5_moe": {"moe_layer_interval": 1, "moe_layer_end_index": -1, "num_key_value_heads": 4},
     "dots1": {"sliding_window": None, "layer_types": ["full_attention"] * 3, "num_key_value_heads": 4,
               "attention_bias": False},
 }
@@ -19,9 +20,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 
 def build_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     def config() -> Any:
-        cfg = oracle_families.CONFIGS[arch]()
-        for key, value in OVERRIDES[arch].items():
-            setattr(cfg, key, value)
-        return cfg
+        cfg = oracle_families.CONFIGS[arch]()  # rebuilt, so that what the config derives follows the overrides
+        return type(cfg).from_dict({**cfg.to_dict(), **OVERRIDES[arch]})
 
     return oracle.save_in_layout(lambda: oracle.build_from_config(config, seed), "per_expert", out_dir)

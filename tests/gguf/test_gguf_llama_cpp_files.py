@@ -14,7 +14,8 @@ For each family, on its tiny transformers oracle checkpoint (tests/oracle_*.py),
 Llama 4: llama.cpp fixes the attention chunk, NoPE interval, temperature and q/k norm its keys do not carry,
 so its checkpoint here (``oracle_llama4_llama_cpp``) takes llama.cpp's values; its llama3 RoPE scaling travels
 as llama.cpp's ``rope_freqs`` tensor, which both converters write and the engine reads back.
-dots1: llama.cpp's has no sliding-window layers, so its checkpoint (``oracle_llama_cpp_variants``) has none.
+dots1, ernie4_5_moe: checkpoints with what llama.cpp's architecture cannot express switched off
+(``oracle_llama_cpp_variants``).
 Not here: Mistral 4 (llama.cpp converts it only inside ``Mistral3ForConditionalGeneration``).
 """
 
@@ -42,6 +43,7 @@ CASES = {
     "dbrx": ("oracle_dbrx",),
     "llama4": ("oracle_llama4_llama_cpp",),
     "dots1": ("oracle_llama_cpp_variants", "dots1"),
+    "ernie4_5_moe": ("oracle_llama_cpp_variants", "ernie4_5_moe"),
 }
 
 
