@@ -214,8 +214,9 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
     elif arch in ("deepseek_v3", "mistral4"):
         rope_dim = int(get(R.DIMENSION_COUNT))
         q_lora = get(A.Q_LORA_RANK, None)
-        raw.update(n_routed_experts=experts, qk_rope_head_dim=rope_dim,
-                   qk_nope_head_dim=int(get(A.KEY_LENGTH)) - rope_dim, v_head_dim=int(get(A.VALUE_LENGTH)),
+        key, value = _mla_head_lengths(get, A)
+        raw.update(n_routed_experts=experts, qk_rope_head_dim=rope_dim, num_key_value_heads=heads,
+                   qk_nope_head_dim=key - rope_dim, v_head_dim=value,
                    q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(get(A.KV_LORA_RANK)),
                    first_k_dense_replace=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
                    n_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)),
@@ -276,6 +277,14 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         if raw["rope_parameters"]["rope_type"] == "yarn":
             raw["rope_parameters"]["truncate"] = False  # as in the hub's config; llama.cpp has no key for it
     return raw
+
+
+def _mla_head_lengths(get: Any, A: Any) -> tuple[int, int]:
+    """An MLA head's key (nope + rope) and value widths.  Recent llama.cpp writes MLA absorbed (attn_k_b /
+    attn_v_b, one key-value head, key_length = kv_lora_rank + rope): the heads' own widths are then under
+    ``key_length_mla`` / ``value_length_mla``."""
+    key, value = get(A.KEY_LENGTH_MLA, None), get(A.VALUE_LENGTH_MLA, None)
+    return (int(key) if key else int(get(A.KEY_LENGTH))), (int(value) if value else int(get(A.VALUE_LENGTH)))
 
 
 def _f32(value: Any) -> float:

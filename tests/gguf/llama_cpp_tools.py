@@ -36,6 +36,7 @@ spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", src + "/conv
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 gguf = mod.gguf
+TextModel = importlib.import_module("conversion").TextModel
 
 def synthetic_vocab(self):
     n = self.hparams.get("vocab_size") or self.hparams.get("text_config", {}).get("vocab_size")
@@ -49,8 +50,16 @@ def synthetic_vocab(self):
     self.gguf_writer.add_add_bos_token(False)
 
 def get_model_class(*args, **kwargs):
-    cls = real(*args, **kwargs)
-    return type(cls.__name__, (cls,), {"set_vocab": synthetic_vocab, "model_arch": cls.model_arch})
+    cls = real(*args, **kwargs)  # its module is imported now: every class that sets a vocabulary is loaded
+    todo, seen = [TextModel], set()
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            if "set_vocab" in vars(c) or c is TextModel:
+                c.set_vocab = synthetic_vocab
+            todo.extend(c.__subclasses__())
+    return cls
 
 real = mod.get_model_class
 mod.get_model_class = get_model_class

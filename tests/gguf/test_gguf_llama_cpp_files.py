@@ -16,24 +16,31 @@ so its checkpoint here (``oracle_llama4_llama_cpp``) takes llama.cpp's values; i
 as llama.cpp's ``rope_freqs`` tensor, which both converters write and the engine reads back.
 dots1, ernie4_5_moe: checkpoints with what llama.cpp's architecture cannot express switched off
 (``oracle_llama_cpp_variants``).
-Not here: Mistral 4 (llama.cpp converts it only inside ``Mistral3ForConditionalGeneration``).
+Mistral 4: llama.cpp's converter takes it as ``Mistral3ForConditionalGeneration`` (``as_mistral3``), without
+its ``llama_4_scaling_beta`` (the checkpoint's original context is past the reference positions), and writes
+MLA absorbed: the engine rebuilds ``kv_b`` from ``attn_k_b`` / ``attn_v_b`` and splits ``ffn_gate_up_exps``.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import llama_cpp_tools
 import numpy as np
 import pytest
 
-from moeswarm.model import SamplingParams, generate, load_model
+from moeswarm.model import SamplingParams, generate, load_model, load_weights
 from moeswarm.model.gguf import GGUFFile, convert_to_gguf
 
 TOL = 1e-4
 # llama.cpp 0.3.36's converter writes no expert_gating_func for dots1, and llama.cpp aborts on such a file
 # ("llama-graph.cpp:2072: fatal error"); convert-gguf writes the key (sigmoid), and llama.cpp runs that file
 LLAMA_CPP_CANNOT_RUN_ITS_OWN_FILE = {"dots1"}
+# llama.cpp's converter writes MLA absorbed (attn_k_b / attn_v_b, key_length = kv_lora_rank + rope, one
+# key-value head) and the experts' gate and up fused (ffn_gate_up_exps); convert-gguf writes attn_kv_b and
+# the two apart, which llama.cpp runs too: the files agree as weights, not byte for byte
+ABSORBED_MLA = {"mistral4"}
 LLAMA_CPP_REL = 1e-3  # llama.cpp's F32 logits against transformers', relative to the largest
 
 CASES = {
@@ -44,7 +51,20 @@ CASES = {
     "llama4": ("oracle_llama4_llama_cpp",),
     "dots1": ("oracle_llama_cpp_variants", "dots1"),
     "ernie4_5_moe": ("oracle_llama_cpp_variants", "ernie4_5_moe"),
+    "mistral4": ("oracle_llama_cpp_variants", "mistral4"),
 }
+
+
+def as_mistral3(folder: Path, out: Path) -> Path:
+    """The checkpoint as llama.cpp's converter takes Mistral 4: it converts ``Mistral3ForConditionalGeneration``
+    only, and a text config of ``model_type`` mistral4 as Mistral 4 (``Mistral3Model.Mistral4Model``)."""
+    out.mkdir()
+    for f in folder.iterdir():
+        (out / f.name).symlink_to(f)
+    config = json.loads((folder / "config.json").read_text())
+    (out / "config.json").unlink()
+    (out / "config.json").write_text(json.dumps({**config, "architectures": ["Mistral3ForConditionalGeneration"]}))
+    return out
 
 
 def engine_logits(path: Path, ref) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -55,6 +75,18 @@ def engine_logits(path: Path, ref) -> np.ndarray:  # type: ignore[no-untyped-def
     return np.concatenate(out)
 
 
+def assert_same_weights(ours: Path, theirs: Path) -> None:
+    """Both files read as the same engine weights, bit for bit."""
+    a, b = load_weights(ours), load_weights(theirs)
+    assert set(a.tensors) == set(b.tensors)
+    for name, x in a.tensors.items():
+        assert np.array_equal(np.asarray(x), np.asarray(b.tensors[name])), name
+    for L, layer in a.experts.items():
+        for e, x in layer.items():
+            for part in ("gate", "up", "down"):
+                assert np.array_equal(np.asarray(getattr(x, part)), np.asarray(getattr(b.experts[L][e], part))), (L, e)
+
+
 def _value(v):  # type: ignore[no-untyped-def]
     return v if isinstance(v, str) else np.asarray(v, dtype=np.float64)
 
@@ -62,7 +94,8 @@ def _value(v):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("family", list(CASES))
 def test_llama_cpp_converter_file(family_oracles, family: str, tmp_path: Path) -> None:
     folder, ref = family_oracles.get(*CASES[family])
-    theirs = llama_cpp_tools.convert(folder, tmp_path / "llama.cpp.gguf")
+    source = as_mistral3(folder, tmp_path / "mistral3") if family == "mistral4" else folder
+    theirs = llama_cpp_tools.convert(source, tmp_path / "llama.cpp.gguf")
 
     expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
     assert np.abs(engine_logits(theirs, ref) - expected).max() <= TOL
@@ -82,6 +115,10 @@ def test_llama_cpp_converter_file(family_oracles, family: str, tmp_path: Path) -
 
     f, g = GGUFFile(ours), GGUFFile(theirs)
     assert f.architecture == g.architecture
+    if family in ABSORBED_MLA:
+        assert_same_weights(ours, theirs)
+        assert {"blk.0.attn_k_b.weight", "blk.1.ffn_gate_up_exps.weight"} <= set(g.tensors)
+        return
     assert set(f.tensors) == set(g.tensors)
     for name, t in g.tensors.items():
         mine = f.tensors[name]
