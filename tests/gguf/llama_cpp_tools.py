@@ -1,10 +1,11 @@
-"""llama.cpp itself, as an independent oracle for GGUF: its converter (``convert_hf_to_gguf.py``, from the
-llama-cpp-python 0.3.36 sdist) and its runtime (llama-cpp-python, built in a separate virtualenv: it is not a
-test dependency because it compiles llama.cpp for ~8 minutes).
+"""llama.cpp's converter (``convert_hf_to_gguf.py``, from the llama-cpp-python 0.3.36 sdist) as an independent
+oracle for GGUF.  llama.cpp's runtime is not a test dependency (llama-cpp-python compiles llama.cpp for ~8
+minutes): scripts/gguf_llama_cpp_check.py runs it by hand on both converters' files.
 
-Where they are: ``MOESWARM_LLAMA_CPP_SRC`` (the sdist's ``vendor/llama.cpp``) and ``MOESWARM_LLAMA_CPP_PYTHON``
-(a python that imports ``llama_cpp``); by default the copies on the project's test machine.  A missing one
-fails the test with this module's message (no skips), saying how to install it.
+Where the converter comes from (``converter_source``): ``MOESWARM_LLAMA_CPP_SRC`` (a ``vendor/llama.cpp``
+folder) if set; else the sdist, downloaded from PyPI with pip once into ``$MOESWARM_TEST_CACHE`` (default
+``~/.cache/moeswarm-tests``) and reduced to what the converter imports: ``convert_hf_to_gguf.py``, its
+``conversion`` package and ``gguf-py``.  A failed download fails the test with ``HOW``.
 
 The tiny oracle checkpoints have no tokenizer, and llama.cpp's converter recognises a BPE tokenizer by
 hashing its ids of a test text, so ``convert`` runs the converter unchanged except for its vocabulary
@@ -14,19 +15,75 @@ then ``<tN>``), which llama.cpp loads.  Every tensor and hyper-parameter is llam
 
 from __future__ import annotations
 
-import glob
-import json
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-SRC = os.environ.get("MOESWARM_LLAMA_CPP_SRC") or next(iter(sorted(
-    glob.glob("/work/llama-sdist/llama_cpp_python-*/vendor/llama.cpp"))), "")
-PYTHON = os.environ.get("MOESWARM_LLAMA_CPP_PYTHON") or "/work/bench-venv/bin/python"
-HOW = ("llama.cpp is this test's oracle: set MOESWARM_LLAMA_CPP_SRC to llama-cpp-python 0.3.36's sdist "
-       "vendor/llama.cpp (pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36) and "
-       "MOESWARM_LLAMA_CPP_PYTHON to a python with llama-cpp-python==0.3.36 installed")
+VERSION = "0.3.36"
+# what convert_hf_to_gguf.py imports from its tree (conversion/ reads models/templates only for the chat
+# templates of the vocabulary step, which ``convert`` replaces)
+PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+HOW = (f"llama.cpp's converter is this test's oracle: it is fetched with `python -m pip download --no-deps "
+       f"--no-binary llama-cpp-python llama-cpp-python=={VERSION}` (needs PyPI), or set MOESWARM_LLAMA_CPP_SRC to the "
+       f"vendor/llama.cpp folder of that sdist")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOESWARM_TEST_CACHE") or Path.home() / ".cache" / "moeswarm-tests")
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def converter_source() -> Path:
+    """The ``vendor/llama.cpp`` folder holding llama.cpp's converter (see the module's docstring); two
+    pytest-xdist workers asking at once download it once (a file lock)."""
+    if os.environ.get("MOESWARM_LLAMA_CPP_SRC"):
+        src = Path(os.environ["MOESWARM_LLAMA_CPP_SRC"])
+        assert (src / "convert_hf_to_gguf.py").is_file(), f"MOESWARM_LLAMA_CPP_SRC={src}: no convert_hf_to_gguf.py. {HOW}"
+        return src
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / f"llama.cpp-{VERSION}"
+    with _locked(root / f"llama.cpp-{VERSION}.lock"):
+        if not (src / "convert_hf_to_gguf.py").is_file():
+            with tempfile.TemporaryDirectory(dir=root) as tmp:
+                # the sdist (no binary of llama-cpp-python), its build backend as wheels: pip prepares the sdist's
+                # metadata, and `--no-binary :all:` would compile scikit-build-core's own build chain for it
+                done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                                       "llama-cpp-python", f"llama-cpp-python=={VERSION}", "-d", tmp],
+                                      capture_output=True, text=True, timeout=900, check=False)
+                sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+                assert done.returncode == 0 and sdists, \
+                    f"could not download llama-cpp-python {VERSION}'s sdist:\n{done.stderr[-2000:]}\n{HOW}"
+                out = Path(tmp) / "llama.cpp"
+                prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+                with tarfile.open(sdists[0]) as tar:
+                    members = [m for m in tar.getmembers() if m.name.startswith(prefix)
+                               and m.name[len(prefix):].startswith(PARTS)]
+                    for m in members:
+                        m.name = m.name[len(prefix):]
+                    tar.extractall(out, members=members, filter="data")
+                assert (out / "convert_hf_to_gguf.py").is_file(), f"{sdists[0].name} holds no {prefix}convert_hf_to_gguf.py"
+                shutil.rmtree(src, ignore_errors=True)  # an extraction that died half way
+                out.rename(src)
+    return src
+
 
 _CONVERT = r'''
 import importlib.util, sys
@@ -67,79 +124,11 @@ sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outt
 mod.main()
 '''
 
-_GREEDY = r'''
-import json, sys
-import numpy as np
-import llama_cpp as lc
-path, prompt, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = lc.Llama(model_path=path, n_ctx=256, n_batch=256, n_threads=1, n_threads_batch=1, verbose=False)
-vocab = llm.n_vocab()
 
-def step(ids):
-    llm.eval(ids)
-    logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(vocab,))
-    return int(np.argmax(logits)), logits.copy()
-
-token, first = step(prompt)
-tokens = [token]
-while len(tokens) < n:
-    tokens.append(step([tokens[-1]])[0])
-print(json.dumps({"tokens": tokens, "first_logits": first.tolist()}))
-'''
-
-
-def _require() -> tuple[Path, str]:
-    src = Path(SRC) if SRC else None
-    if src is None or not (src / "convert_hf_to_gguf.py").is_file():
-        raise AssertionError(f"llama.cpp's convert_hf_to_gguf.py not found ({SRC!r}). {HOW}")
-    if not Path(PYTHON).is_file():
-        raise AssertionError(f"no python with llama-cpp-python at {PYTHON!r}. {HOW}")
-    return src, PYTHON
-
-
-def convert(folder: Path, out: Path, outtype: str = "f32") -> Path:
-    """llama.cpp's converter on ``folder`` (a transformers checkpoint) -> ``out``."""
-    src, _ = _require()
+def convert(src: Path, folder: Path, out: Path, outtype: str = "f32") -> Path:
+    """llama.cpp's converter in ``src`` (``converter_source()``) on ``folder`` (a transformers checkpoint) -> ``out``."""
     done = subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(folder), str(out), outtype],
                           capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0 and out.is_file(), f"llama.cpp's converter failed:\n{done.stderr[-3000:]}"
-    return out
-
-
-def greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """llama.cpp's greedy tokens on ``path`` (prefill ``prompt``, then ``n - 1`` steps) and its logits
-    after the prompt."""
-    _, python = _require()
-    done = subprocess.run([python, "-c", _GREEDY, str(path), json.dumps(prompt), str(n)], capture_output=True,
-                          text=True, timeout=300, check=False, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-    assert done.returncode == 0, f"llama.cpp could not run {path.name}:\n{done.stderr[-3000:]}"
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    return out["tokens"], out["first_logits"]
-
-
-def with_vocab(ours: Path, theirs: Path, out: Path) -> Path:
-    """``ours`` (a convert-gguf file of a checkpoint without a tokenizer, which llama.cpp refuses) with the
-    ``tokenizer.*`` keys of ``theirs`` (``convert``'s file of the same checkpoint): its tensors and every other
-    key unchanged, byte for byte."""
-    import gguf
-
-    src, vocab = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
-    writer = gguf.GGUFWriter(out, str(src.get_field(gguf.Keys.General.ARCHITECTURE).contents()))
-    for reader, tokenizer in ((src, False), (vocab, True)):
-        for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-                continue
-            if field.name.startswith("tokenizer.") == tokenizer:
-                kind = field.types[0]
-                sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-                writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
-    for t in src.tensors:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in src.tensors:
-        writer.write_tensor_data(t.data)
-    writer.close()
     return out
