@@ -87,7 +87,7 @@ def greedy(python: str, path: Path, prompt: list[int], n: int) -> tuple[list[int
                           text=True, timeout=300, check=False, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
-        return None, None, next((x for x in lines if "error" in x.lower()), lines[-1])[:120]
+        return None, None, next((x for x in lines if "error" in x.lower()), lines[-1])[-90:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     return out["tokens"], np.asarray(out["first_logits"]), ""
 
