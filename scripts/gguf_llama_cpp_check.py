@@ -28,12 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gguf")]
 
-import llama_cpp_tools  # noqa: E402
-import numpy as np  # noqa: E402
-from engine_support import OracleCheckpoints  # noqa: E402
-from test_gguf_llama_cpp_files import CASES, as_mistral3  # noqa: E402
+import llama_cpp_tools
+import numpy as np
+from engine_support import OracleCheckpoints
+from test_gguf_llama_cpp_files import CASES, as_mistral3
 
-from moeswarm.model.gguf import convert_to_gguf  # noqa: E402
+from moeswarm.model.gguf import convert_to_gguf
 
 LLAMA_CPP_REL = 1e-3  # llama.cpp's F32 logits against transformers', relative to the largest
 # Where llama.cpp does not run its own converter's file as transformers does (it runs convert-gguf's):
