@@ -14,7 +14,9 @@ which layers are dense is read from which tensors exist.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import gguf
 import numpy as np
 from gguf import GGUFWriter, Keys
 
-from .config import ModelConfig
+from .config import ModelConfig, RopeConfig
 
 FORMAT_VERSION = 1
 HF_CONFIG = "moeswarm.hf_config"  # config.json, verbatim
@@ -83,7 +85,10 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
     w.add_feed_forward_length(cfg.dense_intermediate_size or cfg.moe_intermediate_size)
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.norm == "layer":  # DBRX's LayerNorm: llama.cpp's key for a LayerNorm's epsilon
+        w.add_layer_norm_eps(cfg.rms_norm_eps)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope.theta)
     w.add_rope_dimension_count(cfg.rope.dim)
     w.add_expert_count(cfg.num_experts)
@@ -103,7 +108,7 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.shared_intermediate_size:
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe", "mistral4"):
+    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe", "mistral4", "dots1"):
         w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
         w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
@@ -111,6 +116,12 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
                                  else gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
+    if cfg.arch == "ernie4_5_moe":  # llama.cpp's ERNIE: MoE from the leading dense layers on, every step-th
+        w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
+        w.add_interleave_moe_layer_step(int(cfg.raw.get("moe_layer_interval", 1)))
+        w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
+    if cfg.arch == "glm4_moe":  # its multi-token-prediction layers are not written (llama.cpp counts them here)
+        w.add_nextn_predict_layers(0)
     if cfg.arch == "minimax_m2":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if cfg.q_position_scale is not None:  # Mistral 4's llama_4_scaling_beta over its length
@@ -139,8 +150,10 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
             w.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope.mscale_all_dim)
 
 
-def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: str) -> dict[str, Any]:
-    """A config.json-like dict from llama.cpp keys (``meta``: key -> value) and tensor names."""
+def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: str,
+                            rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """A config.json-like dict from llama.cpp keys (``meta``: key -> value) and tensor names; ``rope_freqs``:
+    the values of llama.cpp's ``rope_freqs`` tensor when the file has one (Llama 4's llama3 RoPE scaling)."""
     from ._gguf_names import model_type_of
 
     arch = model_type_of(garch)
@@ -201,8 +214,9 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
     elif arch in ("deepseek_v3", "mistral4"):
         rope_dim = int(get(R.DIMENSION_COUNT))
         q_lora = get(A.Q_LORA_RANK, None)
-        raw.update(n_routed_experts=experts, qk_rope_head_dim=rope_dim,
-                   qk_nope_head_dim=int(get(A.KEY_LENGTH)) - rope_dim, v_head_dim=int(get(A.VALUE_LENGTH)),
+        key, value = _mla_head_lengths(get, A)
+        raw.update(n_routed_experts=experts, qk_rope_head_dim=rope_dim, num_key_value_heads=heads,
+                   qk_nope_head_dim=key - rope_dim, v_head_dim=value,
                    q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(get(A.KV_LORA_RANK)),
                    first_k_dense_replace=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
                    n_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)),
@@ -220,6 +234,17 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         raw["rope_parameters"]["partial_rotary_factor"] = int(get(R.DIMENSION_COUNT, head_dim)) / head_dim
     elif arch in ("glm_moe_dsa", "qwen3_5_moe"):
         _dsa_deltanet_config(raw, get, tensors, n, experts, dense)
+    elif arch == "dots1":  # llama.cpp's dots1 has no sliding-window layers
+        raw.update(n_routed_experts=experts, head_dim=int(raw["head_dim"] or raw["hidden_size"] // heads),
+                   attention_bias=has("attn_q.bias"), first_k_dense_replace=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
+                   n_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)),
+                   routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)), sliding_window=None,
+                   n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)))
+    elif arch == "ernie4_5_moe":
+        moe = [i for i in range(n) if i not in dense]
+        raw.update(moe_layer_start_index=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
+                   moe_layer_interval=int(get(L.INTERLEAVE_MOE_LAYER_STEP, 1)),
+                   moe_layer_end_index=moe[-1] if moe else -1, moe_num_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)))
     elif arch == "glm4_moe":
         head_dim = int(raw["head_dim"] or raw["hidden_size"] // heads)
         raw.update(n_routed_experts=experts, head_dim=head_dim, attention_bias=has("attn_q.bias"),
@@ -235,13 +260,31 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    embedding_multiplier=_f32(get(L.EMBEDDING_SCALE)), residual_multiplier=_f32(get(L.RESIDUAL_SCALE)),
                    logits_scaling=_f32(get(L.LOGIT_SCALE)))
     elif arch == "llama4_text":
-        _llama4_config(raw, get, tensors, experts, expert_ff)
+        _llama4_config(raw, get, tensors, experts, expert_ff, rope_freqs)
+    elif arch == "dbrx":
+        clip = get(A.CLAMP_KQV, None)
+        raw = {"model_type": "dbrx", "vocab_size": raw["vocab_size"], "d_model": raw["hidden_size"], "n_heads": heads,
+               "n_layers": n, "max_seq_len": raw["max_position_embeddings"],
+               "tie_word_embeddings": raw["tie_word_embeddings"], "bos_token_id": raw["bos_token_id"],
+               "eos_token_id": raw["eos_token_id"], "pad_token_id": raw["pad_token_id"],
+               "attn_config": {"kv_n_heads": raw["num_key_value_heads"], "clip_qkv": _f32(clip) if clip else None,
+                               "rope_theta": raw["rope_parameters"]["rope_theta"]},
+               "ffn_config": {"ffn_hidden_size": expert_ff, "moe_num_experts": experts,
+                              "moe_top_k": raw["num_experts_per_tok"], "moe_normalize_expert_weights": 1.0}}
     elif arch == "gpt_oss":
         window = get(A.SLIDING_WINDOW, None)
         raw.update(sliding_window=int(window) if window else None, attention_bias=has("attn_q.bias"))
         if raw["rope_parameters"]["rope_type"] == "yarn":
             raw["rope_parameters"]["truncate"] = False  # as in the hub's config; llama.cpp has no key for it
     return raw
+
+
+def _mla_head_lengths(get: Any, A: Any) -> tuple[int, int]:
+    """An MLA head's key (nope + rope) and value widths.  Recent llama.cpp writes MLA absorbed (attn_k_b /
+    attn_v_b, one key-value head, key_length = kv_lora_rank + rope): the heads' own widths are then under
+    ``key_length_mla`` / ``value_length_mla``."""
+    key, value = get(A.KEY_LENGTH_MLA, None), get(A.VALUE_LENGTH_MLA, None)
+    return (int(key) if key else int(get(A.KEY_LENGTH))), (int(value) if value else int(get(A.VALUE_LENGTH)))
 
 
 def _f32(value: Any) -> float:
@@ -318,12 +361,12 @@ def _dsa_deltanet_config(raw: dict[str, Any], get: Any, tensors: set[str], n: in
 # ---------------------------------------------------------------- Llama 4 (llama4)
 
 
-def _llama4_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: int, expert_ff: int) -> None:
+def _llama4_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: int, expert_ff: int,
+                   rope_freqs: np.ndarray | None) -> None:
     """Llama 4's config.json fields from llama.cpp's keys.  llama.cpp stores no chunk size, NoPE
     interval, temperature or q/k-norm switch: it fixes them (8192, every 4th layer NoPE, floor 8192
-    and scale 0.1; q/k norm unless 128 experts, i.e. Maverick), and so does this reading."""
-    if "rope_freqs.weight" in tensors:
-        raise ValueError("llama.cpp's rope_freqs tensor (Llama 4 Scout's llama3 RoPE scaling) is not read")
+    and scale 0.1; q/k norm unless 128 experts, i.e. Maverick), and so does this reading.  Its
+    ``rope_freqs`` tensor (per-frequency divisors) is read back as ``llama3`` scaling (``llama3_from_factors``)."""
     chunked = get(Keys.Attention.SLIDING_WINDOW, None) != 0
     raw.update(num_local_experts=experts, intermediate_size=expert_ff,
                intermediate_size_mlp=int(get(Keys.LLM.FEED_FORWARD_LENGTH)),
@@ -331,3 +374,49 @@ def _llama4_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: in
                attention_bias=any(t.endswith(".attn_q.bias") for t in tensors), use_qk_norm=experts != 128,
                attention_chunk_size=8192 if chunked else None, floor_scale=8192, attn_scale=0.1,
                attn_temperature_tuning=True, no_rope_layer_interval=4 if chunked else raw["num_hidden_layers"])
+    if rope_freqs is not None:
+        head_dim = int(raw["head_dim"] or raw["hidden_size"] // raw["num_attention_heads"])
+        raw["rope_parameters"].update(llama3_from_factors(rope_freqs, raw["rope_parameters"]["rope_theta"], head_dim))
+
+
+LLAMA3_CONTEXT = 8192  # the original context llama.cpp's converter assumes, and Llama 4 Scout's
+
+
+def llama3_factors(rope: RopeConfig) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` of a ``llama3`` RoPE: each frequency's divisor, float32 ``(dim / 2,)``."""
+    with np.errstate(divide="ignore", invalid="ignore"):  # no band between (Scout: low = high factor)
+        scaled = rope.inv_freq()[0]
+    return (replace(rope, kind="default").inv_freq()[0] / scaled).astype(np.float32)
+
+
+def llama3_from_factors(factors: np.ndarray, theta: float, dim: int) -> dict[str, Any]:
+    """``rope_parameters`` of the ``llama3`` scaling whose divisors are ``factors``.  They fix the factor
+    (the largest) and the bands relative to the original context, which is taken as ``LLAMA3_CONTEXT``
+    (every such triple gives these frequencies): through the frequencies between the bands (two at least),
+    or, with none there (Llama 4 Scout's low = high factor), through where the divisors step."""
+    rf = np.asarray(factors, np.float64).reshape(-1)
+    if rf.shape != (dim // 2,) or not np.all(np.isfinite(rf)) or rf.min() < 1 - 1e-6:
+        raise ValueError(f"rope_freqs holds {rf.shape[0]} divisors, not {dim // 2} of at least 1")
+    factor = float(rf.max())
+    if factor <= 1 + 1e-6:
+        return {}
+    wavelength = 2 * math.pi * theta ** (np.arange(0, dim, 2) / dim)
+    smooth = (1 / rf - 1 / factor) / (1 - 1 / factor)  # 1 in the kept band, 0 in the divided one
+    mid = (smooth > 1e-4) & (smooth < 1 - 1e-4)
+    if mid.sum() >= 2:
+        a, minus_b = np.polyfit(1 / wavelength[mid], smooth[mid], 1)  # smooth = a / wavelength - b
+        low = round(-minus_b * LLAMA3_CONTEXT / a, 4)
+        high = round(low + LLAMA3_CONTEXT / a, 4)
+    elif mid.any():
+        raise ValueError("rope_freqs has one frequency between llama3's bands: its parameters are not determined")
+    else:  # a step: kept below some wavelength, divided above; the step's place is all that is fixed
+        kept, divided = wavelength[smooth >= 0.5].max(initial=0.0), wavelength[smooth < 0.5].min()
+        step = LLAMA3_CONTEXT if kept < LLAMA3_CONTEXT < divided else math.sqrt(max(kept, 1.0) * divided)
+        low = high = round(LLAMA3_CONTEXT / step, 4)
+    params = {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": low, "high_freq_factor": high,
+              "original_max_position_embeddings": LLAMA3_CONTEXT}
+    rope = RopeConfig(theta=theta, dim=dim, kind="llama3", factor=params["factor"],
+                      original_max_position=LLAMA3_CONTEXT, low_freq_factor=low, high_freq_factor=high)
+    if not np.allclose(llama3_factors(rope), rf, rtol=1e-4, atol=0):
+        raise ValueError("rope_freqs is not a llama3 RoPE scaling")
+    return params

@@ -58,6 +58,7 @@ class NameRow:
     hf: str  # Hugging Face key template (per-expert hub layout)
     permute: str | None = None  # "heads" / "kv_heads": llama.cpp's rotary row permutation (llama arch)
     invented: bool = False  # no llama.cpp tensor of this name in this architecture
+    fused: int | None = None  # place among the rows of one GGUF tensor several canonical ones share (DBRX's attn_qkv)
 
     @property
     def stacked(self) -> bool:
@@ -315,8 +316,8 @@ NAME_MAP["glm4_moe"] = (
 # RoPE already pairs adjacent dimensions, as llama.cpp's does), the packed experts as
 # ffn_{gate,up,down}_exps, the router as ffn_gate_inp, the shared expert as ffn_*_shexp, the dense
 # layers as ffn_*.  The hf names are those gguf-py's TensorNameMap knows (the experts after
-# llama.cpp splits ``gate_up_proj``).  Not written: llama.cpp's ``rope_freqs`` tensor, which carries
-# the llama3 RoPE scaling of Llama 4 Scout to llama.cpp (moeswarm reads it from the embedded config).
+# llama.cpp splits ``gate_up_proj``).  The llama3 RoPE scaling (Llama 4 Scout) travels as llama.cpp's
+# ``rope_freqs`` tensor (``_gguf_meta.llama3_factors``), outside this table.
 _F = "model.layers.{L}.feed_forward."
 GGUF_ARCH["llama4_text"] = GGUF_ARCH["llama4"] = "llama4"  # llama4_text first: llama.cpp's files read as text-only
 NAME_MAP["llama4_text"] = NAME_MAP["llama4"] = (
@@ -357,3 +358,58 @@ NAME_MAP["granitemoe"] = NAME_MAP["granitemoeshared"] = (
 # position-scaled query); ``kv_b_proj`` kept whole as ``attn_kv_b``, as for deepseek2.
 GGUF_ARCH["mistral4"] = "mistral4"
 NAME_MAP["mistral4"] = NAME_MAP["deepseek_v3"]
+
+
+# ---------------------------------------------------------------- DBRX (dbrx)
+# As llama.cpp's convert_hf_to_gguf.py (DbrxModel) writes it: the fused ``Wqkv`` kept whole as attn_qkv (q,
+# k, v rows; the engine's q / k / v are its row ranges, ``fused``), NeoX rotary (no permutation), norm_2 as
+# attn_output_norm, the flat experts as ffn_{gate,up,down}_exps (w2 transposed per expert: [E, H, I]).
+_D = "transformer.blocks.{L}."
+GGUF_ARCH["dbrx"] = "dbrx"
+NAME_MAP["dbrx"] = _rows(
+    ("embed", "token_embd.weight", "transformer.wte.weight"),
+    ("final_norm", "output_norm.weight", "transformer.norm_f.weight"),
+    ("lm_head", "output.weight", "lm_head.weight"),
+    ("{L}.attn_norm", "blk.{L}.attn_norm.weight", _D + "norm_attn_norm.norm_1.weight"),
+    ("{L}.mlp_norm", "blk.{L}.attn_output_norm.weight", _D + "norm_attn_norm.norm_2.weight"),
+    ("{L}.attn.q", "blk.{L}.attn_qkv.weight", _D + "norm_attn_norm.attn.Wqkv.weight", None, False, 0),
+    ("{L}.attn.k", "blk.{L}.attn_qkv.weight", _D + "norm_attn_norm.attn.Wqkv.weight", None, False, 1),
+    ("{L}.attn.v", "blk.{L}.attn_qkv.weight", _D + "norm_attn_norm.attn.Wqkv.weight", None, False, 2),
+    ("{L}.attn.o", "blk.{L}.attn_output.weight", _D + "norm_attn_norm.attn.out_proj.weight"),
+    ("{L}.router", "blk.{L}.ffn_gate_inp.weight", _D + "ffn.router.layer.weight"),
+    ("{L}.experts.{E}.gate", "blk.{L}.ffn_gate_exps.weight", _D + "ffn.experts.mlp.w1"),
+    ("{L}.experts.{E}.up", "blk.{L}.ffn_up_exps.weight", _D + "ffn.experts.mlp.v1"),
+    ("{L}.experts.{E}.down", "blk.{L}.ffn_down_exps.weight", _D + "ffn.experts.mlp.w2"),
+)
+
+
+def fused_siblings(arch: str, row: NameRow) -> tuple[NameRow, ...]:
+    """The rows sharing ``row``'s GGUF tensor, in their order inside it (just ``row`` when not fused)."""
+    if row.fused is None:
+        return (row,)
+    return tuple(sorted((r for r in NAME_MAP[arch] if r.gguf == row.gguf), key=lambda r: r.fused or 0))
+
+
+# ---------------------------------------------------------------- dots.llm1 (dots1)
+# As llama.cpp's convert_hf_to_gguf.py (Dots1Model, a DeepseekV2-style MoE over Qwen3's attention) writes
+# it: NeoX rotary (no permutation), q/k norms, q/k/v/o biases, DeepSeek-V3's router, correction bias,
+# shared expert and leading dense layers.  llama.cpp's dots1 has no sliding-window layers.
+GGUF_ARCH["dots1"] = "dots1"
+NAME_MAP["dots1"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _O_BIAS + _QK_NORM + _ROUTER
+    + _rows(("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.gate.e_score_correction_bias"))
+    + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
+)
+
+
+# ---------------------------------------------------------------- ERNIE 4.5 MoE (ernie4_5-moe)
+# As llama.cpp's convert_hf_to_gguf.py (Ernie4_5MoeModel) writes it: Llama's names, no q/k permutation
+# (ERNIE's RoPE already pairs adjacent dimensions), the router's score bias (``moe_statics``) as
+# exp_probs_b kept [1, E] as the hub stores it (``ROW_VECTORS``), DeepSeek-V3's shared-expert and dense names.
+GGUF_ARCH["ernie4_5_moe"] = "ernie4_5-moe"
+NAME_MAP["ernie4_5_moe"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _ROUTER
+    + _rows(("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.moe_statics.e_score_correction_bias"))
+    + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
+)
+ROW_VECTORS = {("ernie4_5_moe", "{L}.router_score_bias")}  # 1-D in the engine, stored [1, n] by llama.cpp

@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..errors import CheckpointError
 from ._gguf_meta import FORMAT_VERSION, HF_CONFIG, VERSION, hf_config_from_metadata
-from ._gguf_names import GGUF_ARCH, NameRow, gguf_name, rope_permutation, v_head_order
+from ._gguf_names import GGUF_ARCH, ROW_VECTORS, NameRow, fused_siblings, gguf_name, rope_permutation, v_head_order
 from ._gguf_path import split_paths
 from ._gguf_tensor import QuantizedTensor
 from ._kernel_file import open_or_build
@@ -42,6 +42,7 @@ runs out (issue 32)."""
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, the smallest value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 _VIEWS = (Q.F32, Q.F16, Q.BF16)  # read as plain numpy views, zero-copy
+_GATE_UP = re.compile(r"(\.ffn_)(?:gate|up)_exps(?=\.weight$)")
 
 
 @lru_cache(maxsize=None)
@@ -202,7 +203,9 @@ class GGUFFile:
                 raise CheckpointError(f"embedded {HF_CONFIG} is not a JSON object", path=self.path)
         else:
             try:
-                raw = hf_config_from_metadata(self.meta, set(self.tensors), self.architecture)
+                freqs = self.tensors.get("rope_freqs.weight")
+                raw = hf_config_from_metadata(self.meta, set(self.tensors), self.architecture,
+                                              None if freqs is None else np.asarray(freqs.data))
             except KeyError as e:
                 raise CheckpointError(f"GGUF metadata lacks {e.args[0]!r} (and has no {HF_CONFIG})",
                                       path=self.path) from None
@@ -228,7 +231,7 @@ class GGUFFile:
         for L in range(cfg.num_layers):
             if cfg.moe_layers[L]:
                 for part in ("gate", "up", "down"):
-                    name = gguf_name(cfg.arch, f"{L}.experts.0.{part}")[1]
+                    name = self.stored_name(gguf_name(cfg.arch, f"{L}.experts.0.{part}")[1])
                     types[name] = self._tensor(name).tensor_type.name
         kinds = set(types.values())
         if len(kinds) == 1:
@@ -257,11 +260,29 @@ class GGUFFile:
         self._check_shape(t, shape)
         return _wrap(t.data, t.tensor_type, shape, rows, cols)
 
+    def rows_of(self, name: str, start: int, shape: tuple[int, ...], total: int) -> Any:
+        """Rows ``start .. start + shape[0]`` of a ``[total, shape[1]]`` tensor (DBRX's fused attn_qkv), a view."""
+        t = self._tensor(name)
+        self._check_shape(t, (total, *shape[1:]))
+        return _wrap(t.data[start:start + shape[0]], t.tensor_type, shape, None)
+
     def experts(self, name: str, shape: tuple[int, ...], count: int) -> Callable[[int], Any]:
-        """Expert ``e`` of a stacked ``[count, *shape]`` tensor, as a view of its own bytes."""
+        """Expert ``e`` of a stacked ``[count, *shape]`` tensor, as a view of its own bytes.  Recent llama.cpp
+        may store gate and up as one ``ffn_gate_up_exps`` [count, 2 * rows, cols] (gate's rows first)."""
+        fused = _GATE_UP.sub(r"\1gate_up_exps", name)
+        if name not in self.tensors and fused != name and fused in self.tensors:
+            t = self._tensor(fused)
+            self._check_shape(t, (count, 2 * shape[0], *shape[1:]))
+            start = 0 if ".ffn_gate_exps" in name else shape[0]
+            return lambda e: _wrap(t.data[e][start:start + shape[0]], t.tensor_type, shape, None)
         t = self._tensor(name)
         self._check_shape(t, (count, *shape))
         return lambda e: _wrap(t.data[e], t.tensor_type, shape, None)
+
+    def stored_name(self, name: str) -> str:
+        """The tensor holding ``name``'s values: itself, or llama.cpp's fused ``ffn_gate_up_exps``."""
+        fused = _GATE_UP.sub(r"\1gate_up_exps", name)
+        return fused if name not in self.tensors and fused in self.tensors else name
 
     def byte_range(self, name: str, expert: int | None = None) -> tuple[int, int]:
         """Absolute file offsets ``[start, end)`` of a tensor (or one expert of a stack): for madvise."""
@@ -348,6 +369,16 @@ def _unpermute(row: NameRow, cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[
     return (None if rows is None else np.argsort(rows)), (None if cols is None else np.argsort(cols))
 
 
+def _kv_b_from_split(f: GGUFFile, gname: str, cfg: ModelConfig) -> np.ndarray:
+    """MLA's ``kv_b`` [heads * (nope + v), kv_lora] from llama.cpp's absorbed form: ``attn_k_b`` [heads,
+    kv_lora, nope] (each head's key rows, transposed) and ``attn_v_b`` [heads, v, kv_lora] (convert_hf_to_gguf.py
+    DeepseekV2Model), decoded to float32."""
+    heads, nope, v, rank = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    k_b = np.asarray(f.tensor(gname.replace("attn_kv_b", "attn_k_b"), (heads, rank, nope)), np.float32)
+    v_b = np.asarray(f.tensor(gname.replace("attn_kv_b", "attn_v_b"), (heads, v, rank)), np.float32)
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(heads * (nope + v), rank)
+
+
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     return GGUFFile(path).config()
 
@@ -370,9 +401,22 @@ def load_gguf_weights(
         raise CheckpointError(f"GGUF architecture {f.architecture!r} is not {GGUF_ARCH[cfg.arch]!r} "
                               f"({cfg.arch})", path=f.path)
     w = Weights(cfg, str(Path(f.path).resolve().parent), {}, {})
-    for name, shape in expected_shapes(cfg).items():
+    shapes = expected_shapes(cfg)
+    for name, shape in shapes.items():
         row, gname = gguf_name(cfg.arch, name)
-        w.tensors[name] = f.tensor(gname, shape, *_unpermute(row, cfg, shape))
+        if row.fused is not None:  # a row range of a tensor several canonical ones share
+            layer = name.split(".", 1)[0]
+            sizes = [shapes[f"{layer}.{r.canonical.split('.', 1)[1]}"][0] for r in fused_siblings(cfg.arch, row)]
+            start = sum(sizes[: row.fused])
+            w.tensors[name] = f.rows_of(gname, start, shape, sum(sizes))
+            w.sources[name] = TensorRef(f.file_of(gname), f"{gname}[{start}:{start + shape[0]}]")
+            continue
+        if row.canonical == "{L}.attn.kv_b" and gname not in f.tensors:  # recent llama.cpp: split k_b / v_b
+            w.tensors[name] = _kv_b_from_split(f, gname, cfg)
+        elif (cfg.arch, row.canonical) in ROW_VECTORS:  # stored [1, n]
+            w.tensors[name] = np.asarray(f.tensor(gname, (1, *shape))).reshape(shape)
+        else:
+            w.tensors[name] = f.tensor(gname, shape, *_unpermute(row, cfg, shape))
         w.sources[name] = TensorRef(f.file_of(gname), gname)
     if cfg.tie_word_embeddings:
         w.tensors["lm_head"] = w.tensors["embed"]
@@ -387,7 +431,7 @@ def load_gguf_weights(
         for e in held:
             layer[e] = ExpertWeights(**{k: cast(np.ndarray, stack(e)) for k, stack in stacks.items()})
             for k in eshapes:
-                w.sources[f"{L}.experts.{e}.{k}"] = TensorRef(f.file_of(names[k]), f"{names[k]}[{e}]")
+                w.sources[f"{L}.experts.{e}.{k}"] = TensorRef(f.file_of(f.stored_name(names[k])), f"{names[k]}[{e}]")
         w.experts[L] = layer
     if kernel_file:
         attach_kernel_file(f, cfg, w)

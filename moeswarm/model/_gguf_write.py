@@ -29,8 +29,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from ..errors import ConfigError
-from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, write_metadata
-from ._gguf_names import GGUF_ARCH, gguf_name, rope_permutation, template, v_head_order
+from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, llama3_factors, write_metadata
+from ._gguf_names import GGUF_ARCH, ROW_VECTORS, fused_siblings, gguf_name, rope_permutation, template, v_head_order
 from ._gguf_path import find_gguf
 from ._gguf_read import GGUFFile
 from .checkpoint import load_weights
@@ -122,15 +122,25 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
         if (template(name)[1] or 0) >= cfg.num_layers:
             continue  # multi-token-prediction layers (model/mtp.py) are not converted
         row, gname = gguf_name(cfg.arch, name)
+        layer = template(name)[1]
+        if row.fused is not None:  # one GGUF tensor of several canonical ones, their rows in order
+            if row.fused != 0:
+                continue
+            parts = tuple(w.tensors[r.canonical.format(L=layer)] for r in fused_siblings(cfg.arch, row))
+            shape = (sum(p.shape[0] for p in parts), a.shape[1])
+            qtype, note = _choose(name, shape, base)
+            plans.append(((layer if layer is not None else cfg.num_layers, 0),
+                          TensorPlan(gname, qtype, shape, parts, None, note)))
+            continue
         qtype, note = _choose(name, a.shape, base)
         rows = cols = None
+        shape = (1, *a.shape) if (cfg.arch, template(name)[0]) in ROW_VECTORS else tuple(a.shape)
         if row.permute in ("heads", "kv_heads"):
             rows = rope_permutation(a.shape[0], cfg.num_heads if row.permute == "heads" else cfg.num_kv_heads)
         elif row.permute:
             rows, cols = v_head_order(row.permute, cfg, a.shape)
-        layer = template(name)[1]
         order = -1 if name == "embed" else (layer if layer is not None else cfg.num_layers)
-        plans.append(((order, 0), TensorPlan(gname, qtype, tuple(a.shape), (a,), rows, note, cols)))
+        plans.append(((order, 0), TensorPlan(gname, qtype, shape, (a,), rows, note, cols)))
     for L, experts in w.experts.items():
         if L >= cfg.num_layers:
             continue
@@ -144,6 +154,9 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
             shape = (cfg.num_experts, *arrays[0].shape)
             qtype, note = _choose(canonical, arrays[0].shape, etype)
             plans.append(((L, 1), TensorPlan(gguf_name(cfg.arch, canonical)[1], qtype, shape, arrays, None, note)))
+    if cfg.arch in ("llama4", "llama4_text") and cfg.rope.kind == "llama3":  # llama.cpp's form of the scaling
+        factors = llama3_factors(cfg.rope)
+        plans.append(((-1, 1), TensorPlan("rope_freqs.weight", Q.F32, factors.shape, (factors,))))
     plans.sort(key=lambda item: item[0])
     return [p for _, p in plans]
 

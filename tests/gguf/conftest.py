@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import llama_cpp_tools
 import pytest
 
 
@@ -32,3 +33,27 @@ class GGUFCheckpoints:
 def gguf_checkpoints(tmp_path_factory, oracle_checkpoints) -> GGUFCheckpoints:  # type: ignore[no-untyped-def]
     return GGUFCheckpoints(tmp_path_factory.mktemp("gguf"), oracle_checkpoints)
 
+
+@pytest.fixture(scope="session")
+def family_oracles(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """``get(module, *key)`` -> (folder, Reference) of a family's oracle checkpoint (tests/oracle_*.py), each
+    built once per session."""
+    from engine_support import OracleCheckpoints
+
+    root = tmp_path_factory.mktemp("families")
+    oracles: dict[str, OracleCheckpoints] = {}
+
+    class _Get:
+        def get(self, module: str, *key: str):  # type: ignore[no-untyped-def]
+            if module not in oracles:
+                oracles[module] = OracleCheckpoints(module, root / module)
+            return oracles[module].get(*key)
+
+    return _Get()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_src() -> Path:
+    """llama.cpp's converter (``llama_cpp_tools.converter_source``): MOESWARM_LLAMA_CPP_SRC, or llama-cpp-python
+    0.3.36's sdist downloaded from PyPI once into the test cache; a failed download fails the test saying so."""
+    return llama_cpp_tools.converter_source()

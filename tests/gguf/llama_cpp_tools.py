@@ -1,0 +1,134 @@
+"""llama.cpp's converter (``convert_hf_to_gguf.py``, from the llama-cpp-python 0.3.36 sdist) as an independent
+oracle for GGUF.  llama.cpp's runtime is not a test dependency (llama-cpp-python compiles llama.cpp for ~8
+minutes): scripts/gguf_llama_cpp_check.py runs it by hand on both converters' files.
+
+Where the converter comes from (``converter_source``): ``MOESWARM_LLAMA_CPP_SRC`` (a ``vendor/llama.cpp``
+folder) if set; else the sdist, downloaded from PyPI with pip once into ``$MOESWARM_TEST_CACHE`` (default
+``~/.cache/moeswarm-tests``) and reduced to what the converter imports: ``convert_hf_to_gguf.py``, its
+``conversion`` package and ``gguf-py``.  A failed download fails the test with ``HOW``.
+
+The tiny oracle checkpoints have no tokenizer, and llama.cpp's converter recognises a BPE tokenizer by
+hashing its ids of a test text, so ``convert`` runs the converter unchanged except for its vocabulary
+step: the file gets a plain SentencePiece-style vocabulary of ``vocab_size`` tokens (the 256 byte tokens,
+then ``<tN>``), which llama.cpp loads.  Every tensor and hyper-parameter is llama.cpp's converter's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+VERSION = "0.3.36"
+# what convert_hf_to_gguf.py imports from its tree (conversion/ reads models/templates only for the chat
+# templates of the vocabulary step, which ``convert`` replaces)
+PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+HOW = (f"llama.cpp's converter is this test's oracle: it is fetched with `python -m pip download --no-deps "
+       f"--no-binary llama-cpp-python llama-cpp-python=={VERSION}` (needs PyPI), or set MOESWARM_LLAMA_CPP_SRC to the "
+       f"vendor/llama.cpp folder of that sdist")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOESWARM_TEST_CACHE") or Path.home() / ".cache" / "moeswarm-tests")
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def converter_source() -> Path:
+    """The ``vendor/llama.cpp`` folder holding llama.cpp's converter (see the module's docstring); two
+    pytest-xdist workers asking at once download it once (a file lock)."""
+    if os.environ.get("MOESWARM_LLAMA_CPP_SRC"):
+        src = Path(os.environ["MOESWARM_LLAMA_CPP_SRC"])
+        assert (src / "convert_hf_to_gguf.py").is_file(), f"MOESWARM_LLAMA_CPP_SRC={src}: no convert_hf_to_gguf.py. {HOW}"
+        return src
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / f"llama.cpp-{VERSION}"
+    with _locked(root / f"llama.cpp-{VERSION}.lock"):
+        if not (src / "convert_hf_to_gguf.py").is_file():
+            with tempfile.TemporaryDirectory(dir=root) as tmp:
+                # the sdist (no binary of llama-cpp-python), its build backend as wheels: pip prepares the sdist's
+                # metadata, and `--no-binary :all:` would compile scikit-build-core's own build chain for it
+                done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                                       "llama-cpp-python", f"llama-cpp-python=={VERSION}", "-d", tmp],
+                                      capture_output=True, text=True, timeout=900, check=False)
+                sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+                assert done.returncode == 0 and sdists, \
+                    f"could not download llama-cpp-python {VERSION}'s sdist:\n{done.stderr[-2000:]}\n{HOW}"
+                out = Path(tmp) / "llama.cpp"
+                prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+                with tarfile.open(sdists[0]) as tar:
+                    members = [m for m in tar.getmembers() if m.name.startswith(prefix)
+                               and m.name[len(prefix):].startswith(PARTS)]
+                    for m in members:
+                        m.name = m.name[len(prefix):]
+                    tar.extractall(out, members=members, filter="data")
+                assert (out / "convert_hf_to_gguf.py").is_file(), f"{sdists[0].name} holds no {prefix}convert_hf_to_gguf.py"
+                shutil.rmtree(src, ignore_errors=True)  # an extraction that died half way
+                out.rename(src)
+    return src
+
+
+_CONVERT = r'''
+import importlib.util, sys
+src, folder, out, outtype = sys.argv[1:5]
+sys.path.insert(0, src)
+spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", src + "/convert_hf_to_gguf.py")
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+gguf = mod.gguf
+TextModel = importlib.import_module("conversion").TextModel
+
+def synthetic_vocab(self):
+    n = self.hparams.get("vocab_size") or self.hparams.get("text_config", {}).get("vocab_size")
+    tokens = [f"<0x{i:02X}>" for i in range(256)] + [f"<t{i}>" for i in range(256, n)]
+    types = [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (n - 256)
+    self.gguf_writer.add_tokenizer_model("llama")
+    self.gguf_writer.add_tokenizer_pre("default")
+    self.gguf_writer.add_token_list(tokens)
+    self.gguf_writer.add_token_scores([0.0] * n)
+    self.gguf_writer.add_token_types(types)
+    self.gguf_writer.add_add_bos_token(False)
+
+def get_model_class(*args, **kwargs):
+    cls = real(*args, **kwargs)  # its module is imported now: every class that sets a vocabulary is loaded
+    todo, seen = [TextModel], set()
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            if "set_vocab" in vars(c) or c is TextModel:
+                c.set_vocab = synthetic_vocab
+            todo.extend(c.__subclasses__())
+    return cls
+
+real = mod.get_model_class
+mod.get_model_class = get_model_class
+sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype]
+mod.main()
+'''
+
+
+def convert(src: Path, folder: Path, out: Path, outtype: str = "f32") -> Path:
+    """llama.cpp's converter in ``src`` (``converter_source()``) on ``folder`` (a transformers checkpoint) -> ``out``."""
+    done = subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(folder), str(out), outtype],
+                          capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0 and out.is_file(), f"llama.cpp's converter failed:\n{done.stderr[-3000:]}"
+    return out

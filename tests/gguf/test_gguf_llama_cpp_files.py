@@ -1,0 +1,155 @@
+"""GGUF files written by llama.cpp's own converter (``convert_hf_to_gguf.py``) for the families whose
+transformers class it converts, read by the engine (``llama_cpp_tools``: the converter from llama-cpp-python
+0.3.36's sdist, fetched from PyPI by the ``llama_cpp_src`` fixture).  llama.cpp's runtime on both converters'
+files is checked out of the suite, by scripts/gguf_llama_cpp_check.py (it needs llama-cpp-python, ~8 minutes
+of compiling).
+
+For each family, on its tiny transformers oracle checkpoint (tests/oracle_*.py), F32:
+* the engine on llama.cpp's file gives transformers' logits (whole prefill, then cached decode steps)
+  within 1e-4 and its greedy tokens;
+* ``convert-gguf``'s file holds the same tensors bit for bit (names, GGML types, bytes) and every
+  hyper-parameter key llama.cpp's converter writes, with its value.
+
+Llama 4: llama.cpp fixes the attention chunk, NoPE interval, temperature and q/k norm its keys do not carry,
+so its checkpoint here (``oracle_llama4_llama_cpp``) takes llama.cpp's values; its llama3 RoPE scaling travels
+as llama.cpp's ``rope_freqs`` tensor, which both converters write and the engine reads back.
+dots1, ernie4_5_moe: checkpoints with what llama.cpp's architecture cannot express switched off
+(``oracle_llama_cpp_variants``).
+Mistral 4: llama.cpp's converter takes it as ``Mistral3ForConditionalGeneration`` (``as_mistral3``), without
+its ``llama_4_scaling_beta`` (the checkpoint's original context is past the reference positions), and writes
+MLA absorbed, as for DeepSeek-V3: the engine rebuilds ``kv_b`` from ``attn_k_b`` / ``attn_v_b`` and splits
+``ffn_gate_up_exps``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llama_cpp_tools
+import numpy as np
+import pytest
+
+from moeswarm.model import SamplingParams, generate, load_model, load_weights
+from moeswarm.model.gguf import GGUFFile, convert_to_gguf
+
+TOL = 1e-4
+# llama.cpp's converter writes MLA absorbed (attn_k_b / attn_v_b, key_length = kv_lora_rank + rope, one
+# key-value head) and the experts' gate and up fused (ffn_gate_up_exps); convert-gguf writes attn_kv_b and
+# the two apart, which llama.cpp runs too: the files agree as weights, not byte for byte
+ABSORBED_MLA = {"mistral4", "deepseek_v3"}
+
+CASES = {
+    "glm4_moe": ("oracle_glm4", "glm4_moe", "per_expert"),
+    "granitemoe": ("oracle_granite", "granitemoe", "per_expert"),
+    "granitemoeshared": ("oracle_granite", "granitemoeshared", "per_expert"),
+    "dbrx": ("oracle_dbrx",),
+    "llama4": ("oracle_llama4_llama_cpp",),
+    "dots1": ("oracle_llama_cpp_variants", "dots1"),
+    "ernie4_5_moe": ("oracle_llama_cpp_variants", "ernie4_5_moe"),
+    "mistral4": ("oracle_llama_cpp_variants", "mistral4"),
+    "deepseek_v3": ("oracle", "deepseek_v3", "per_expert"),
+}
+
+
+def as_mistral3(folder: Path, out: Path) -> Path:
+    """The checkpoint as llama.cpp's converter takes Mistral 4: it converts ``Mistral3ForConditionalGeneration``
+    only, and a text config of ``model_type`` mistral4 as Mistral 4 (``Mistral3Model.Mistral4Model``)."""
+    out.mkdir()
+    for f in folder.iterdir():
+        (out / f.name).symlink_to(f)
+    config = json.loads((folder / "config.json").read_text())
+    (out / "config.json").unlink()
+    (out / "config.json").write_text(json.dumps({**config, "architectures": ["Mistral3ForConditionalGeneration"]}))
+    return out
+
+
+def engine_logits(path: Path, ref) -> np.ndarray:  # type: ignore[no-untyped-def]
+    model = load_model(path)
+    cache = model.new_cache()
+    out = [model.forward(np.asarray([ref.prompt_ids]), cache)[0]]
+    out += [model.forward(np.asarray([[t]]), cache)[0] for t in ref.decode_tokens]
+    return np.concatenate(out)
+
+
+def assert_same_weights(ours: Path, theirs: Path) -> None:
+    """Both files read as the same engine weights, bit for bit."""
+    a, b = load_weights(ours), load_weights(theirs)
+    assert set(a.tensors) == set(b.tensors)
+    for name, x in a.tensors.items():
+        assert np.array_equal(np.asarray(x), np.asarray(b.tensors[name])), name
+    for L, layer in a.experts.items():
+        for e, x in layer.items():
+            for part in ("gate", "up", "down"):
+                assert np.array_equal(np.asarray(getattr(x, part)), np.asarray(getattr(b.experts[L][e], part))), (L, e)
+
+
+def _value(v):  # type: ignore[no-untyped-def]
+    return v if isinstance(v, str) else np.asarray(v, dtype=np.float64)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_llama_cpp_converter_file(family_oracles, llama_cpp_src: Path, family: str, tmp_path: Path) -> None:
+    folder, ref = family_oracles.get(*CASES[family])
+    source = as_mistral3(folder, tmp_path / "mistral3") if family == "mistral4" else folder
+    theirs = llama_cpp_tools.convert(llama_cpp_src, source, tmp_path / "llama.cpp.gguf")
+
+    expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
+    assert np.abs(engine_logits(theirs, ref) - expected).max() <= TOL
+    model = load_model(theirs)
+    assert list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens)))) == \
+        ref.greedy_tokens
+
+    ours = convert_to_gguf(folder, tmp_path / "ours.gguf", weight_type="F32", sidecar=False).path
+    f, g = GGUFFile(ours), GGUFFile(theirs)
+    assert f.architecture == g.architecture
+    if family in ABSORBED_MLA:
+        assert_same_weights(ours, theirs)
+        assert "blk.0.attn_k_b.weight" in g.tensors and "blk.0.attn_kv_b.weight" in f.tensors
+        return
+    assert set(f.tensors) == set(g.tensors)
+    for name, t in g.tensors.items():
+        mine = f.tensors[name]
+        assert mine.tensor_type == t.tensor_type, name
+        if name == "rope_freqs.weight":  # computed, not copied: llama.cpp in torch, ours in numpy (1 ulp apart)
+            assert np.allclose(np.asarray(mine.data), np.asarray(t.data), rtol=1e-6, atol=0)
+        else:
+            assert np.array_equal(np.asarray(mine.data), np.asarray(t.data)), name
+    for key, value in g.meta.items():
+        if key.startswith(("general.", "tokenizer.", "GGUF.")):
+            continue
+        assert key in f.meta, key
+        assert np.array_equal(_value(f.meta[key]), _value(value)) or np.allclose(_value(f.meta[key]), _value(value)), \
+            (key, f.meta[key], value)
+
+
+def test_rope_freqs_read_back_as_llama3_scaling() -> None:
+    """Llama 4 Scout's llama3 scaling (low = high factor: a step) and the oracle's (a band between), written
+    as llama.cpp's rope_freqs, read back as the published parameters (Scout) or ones giving the same
+    frequencies; divisors no llama3 scaling gives are refused, and so is one frequency between the bands."""
+    import json
+    from dataclasses import replace
+
+    from moeswarm.model import ModelConfig
+    from moeswarm.model._gguf_meta import llama3_factors, llama3_from_factors
+
+    configs = Path(__file__).resolve().parents[2] / "moeswarm" / "model" / "configs"
+    scout = ModelConfig.from_hf(json.loads((configs / "llama-4-scout.json").read_text())).rope
+    factors = llama3_factors(scout)
+    assert factors.max() == scout.factor and factors.min() == 1.0
+    assert llama3_from_factors(factors, scout.theta, scout.dim) == {
+        "rope_type": "llama3", "factor": scout.factor, "low_freq_factor": scout.low_freq_factor,
+        "high_freq_factor": scout.high_freq_factor, "original_max_position_embeddings": scout.original_max_position}
+
+    band = replace(scout, low_freq_factor=1.0, high_freq_factor=16.0, original_max_position=1024)
+    factors = llama3_factors(band)
+    params = llama3_from_factors(factors, band.theta, band.dim)
+    assert (params["low_freq_factor"], params["high_freq_factor"]) == (8.0, 128.0)  # 1024 -> 8192: x 8
+    bent = factors.copy()
+    bent[np.flatnonzero((factors > 1) & (factors < band.factor))[0]] *= 1.01
+    with pytest.raises(ValueError, match="not a llama3"):
+        llama3_from_factors(bent, band.theta, band.dim)
+    one = llama3_factors(replace(band, high_freq_factor=1.2))
+    assert ((one > 1) & (one < band.factor)).sum() == 1
+    with pytest.raises(ValueError, match="one frequency between"):
+        llama3_from_factors(one, band.theta, band.dim)
