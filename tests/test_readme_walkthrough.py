@@ -25,12 +25,17 @@ from moeswarm.demo import CHECKPOINT
 README = Path(__file__).resolve().parent.parent / "README.md"
 READY_TIMEOUT = 180  # a daemon's start on a loaded 2-core machine
 RUN_TIMEOUT = 300
+TEE = re.compile(r"\| tee (\S+)")
 BLOCK = re.compile(r"^```bash walkthrough ([\w,]+)( daemon)?\n(.*?)^```$", re.M | re.S)
 
 
 def walkthrough(name: str) -> list[tuple[str, bool]]:
     """The README's blocks of walkthrough ``name``, in order, as (script, keeps running)."""
     return [(m[3], bool(m[2])) for m in BLOCK.finditer(README.read_text()) if name in m[1].split(",")]
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 def env() -> dict[str, str]:
@@ -90,6 +95,10 @@ def run_walkthrough(name: str, cwd: Path, ready: list[dict] | None = None) -> su
                 said = "".join(term.lines) + err.read_text()[-2000:]
                 assert proc.poll() is None, f"{script!r} exited {proc.returncode}: {said}"
                 assert time.monotonic() < deadline, f"{script!r} printed no READY line: {said}"
+            for log in TEE.findall(script):  # tee writes our pipe before its file: a person reading the
+                while "READY " not in _text(cwd / log):  # file a moment later sees the line, so wait for it
+                    assert time.monotonic() < deadline, f"{script!r}: no READY line in {log}"
+                    time.sleep(0.05)
             if ready is not None:
                 ready.append(json.loads(next(ln for ln in term.lines if ln.startswith("READY "))[6:]))
         return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", blocks[-1][0]], cwd=cwd, env=env(),
