@@ -4,6 +4,8 @@ checkpoint with its config changed (a mechanism switched off, for the negative c
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from moeswarm.model import Model, Weights, load_weights
+from moeswarm.model import Model, SamplingParams, Weights, generate, load_weights
 
 
 def run_engine(model: Model, ref: Any, chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -61,3 +63,22 @@ class OracleCheckpoints:
             folder = o.build_checkpoint(*key, self.root / "-".join(key or ("checkpoint",)))
             self._cache[key] = (folder, o.reference_run(folder, o.PROMPT))
         return self._cache[key]
+
+
+def copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` whose config.json ``edit`` changed in place."""
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    edit(raw)
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def assert_matches_transformers(model: Model, ref: Any, chunk: int | None, tol: float) -> None:
+    """The engine's prefill (whole, or in ``chunk``-token pieces) and cached decode logits within
+    ``tol`` of transformers' (``ref``), and its greedy tokens equal to transformers'."""
+    prefill, decode = run_engine(model, ref, chunk)
+    assert np.abs(prefill - ref.prefill_logits).max() <= tol
+    assert np.abs(decode - ref.decode_logits).max() <= tol
+    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
+    assert tokens == ref.greedy_tokens

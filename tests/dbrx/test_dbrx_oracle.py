@@ -5,7 +5,6 @@ against transformers' for the tiny config and the shipped published one."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +13,12 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from engine_support import moved, run_engine
+from engine_support import assert_matches_transformers, copy_with_config, moved
 from engine_support import variant as _variant
 from transformers import DbrxConfig, DbrxForCausalLM
 
 from moeswarm.errors import CheckpointError
-from moeswarm.model import ModelConfig, SamplingParams, generate, load_model
+from moeswarm.model import ModelConfig, load_model
 from moeswarm.model.batch import CachePool, Step, forward_batch, layer_specs
 from moeswarm.model.plan import model_size
 
@@ -34,11 +33,7 @@ def test_logits_and_greedy_tokens_match_transformers(dbrx_checkpoint, chunk: int
     model = load_model(folder, backend="eager")
     c = model.config
     assert c.arch == "dbrx" and c.norm == "layer" and c.clip_qkv == 0.5 and (c.num_experts, c.top_k) == (8, 2)
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_batched_path_uses_layernorm_too(dbrx_checkpoint) -> None:
@@ -65,14 +60,6 @@ def test_each_mechanism_changes_the_logits(dbrx_checkpoint, mechanism: str) -> N
     assert moved(_variant(folder, **OFF[mechanism](load_model(folder).config)), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda raw: raw["ffn_config"].update(moe_normalize_expert_weights=2.0),
      r"moe_normalize_expert_weights=2.0 is not supported \(1\)"),
@@ -82,7 +69,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 ])
 def test_a_config_that_does_not_fit_says_what_is_wrong(dbrx_checkpoint, tmp_path: Path,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
-    bad = _copy_with_config(dbrx_checkpoint.get()[0], tmp_path / "bad", edit)
+    bad = copy_with_config(dbrx_checkpoint.get()[0], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(bad)
 

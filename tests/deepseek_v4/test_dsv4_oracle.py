@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engine_support import moved, run_engine
+from engine_support import assert_matches_transformers, copy_with_config, moved
 from engine_support import variant as _variant
 from safetensors.numpy import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from moeswarm.errors import CheckpointError, ConfigError
-from moeswarm.model import ModelConfig, SamplingParams, Weights, generate, load_model
+from moeswarm.model import ModelConfig, Weights, load_model
 from moeswarm.model._config_dsv4 import ARCHITECTURES
 from moeswarm.model.plan import model_size
 
@@ -41,11 +41,7 @@ def test_the_family_is_registered() -> None:
 def test_logits_and_greedy_tokens_match_transformers(dsv4_checkpoints, layout: str, chunk: int | None) -> None:
     folder, ref = dsv4_checkpoints.get(layout)
     model = load_model(folder, backend="eager")
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_configuration_has_every_mechanism_on(dsv4_checkpoints) -> None:
@@ -111,14 +107,6 @@ def test_the_cache_refuses_to_roll_back(dsv4_checkpoints) -> None:
         cache.truncate(3)
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("edit", "message"), [
     # a layer said to be sliding where the checkpoint has a compressor, and the reverse: tensors do not fit
     (lambda raw: raw["layer_types"].__setitem__(1, "heavily_compressed_attention"),
@@ -133,7 +121,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 def test_a_config_that_does_not_fit_says_what_is_wrong(dsv4_checkpoints, tmp_path: Path,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
     folder, _ = dsv4_checkpoints.get("packed")
-    bad = _copy_with_config(folder, tmp_path / "bad", edit)
+    bad = copy_with_config(folder, tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_model(bad)
 

@@ -7,23 +7,24 @@ these weights."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import pytest
-from engine_support import moved, run_engine
+from engine_support import (
+    assert_matches_transformers,
+    copy_with_config,
+    moved,
+    run_engine,
+)
 from engine_support import variant as _variant
 
 from moeswarm.errors import CheckpointError
 from moeswarm.model import (
     ModelConfig,
-    SamplingParams,
     Weights,
-    generate,
     load_model,
 )
 from moeswarm.model._config_dots1_ernie import ARCHITECTURES as DOTS1_ERNIE
@@ -48,11 +49,7 @@ def test_logits_and_greedy_tokens_match_transformers(family_checkpoints, arch: s
     folder, ref = family_checkpoints.get(arch, layout)
     model = load_model(folder, backend="eager")
     assert model.config.arch == arch
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def _drop(*suffixes: str) -> Callable[[Weights], None]:
@@ -123,14 +120,6 @@ def test_each_mechanism_changes_the_logits(family_checkpoints, arch: str, mechan
     assert moved(_variant(folder, edit, **changes(load_model(folder).config)), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("arch", "edit", "message"), [
     # the dense layers are where the config says: one more or one fewer and the tensors do not fit
     ("dots1", lambda raw: raw.update(first_k_dense_replace=2), "missing tensor '1.mlp.gate'"),
@@ -146,7 +135,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 def test_a_config_that_does_not_fit_says_what_is_wrong(family_checkpoints, tmp_path: Path, arch: str,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
     folder, _ = family_checkpoints.get(arch)
-    bad = _copy_with_config(folder, tmp_path / "bad", edit)
+    bad = copy_with_config(folder, tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_model(bad)
 
@@ -155,7 +144,7 @@ def test_dots1_without_layer_types_derives_the_sliding_layers(family_checkpoints
     """A config.json without ``layer_types`` (as published: Dots1Config derives it from
     ``max_window_layers`` and ``sliding_window``) gives the same layers and logits."""
     folder, ref = family_checkpoints.get("dots1")
-    model = load_model(_copy_with_config(folder, tmp_path / "derived", lambda raw: raw.pop("layer_types")),
+    model = load_model(copy_with_config(folder, tmp_path / "derived", lambda raw: raw.pop("layer_types")),
                        backend="eager")
     assert model.config.sliding_windows == (None, 6, 6)
     prefill, decode = run_engine(model, ref, chunk=5)
@@ -173,7 +162,7 @@ def test_hunyuan_published_config_spelling_gives_the_same_logits(family_checkpoi
         raw.update(rope_theta=rope["rope_theta"], rope_scaling={"type": "dynamic", "alpha": rope["alpha"]},
                    moe_topk=[raw["moe_topk"]] * 2, num_experts=[raw["num_experts"]] * 2)
 
-    model = load_model(_copy_with_config(folder, tmp_path / "hub", hub), backend="eager")
+    model = load_model(copy_with_config(folder, tmp_path / "hub", hub), backend="eager")
     assert replace(model.config, raw={}, model_id="") == replace(load_model(folder).config, raw={}, model_id="")
     prefill, decode = run_engine(model, ref, chunk=5)
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL
@@ -210,5 +199,5 @@ def test_attribute_map_spellings_read_the_same(family_checkpoints, tmp_path: Pat
         for name, alias in aliases.items():
             raw[alias] = raw.pop(name)
 
-    edited = load_model(_copy_with_config(folder, tmp_path / "alias", respell)).config
+    edited = load_model(copy_with_config(folder, tmp_path / "alias", respell)).config
     assert replace(edited, raw={}, model_id="") == replace(load_model(folder).config, raw={}, model_id="")

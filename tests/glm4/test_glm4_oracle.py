@@ -7,23 +7,25 @@ mechanism that does nothing on these weights."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import pytest
-from engine_support import moved, run_engine
+from engine_support import (
+    assert_matches_transformers,
+    copy_with_config,
+    moved,
+    run_engine,
+)
 from engine_support import variant as _variant
 
 from moeswarm.errors import CheckpointError
 from moeswarm.model import (
     BACKENDS,
     ModelConfig,
-    SamplingParams,
     Weights,
-    generate,
     get_backend,
     load_model,
 )
@@ -47,11 +49,7 @@ def test_logits_and_greedy_tokens_match_transformers(glm4_checkpoints, arch: str
     folder, ref = glm4_checkpoints.get(arch, layout)
     model = load_model(folder, backend="eager")
     assert model.config.arch == arch
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES_GLM4)
@@ -114,14 +112,6 @@ def test_glm4_moe_lite_routed_scaling_and_group_limit_change_the_logits(glm4_che
     assert moved(_variant(folder, n_group=1, topk_group=1), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("arch", "edit", "message"), [
     # the dense layers are where the config says: one more or one fewer and the tensors do not fit
     ("glm4_moe", lambda raw: raw.update(first_k_dense_replace=2), "missing tensor '1.mlp.gate'"),
@@ -134,7 +124,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 def test_a_config_that_does_not_fit_says_what_is_wrong(glm4_checkpoints, tmp_path: Path, arch: str,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
     folder, _ = glm4_checkpoints.get(arch)
-    bad = _copy_with_config(folder, tmp_path / "bad", edit)
+    bad = copy_with_config(folder, tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_model(bad)
 
@@ -149,7 +139,7 @@ def test_hub_config_spelling_gives_the_same_logits(glm4_checkpoints, tmp_path: P
         raw.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
                    rope_scaling=None, num_nextn_predict_layers=1)
 
-    model = load_model(_copy_with_config(folder, tmp_path / "hub", hub), backend="eager")
+    model = load_model(copy_with_config(folder, tmp_path / "hub", hub), backend="eager")
     assert replace(model.config, raw={}, model_id="") == replace(load_model(folder).config, raw={}, model_id="")
     prefill, decode = run_engine(model, ref, chunk=5)
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL
@@ -160,7 +150,7 @@ def test_without_partial_rotary_factor_half_of_each_head_turns(glm4_checkpoints,
     """Glm4MoeConfig defaults ``partial_rotary_factor`` to 0.5 when a config.json does not say it;
     transformers is run again on the edited checkpoint, and the engine follows it."""
     folder, ref = glm4_checkpoints.get("glm4_moe")
-    edited = _copy_with_config(folder, tmp_path / "half",
+    edited = copy_with_config(folder, tmp_path / "half",
                                lambda raw: raw["rope_parameters"].pop("partial_rotary_factor"))
     new_ref = glm4_checkpoints.oracle.reference_run(edited, ref.prompt_ids)
     assert np.abs(new_ref.prefill_logits - ref.prefill_logits).max() > MATTERS  # the factor matters

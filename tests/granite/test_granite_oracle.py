@@ -5,8 +5,6 @@ logits by far more than the tolerance); config errors; plan's count against tran
 
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +12,11 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from engine_support import moved, run_engine
+from engine_support import assert_matches_transformers, copy_with_config, moved
 from engine_support import variant as _variant
 
 from moeswarm.errors import CheckpointError
-from moeswarm.model import ModelConfig, SamplingParams, Weights, generate, load_model
+from moeswarm.model import ModelConfig, Weights, load_model
 from moeswarm.model._config_granite import ARCHITECTURES
 from moeswarm.model.batch import CachePool, Step, forward_batch, layer_specs
 from moeswarm.model.plan import model_size
@@ -40,11 +38,7 @@ def test_logits_and_greedy_tokens_match_transformers(granite_checkpoints, arch: 
     folder, ref = granite_checkpoints.get(arch, layout)
     model = load_model(folder, backend="eager")
     assert model.config.arch == arch
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_batched_path_applies_the_multipliers_too(granite_checkpoints) -> None:
@@ -100,14 +94,6 @@ def test_each_mechanism_changes_the_logits(granite_checkpoints, arch: str, mecha
     assert moved(_variant(folder, edit, **changes(load_model(folder).config)), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("arch", "edit", "message"), [
     ("granitemoe", lambda raw: raw.update(logits_scaling=0), "logits_scaling must not be 0"),
     ("granitemoe", lambda raw: raw.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
@@ -118,7 +104,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 ])
 def test_a_config_that_does_not_fit_says_what_is_wrong(granite_checkpoints, tmp_path: Path, arch: str,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
-    bad = _copy_with_config(granite_checkpoints.get(arch)[0], tmp_path / "bad", edit)
+    bad = copy_with_config(granite_checkpoints.get(arch)[0], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(bad)
 

@@ -6,7 +6,6 @@ moves the logits by far more than the tolerance); config errors; plan's count ag
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +14,12 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from engine_support import moved, run_engine
+from engine_support import assert_matches_transformers, copy_with_config, moved
 from engine_support import variant as _variant
 from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
 from moeswarm.errors import CheckpointError
-from moeswarm.model import SamplingParams, Weights, generate, load_model
+from moeswarm.model import Weights, load_model
 from moeswarm.model import _config_kimi_linear as kimi
 from moeswarm.model.attention import Rope
 from moeswarm.model.batch import CachePool, Step, forward_batch, layer_specs
@@ -42,11 +41,7 @@ def test_logits_and_greedy_tokens_match_transformers(kimi_linear_checkpoints, la
     folder, ref = kimi_linear_checkpoints.get(layout)
     model = load_model(folder, backend="eager")
     assert model.config.arch == "kimi_linear"
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_batched_path_keeps_each_sequence_its_own_state(kimi_linear_checkpoints) -> None:
@@ -58,14 +53,6 @@ def test_the_batched_path_keeps_each_sequence_its_own_state(kimi_linear_checkpoi
     forward_batch(model, steps)
     assert np.abs(steps[0].logits - ref.prefill_logits).max() <= TOL
     assert np.abs(steps[1].logits - ref.prefill_logits[:8]).max() <= TOL
-
-
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
 
 
 def _hub_layer_lists(raw: dict[str, Any]) -> None:
@@ -85,7 +72,7 @@ def test_the_hub_spellings_read_the_same(kimi_linear_checkpoints, tmp_path: Path
     layer lists in ``linear_attn_config``."""
     folder, ref = kimi_linear_checkpoints.get()
     assert "num_experts_per_token" in json.loads((folder / "config.json").read_text())
-    hub = _copy_with_config(folder, tmp_path / "hub", _hub_layer_lists)
+    hub = copy_with_config(folder, tmp_path / "hub", _hub_layer_lists)
     model = load_model(hub, backend="eager")
     assert model.config.family == load_model(folder).config.family
     assert moved(model, ref) <= TOL
@@ -145,7 +132,7 @@ def test_the_full_attention_layers_have_no_rope(kimi_linear_checkpoints, monkeyp
 ])
 def test_a_config_that_does_not_fit_says_what_is_wrong(kimi_linear_checkpoints, tmp_path: Path,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
-    bad = _copy_with_config(kimi_linear_checkpoints.get()[0], tmp_path / "bad", edit)
+    bad = copy_with_config(kimi_linear_checkpoints.get()[0], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(bad)
 

@@ -7,7 +7,6 @@ weights."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -15,12 +14,17 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from engine_support import moved, run_engine
+from engine_support import (
+    assert_matches_transformers,
+    copy_with_config,
+    moved,
+    run_engine,
+)
 from engine_support import variant as _variant
 from transformers import AutoConfig, Llama4ForCausalLM
 
 from moeswarm.errors import CheckpointError
-from moeswarm.model import ModelConfig, SamplingParams, generate, load_model
+from moeswarm.model import ModelConfig, load_model
 from moeswarm.model._config_llama4 import ARCHITECTURES
 from moeswarm.model.plan import model_size
 
@@ -40,11 +44,7 @@ def test_logits_and_greedy_tokens_match_transformers(llama4_checkpoints, layout:
     folder, ref = llama4_checkpoints.get(layout)
     model = load_model(folder, backend="eager")
     assert model.config.arch == {"text": "llama4_text", "vision": "llama4"}[layout]
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_configuration_has_every_mechanism_on(llama4_checkpoints) -> None:
@@ -83,14 +83,6 @@ def test_each_mechanism_changes_the_logits(llama4_checkpoints, mechanism: str) -
     assert moved(_variant(folder, **OFF[mechanism](load_model(folder).config)), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("edit", "message"), [
     # the MoE layers are where the config says: one more or one fewer and the tensors do not fit
     (lambda raw: raw.update(moe_layers=[1]), "missing tensor '3.mlp.gate'"),
@@ -103,7 +95,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 def test_a_config_that_does_not_fit_says_what_is_wrong(llama4_checkpoints, tmp_path: Path,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
     folder, _ = llama4_checkpoints.get("text")
-    bad = _copy_with_config(folder, tmp_path / "bad", edit)
+    bad = copy_with_config(folder, tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_model(bad)
 
@@ -120,7 +112,7 @@ def test_derived_layers_and_hub_rope_spelling_give_the_same_logits(llama4_checkp
         rope = raw.pop("rope_parameters")
         raw.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
 
-    model = load_model(_copy_with_config(folder, tmp_path / "hub", hub), backend="eager")
+    model = load_model(copy_with_config(folder, tmp_path / "hub", hub), backend="eager")
     assert replace(model.config, raw={}, model_id="") == replace(load_model(folder).config, raw={}, model_id="")
     prefill, decode = run_engine(model, ref, chunk=5)
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL

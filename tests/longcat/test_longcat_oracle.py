@@ -7,7 +7,6 @@ transformers'."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,12 +16,17 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from engine_support import moved, run_engine
+from engine_support import (
+    assert_matches_transformers,
+    copy_with_config,
+    moved,
+    run_engine,
+)
 from engine_support import variant as _variant
 from transformers import LongcatFlashConfig, LongcatFlashForCausalLM
 
 from moeswarm.errors import CheckpointError
-from moeswarm.model import LocalExperts, Model, SamplingParams, Weights, generate, load_model, load_weights
+from moeswarm.model import LocalExperts, Model, Weights, load_model, load_weights
 from moeswarm.model._config_longcat import ARCHITECTURES, LongcatLayer, SublayerCaches
 from moeswarm.model.attention import mla, rms_norm
 from moeswarm.model.batch import CachePool, Step, forward_batch, layer_specs
@@ -46,11 +50,7 @@ def test_logits_and_greedy_tokens_match_transformers(longcat_checkpoints, layout
     folder, ref = longcat_checkpoints.get(layout)
     model = load_model(folder, backend="eager")
     assert model.config.arch == "longcat_flash"
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_batched_path_steps_each_sequence_through_both_sublayers(longcat_checkpoints) -> None:
@@ -159,14 +159,6 @@ def test_the_shortcut_joins_after_the_second_sublayer(longcat_checkpoints, monke
     assert moved(load_model(folder, backend="eager"), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda raw: raw.update(attention_bias=True), "attention_bias is not supported"),
     (lambda raw: raw.update(head_dim=16), "head_dim 16 must equal qk_rope_head_dim 8"),
@@ -176,7 +168,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 ])
 def test_a_config_that_does_not_fit_says_what_is_wrong(longcat_checkpoints, tmp_path: Path,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
-    bad = _copy_with_config(longcat_checkpoints.get()[0], tmp_path / "bad", edit)
+    bad = copy_with_config(longcat_checkpoints.get()[0], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(bad)
 

@@ -6,7 +6,6 @@ tolerance); config errors; plan's count against transformers'."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,12 +15,12 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from engine_support import moved, run_engine
+from engine_support import assert_matches_transformers, copy_with_config, moved
 from engine_support import variant as _variant
 from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
 from moeswarm.errors import CheckpointError
-from moeswarm.model import ModelConfig, SamplingParams, Weights, generate, load_model
+from moeswarm.model import ModelConfig, Weights, load_model
 from moeswarm.model._config_mimo import ARCHITECTURES, MimoSettings
 from moeswarm.model.batch import CachePool, Step, forward_batch, layer_specs
 from moeswarm.model.plan import model_size
@@ -42,11 +41,7 @@ def test_logits_and_greedy_tokens_match_transformers(mimo_checkpoints, layout: s
     folder, ref = mimo_checkpoints.get(layout)
     model = load_model(folder, backend="eager")
     assert model.config.arch == "mimo_v2_flash"
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_batched_path_steps_each_sequence_through_its_layers(mimo_checkpoints) -> None:
@@ -102,14 +97,6 @@ def test_each_mechanism_changes_the_logits(mimo_checkpoints, mechanism: str) -> 
     assert moved(_variant(folder, edit, **changes(load_model(folder).config)), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda raw: raw.update(attention_bias=True), "attention_bias is not supported"),
     (lambda raw: raw.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
@@ -120,7 +107,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 ])
 def test_a_config_that_does_not_fit_says_what_is_wrong(mimo_checkpoints, tmp_path: Path,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
-    bad = _copy_with_config(mimo_checkpoints.get()[0], tmp_path / "bad", edit)
+    bad = copy_with_config(mimo_checkpoints.get()[0], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(bad)
 

@@ -6,14 +6,13 @@ so the match is not an accident of a mechanism that does nothing on these weight
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_support import assert_matches_transformers, copy_with_config, run_engine
 from engine_support import moved as _moved
-from engine_support import run_engine
 from engine_support import variant as _variant
 
 from moeswarm.model import (
@@ -46,11 +45,7 @@ def test_logits_and_greedy_tokens_match_transformers(family_checkpoints, arch: s
     folder, ref = family_checkpoints.get(arch, layout)
     model = load_model(folder, backend="eager")
     assert model.config.arch == arch
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES_MINIMAX_KIMI)
@@ -133,14 +128,6 @@ def test_kimi_k25_ties_the_head_as_transformers_does(family_checkpoints) -> None
     assert model.weights["lm_head"] is model.weights["embed"]
 
 
-def _copy_with_config(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 def test_hub_spellings_of_the_configs_give_the_same_logits(family_checkpoints, tmp_path: Path) -> None:
     """MiniMax M2 as published says ``rotary_dim``; MiniMax M3 as published says
     ``sparse_attention_config`` and ``moe_layer_freq``.  transformers reads both."""
@@ -150,7 +137,7 @@ def test_hub_spellings_of_the_configs_give_the_same_logits(family_checkpoints, t
         raw["rope_parameters"].pop("partial_rotary_factor")
         raw["rotary_dim"] = 8
 
-    model = load_model(_copy_with_config(folder, tmp_path / "m2", m2), backend="eager")
+    model = load_model(copy_with_config(folder, tmp_path / "m2", m2), backend="eager")
     assert model.config.rope.dim == 8
     prefill, _ = run_engine(model, ref)
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL
@@ -167,7 +154,7 @@ def test_hub_spellings_of_the_configs_give_the_same_logits(family_checkpoints, t
         }
         t["moe_layer_freq"] = [int(k == "sparse") for k in t.pop("mlp_layer_types")]
 
-    model = load_model(_copy_with_config(folder, tmp_path / "m3", m3), backend="eager")
+    model = load_model(copy_with_config(folder, tmp_path / "m3", m3), backend="eager")
     assert replace(model.config, model_id="") == replace(load_model(folder).config, model_id="")
     prefill, _ = run_engine(model, ref, chunk=5)
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL
@@ -221,7 +208,7 @@ def test_a_bad_minimax_m3_config_says_what_is_wrong(family_checkpoints, tmp_path
     from moeswarm.errors import CheckpointError
 
     folder, _ = family_checkpoints.get("minimax_m3_vl")
-    bad = _copy_with_config(folder, tmp_path / "bad", lambda raw: edit(raw["text_config"]))
+    bad = copy_with_config(folder, tmp_path / "bad", lambda raw: edit(raw["text_config"]))
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_model(bad)
 
@@ -229,7 +216,7 @@ def test_a_bad_minimax_m3_config_says_what_is_wrong(family_checkpoints, tmp_path
 def test_kimi_k25_text_config_may_say_kimi_k2(family_checkpoints, tmp_path: Path) -> None:
     """The hub's Kimi K2.5 config.json names its text model ``kimi_k2``; transformers reads it as DeepSeek-V3."""
     folder, ref = family_checkpoints.get("kimi_k25")
-    hub = _copy_with_config(folder, tmp_path / "hub", lambda raw: raw["text_config"].update(model_type="kimi_k2"))
+    hub = copy_with_config(folder, tmp_path / "hub", lambda raw: raw["text_config"].update(model_type="kimi_k2"))
     prefill, _ = run_engine(load_model(hub, backend="eager"), ref)
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL
 

@@ -7,7 +7,6 @@ transformers'."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,12 +16,12 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from engine_support import moved, run_engine
+from engine_support import assert_matches_transformers, copy_with_config, moved
 from engine_support import variant as _variant
 from transformers import MiniMaxConfig, MiniMaxForCausalLM
 
 from moeswarm.errors import CheckpointError
-from moeswarm.model import SamplingParams, Weights, generate, load_model
+from moeswarm.model import Weights, load_model
 from moeswarm.model import _config_minimax_text01 as text01
 from moeswarm.model._config_minimax_text01 import ARCHITECTURES, MiniMaxSettings
 from moeswarm.model.batch import CachePool, Step, forward_batch, layer_specs
@@ -44,11 +43,7 @@ def test_logits_and_greedy_tokens_match_transformers(minimax_checkpoints, layout
     folder, ref = minimax_checkpoints.get(layout)
     model = load_model(folder, backend="eager")
     assert model.config.arch == "minimax"
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_batched_path_keeps_each_sequence_its_own_state(minimax_checkpoints) -> None:
@@ -111,14 +106,6 @@ def test_each_mechanism_changes_the_logits(minimax_checkpoints, mechanism: str) 
     assert moved(_variant(folder, edit, **changes(load_model(folder).config)), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda raw: raw.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     (lambda raw: raw.update(layer_types=["full_attention"] * 4), "missing tensor '1.attn.q' required by config.json"),
@@ -127,7 +114,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 ])
 def test_a_config_that_does_not_fit_says_what_is_wrong(minimax_checkpoints, tmp_path: Path,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
-    bad = _copy_with_config(minimax_checkpoints.get()[0], tmp_path / "bad", edit)
+    bad = copy_with_config(minimax_checkpoints.get()[0], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(bad)
 

@@ -6,7 +6,6 @@ published config beside the model card."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,12 +15,12 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from engine_support import moved, run_engine
+from engine_support import assert_matches_transformers, copy_with_config, moved
 from engine_support import variant as _variant
 from transformers import Mistral4Config, Mistral4ForCausalLM
 
 from moeswarm.errors import CheckpointError
-from moeswarm.model import ModelConfig, SamplingParams, generate, load_model
+from moeswarm.model import ModelConfig, load_model
 from moeswarm.model._config_mistral4 import ARCHITECTURES
 from moeswarm.model.plan import model_size
 
@@ -39,11 +38,7 @@ def test_logits_and_greedy_tokens_match_transformers(mistral4_checkpoint, chunk:
     folder, ref = mistral4_checkpoint.get()
     model = load_model(folder, backend="eager")
     assert model.config.arch == "mistral4"
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_configuration_has_every_mechanism_on(mistral4_checkpoint) -> None:
@@ -74,14 +69,6 @@ def test_each_mechanism_changes_the_logits(mistral4_checkpoint, mechanism: str) 
     assert moved(_variant(folder, **OFF[mechanism](load_model(folder).config)), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda raw: raw.update(first_k_dense_replace=2), "missing tensor '1.mlp.gate'"),
     (lambda raw: raw.update(first_k_dense_replace=0), "missing tensor '0.router'"),
@@ -90,7 +77,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 ])
 def test_a_config_that_does_not_fit_says_what_is_wrong(mistral4_checkpoint, tmp_path: Path,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
-    bad = _copy_with_config(mistral4_checkpoint.get()[0], tmp_path / "bad", edit)
+    bad = copy_with_config(mistral4_checkpoint.get()[0], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_model(bad)
 

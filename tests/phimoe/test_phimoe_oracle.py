@@ -7,7 +7,6 @@ the logits by far more than the tolerance); config errors; plan's count against 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,12 +16,12 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from engine_support import moved, run_engine
+from engine_support import assert_matches_transformers, copy_with_config, moved
 from engine_support import variant as _variant
 from transformers import PhimoeConfig, PhimoeForCausalLM
 
 from moeswarm.errors import CheckpointError
-from moeswarm.model import Model, ModelConfig, SamplingParams, Weights, generate, load_model, load_weights
+from moeswarm.model import Model, ModelConfig, Weights, load_model, load_weights
 from moeswarm.model._config_phimoe import ARCHITECTURES, PhimoeSettings
 from moeswarm.model.batch import CachePool, Step, forward_batch, layer_specs
 from moeswarm.model.plan import model_size
@@ -43,11 +42,7 @@ def test_logits_and_greedy_tokens_match_transformers(phimoe_checkpoints, layout:
     folder, ref = phimoe_checkpoints.get(layout)
     model = load_model(folder, backend="eager")
     assert model.config.arch == "phimoe"
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_batched_path_has_the_norm_and_head_biases_too(phimoe_checkpoints) -> None:
@@ -102,14 +97,6 @@ def test_each_mechanism_changes_the_logits(phimoe_checkpoints, mechanism: str) -
     assert moved(_variant(folder, edit, **changes(load_model(folder).config)), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 def _original_length(length: int) -> Callable[[dict[str, Any]], None]:
     def edit(raw: dict[str, Any]) -> None:
         raw["original_max_position_embeddings"] = raw["rope_parameters"]["original_max_position_embeddings"] = length
@@ -127,7 +114,7 @@ def test_a_pass_past_the_original_length_takes_the_long_scale(phimoe_checkpoints
     (positions up to 10) rotate with ``short_mscale``, the later ones with ``long_mscale``, and the
     cached keys keep the scale they had; transformers run in the same chunks is the reference."""
     folder, ref = phimoe_checkpoints.get()
-    short = _copy_with_config(folder, tmp_path / "short", _original_length(10))
+    short = copy_with_config(folder, tmp_path / "short", _original_length(10))
     ids = ref.sequence_ids
     want = phimoe_checkpoints.oracle.chunked_run(short, ids, 5)
     model = load_model(short, backend="eager")
@@ -147,7 +134,7 @@ def test_a_pass_past_the_original_length_takes_the_long_scale(phimoe_checkpoints
 ])
 def test_a_config_that_does_not_fit_says_what_is_wrong(phimoe_checkpoints, tmp_path: Path,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
-    bad = _copy_with_config(phimoe_checkpoints.get()[0], tmp_path / "bad", edit)
+    bad = copy_with_config(phimoe_checkpoints.get()[0], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(bad)
 

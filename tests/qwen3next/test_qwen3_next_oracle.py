@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -18,7 +17,12 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from engine_support import moved, run_engine
+from engine_support import (
+    assert_matches_transformers,
+    copy_with_config,
+    moved,
+    run_engine,
+)
 from engine_support import variant as _variant
 
 from moeswarm.errors import CheckpointError, ConfigError
@@ -26,7 +30,6 @@ from moeswarm.model import (
     ModelConfig,
     SamplingParams,
     Weights,
-    generate,
     load_model,
 )
 from moeswarm.model._config_qwen3_next import ARCHITECTURES as ARCHITECTURES_QWEN3_NEXT
@@ -49,11 +52,7 @@ def test_logits_and_greedy_tokens_match_transformers(qwen3_next_checkpoints, lay
     assert len(ref.prompt_ids) > 64  # the DeltaNet prefill runs more than one chunk
     model = load_model(folder, backend="eager")
     assert model.config.arch == "qwen3_next"
-    prefill, decode = run_engine(model, ref, chunk)
-    assert np.abs(prefill - ref.prefill_logits).max() <= TOL
-    assert np.abs(decode - ref.decode_logits).max() <= TOL
-    tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
-    assert tokens == ref.greedy_tokens
+    assert_matches_transformers(model, ref, chunk, TOL)
 
 
 def test_the_carried_linear_attention_state_matters(qwen3_next_checkpoints) -> None:
@@ -103,14 +102,6 @@ def test_each_mechanism_changes_the_logits(qwen3_next_checkpoints, mechanism: st
     assert moved(_variant(folder, edit, **changes(cfg)), ref) > MATTERS
 
 
-def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 @pytest.mark.parametrize(("edit", "message"), [
     # the dense layer is where mlp_only_layers says: elsewhere, and the tensors do not fit
     (lambda raw: raw.update(mlp_only_layers=[]), "missing tensor '1.router'"),
@@ -122,7 +113,7 @@ def _copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Non
 def test_a_config_that_does_not_fit_says_what_is_wrong(qwen3_next_checkpoints, tmp_path: Path,
                                                          edit: Callable[[dict[str, Any]], None], message: str) -> None:
     folder, _ = qwen3_next_checkpoints.get("packed")
-    bad = _copy_with_config(folder, tmp_path / "bad", edit)
+    bad = copy_with_config(folder, tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
         load_model(bad)
 
@@ -138,7 +129,7 @@ def test_hub_config_spelling_gives_the_same_logits(qwen3_next_checkpoints, tmp_p
         raw.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
                    rope_scaling=None, full_attention_interval=2)
 
-    model = load_model(_copy_with_config(folder, tmp_path / "hub", hub), backend="eager")
+    model = load_model(copy_with_config(folder, tmp_path / "hub", hub), backend="eager")
     assert replace(model.config, raw={}, model_id="") == replace(load_model(folder).config, raw={}, model_id="")
     prefill, decode = run_engine(model, ref, chunk=27)
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL
