@@ -15,8 +15,8 @@ import random
 from collections.abc import Sequence
 from typing import Final, Protocol
 
-from ..errors import NetworkError, ProtocolError, SwarmError
-from ..net.client import ExpertClient
+from ..errors import ConfigError, NetworkError, ProtocolError
+from ..net.client import Connections
 from ..protocol import Identity
 
 
@@ -35,21 +35,6 @@ TIMEOUT_S: Final = 2.0  # connect + handshake + pings, per holder
 CONCURRENCY: Final = 8
 
 
-async def _round_trip(identity: Identity, holder: Reachable, pings: int, timeout_s: float) -> float | None:
-    for endpoint in holder.endpoints[:2]:
-        try:
-            async with asyncio.timeout(timeout_s):
-                client = await ExpertClient.connect(endpoint, identity, expected_peer=holder.peer_id,
-                                                    timeout=timeout_s)
-                try:
-                    return min([await client.ping(timeout_s) for _ in range(pings)])
-                finally:
-                    await client.aclose()
-        except (TimeoutError, NetworkError, ProtocolError, SwarmError, OSError):
-            continue
-    return None
-
-
 async def measure_round_trips(identity: Identity, holders: Sequence[Reachable], *, max_peers: int = MAX_PEERS,
                               pings: int = PINGS, timeout_s: float = TIMEOUT_S,
                               concurrency: int = CONCURRENCY) -> dict[bytes, float]:
@@ -60,10 +45,20 @@ async def measure_round_trips(identity: Identity, holders: Sequence[Reachable], 
     if len(chosen) > max_peers:
         chosen = random.sample(chosen, max_peers)
     gate = asyncio.Semaphore(concurrency)
+    connections = Connections(identity)  # each endpoint tried in turn; dropped once pinged
 
     async def one(holder: Reachable) -> tuple[bytes, float | None]:
         async with gate:
-            return holder.peer_id, await _round_trip(identity, holder, pings, timeout_s)
+            try:
+                client = await connections.get(holder, timeout_s)  # type: ignore[arg-type]
+                return holder.peer_id, min([await client.ping(timeout_s) for _ in range(pings)])
+            except (NetworkError, ProtocolError, ConfigError, OSError):
+                return holder.peer_id, None
+            finally:
+                await connections.drop(holder.peer_id)
 
-    results = await asyncio.gather(*(one(h) for h in chosen))
+    try:
+        results = await asyncio.gather(*(one(h) for h in chosen))
+    finally:
+        await connections.aclose()
     return {peer: rtt for peer, rtt in results if rtt is not None}
