@@ -64,8 +64,6 @@ def native_layer_cache(cfg: ModelConfig, layer: int) -> Any:
         return DeltaNetState() if cfg.deltanet.layers[layer] else LayerCache()
     if cfg.arch in DECODER_LAYERS:
         return DECODER_LAYERS[cfg.arch].new_cache(cfg, layer)
-    if cfg.attention in LAYER_CACHES:
-        return LAYER_CACHES[cfg.attention](cfg, layer)
     return new_layer_cache(cfg, layer)
 
 

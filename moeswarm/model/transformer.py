@@ -49,7 +49,8 @@ class AttentionKind(Protocol):
 # attention kinds a family's module adds (``ModelConfig.attention`` -> function), e.g. Llama 4's
 ATTENTION_KINDS: dict[str, AttentionKind] = {}
 # the per-layer cache of a registered attention kind that keeps more than keys and values
-# (``ModelConfig.attention`` -> (cfg, layer) -> cache with ``length`` and ``truncate``), e.g. DeepSeek-V4's
+# (``ModelConfig.attention`` -> (cfg, layer) -> cache with ``length`` and ``truncate``), e.g. DeepSeek-V4's,
+# Kimi Linear's delta-attention layers
 LAYER_CACHES: dict[str, Callable[[ModelConfig, int], object]] = {}
 
 
@@ -113,9 +114,6 @@ class DecoderLayerForm(Protocol):
 
 # decoder layer forms a family's module adds (``ModelConfig.arch`` -> form)
 DECODER_LAYERS: dict[str, DecoderLayerForm] = {}
-# the cache each layer of an attention kind needs, where not a ``LayerCache`` (``ModelConfig.attention`` ->
-# (cfg, layer) -> cache), e.g. Kimi Linear's delta-attention layers
-LAYER_CACHES: dict[str, Callable[[ModelConfig, int], object]] = {}
 
 
 class _Done:
@@ -244,8 +242,6 @@ class Model:
             return KVCache([DeltaNetState() if linear else LayerCache() for linear in cfg.deltanet.layers[:cfg.num_layers]])
         if cfg.arch in DECODER_LAYERS:
             return KVCache([DECODER_LAYERS[cfg.arch].new_cache(cfg, L) for L in range(cfg.num_layers)])  # type: ignore[misc]
-        if cfg.attention in LAYER_CACHES:
-            return KVCache([LAYER_CACHES[cfg.attention](cfg, L) for L in range(cfg.num_layers)])  # type: ignore[misc]
         return KVCache([new_layer_cache(cfg, L) for L in range(cfg.num_layers)])  # MiniMax M3: index keys too
 
     def forward(self, ids: np.ndarray, cache: KVCache, *, last_only: bool = False,
