@@ -32,7 +32,7 @@ from .experts import f32
 from .transformer import ATTENTION_KINDS, LAYER_CACHES
 from .weights import ATTENTION_SHAPES, Shapes
 
-# how many of its last tokens a layer's cache can forget (speculative decoding's rejected drafts)
+# how many of its last tokens a layer's cache can forget: a rejected draft (``--speculative`` is at most 32)
 ROLLBACK = 32
 
 
