@@ -88,8 +88,8 @@ def mtp_settings(s: Dsv4Settings, raw: dict[str, Any], n: int, count: int) -> Ds
     entry 0, sliding attention alone -- and routes by score (``layer_id < n_hash_layers`` is false).
     A config that names the MTP layers (``layer_types`` / ``mlp_layer_types`` / ``compress_ratios``
     longer than ``n``) is followed; else sliding attention and a learned router.  Compressed
-    attention in an MTP layer is refused: no published checkpoint has it, and no reference says at
-    which positions its windows would start."""
+    attention in an MTP layer is refused when config.json is read (``_check_mtp_kinds``): no
+    published checkpoint has it, and no reference says at which positions its windows would start."""
     mlp = raw.get("mlp_layer_types") or []
     hashed = [L < len(mlp) and mlp[L] == "hash_moe" for L in range(n, n + count)]
     return replace(s, layer_kinds=s.layer_kinds + ("sliding",) * count,

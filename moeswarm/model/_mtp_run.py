@@ -23,8 +23,8 @@ def new_mtp_cache(cfg: ModelConfig) -> KVCache:
 def mtp_forward(model: Any, k: int, hidden: np.ndarray, ids: np.ndarray, cache: KVCache,
                 first_position: int) -> tuple[np.ndarray, np.ndarray]:
     """MTP layer ``k`` over consecutive slots: hidden (T, H) (the model's final-normed states, or the
-    previous MTP step's output; DeepSeek-V4: (T, n, H) streams, ``_streams_forward``), ids (T,) the next token of each slot, the first at position
-    ``first_position`` -> (g (T, H), logits (T, V)).  Every routed expert of the T slots is one
+    previous MTP step's output; DeepSeek-V4: (T, n, H) streams, ``_streams_forward``), ids (T,) the
+    next token of each slot, the first at position ``first_position`` -> (g (T, H), logits (T, V)).  Every routed expert of the T slots is one
     ``submit`` call for the layer."""
     cfg, w = model.config, model.weights
     if not 0 <= k < cfg.mtp_layers:
