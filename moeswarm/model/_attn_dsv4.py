@@ -32,34 +32,80 @@ from .experts import f32
 from .transformer import ATTENTION_KINDS, LAYER_CACHES
 from .weights import ATTENTION_SHAPES, Shapes
 
+# how many of its last tokens a layer's cache can forget: a rejected draft (``--speculative`` is at most 32)
+ROLLBACK = 32
+
 
 @dataclass
 class _Series:
-    """One compressor's state across forward passes (transformers' ``DeepseekV4HCACache`` entries)."""
+    """One compressor's state across forward passes (transformers' ``DeepseekV4HCACache`` entries).
+    The projections of the last ``2 * rate + ROLLBACK`` tokens (``recent_*``) are kept beside it: the
+    state after any of those tokens is a slice of them and of the entries (``truncate``)."""
 
     buffer_kv: np.ndarray | None = None  # (B, < rate, width): projections of an unfinished window
     buffer_gate: np.ndarray | None = None
     overlap_kv: np.ndarray | None = None  # (B, rate, D): CSA's first series of the last full window
     overlap_gate: np.ndarray | None = None  # (gate + position bias)
     entries: np.ndarray | None = None  # (B, C, D): compressed, normed, rotated
+    recent_kv: np.ndarray | None = None  # (B, R, width): projections of the last R tokens
+    recent_gate: np.ndarray | None = None
+    bias: np.ndarray | None = None  # (rate, width) the position bias (its rows: the rate)
+    two_series: bool = False  # CSA's: width 2 * D, the first series reaching into the next window
 
     @property
     def count(self) -> int:
         return 0 if self.entries is None else self.entries.shape[1]
 
+    def remember(self, kv: np.ndarray, gate: np.ndarray, bias: np.ndarray, two_series: bool) -> None:
+        """Keep this pass's projections (B, T, width) among the recent ones."""
+        keep = 2 * bias.shape[0] + ROLLBACK
+        if self.recent_kv is not None:
+            kv, gate = np.concatenate([self.recent_kv, kv], axis=1), np.concatenate([self.recent_gate, gate], axis=1)  # type: ignore[list-item]
+        self.recent_kv, self.recent_gate, self.bias, self.two_series = kv[:, -keep:], gate[:, -keep:], bias, two_series
+
+    def truncate(self, old: int, new: int) -> bool:
+        """From ``old`` tokens back to ``new``: False when the recent projections do not reach."""
+        if self.recent_kv is None or self.bias is None:
+            return True  # never written (a sliding layer's)
+        rate, csa = self.bias.shape[0], self.two_series
+        start = old - self.recent_kv.shape[1]  # the position of recent[:, 0]
+        c = new // rate
+        first = (c - 1) * rate if csa and c else c * rate  # the earliest token the state at ``new`` holds
+        if first < start:
+            return False
+        self.entries = None if self.entries is None else self.entries[:, :c]
+        self.buffer_kv, self.buffer_gate = self.recent_kv[:, c * rate - start : new - start], self.recent_gate[:, c * rate - start : new - start]  # type: ignore[index]
+        if csa:
+            D = self.bias.shape[1] // 2
+            window = slice((c - 1) * rate - start, c * rate - start)
+            self.overlap_kv = self.recent_kv[:, window, :D].copy() if c else None
+            self.overlap_gate = (self.recent_gate[:, window, :D] + f32(self.bias)[:, :D]) if c else None  # type: ignore[index]
+        self.recent_kv, self.recent_gate = self.recent_kv[:, : new - start], self.recent_gate[:, : new - start]  # type: ignore[index]
+        return True
+
 
 @dataclass
 class Dsv4LayerCache:
-    """One layer's state: the last ``sliding_window - 1`` keys and the compressors' series."""
+    """One layer's state: the last ``sliding_window - 1 + ROLLBACK`` keys and the compressors' series."""
 
     length: int = 0
-    window: np.ndarray | None = None  # (B, <= sliding_window - 1, head_dim) rotated K=V
+    window: np.ndarray | None = None  # (B, <= sliding_window - 1 + ROLLBACK, head_dim) rotated K=V
     kv: _Series = field(default_factory=_Series)
     index: _Series = field(default_factory=_Series)
+    sliding_window: int = 0  # set by the first pass
 
     def truncate(self, length: int) -> None:
-        if length < self.length:  # the compressors' pooled windows cannot be taken apart again
-            raise ConfigError("DeepSeek-V4's compressed attention cannot roll its cache back")
+        """Forget everything after ``length`` tokens: exact for up to ``ROLLBACK`` of the last tokens."""
+        if length >= self.length:
+            return
+        start = self.length - (0 if self.window is None else self.window.shape[1])
+        reach = start == 0 or length - (self.sliding_window - 1) >= start
+        if not (reach and self.kv.truncate(self.length, length) and self.index.truncate(self.length, length)):
+            raise ConfigError(f"DeepSeek-V4's cache can forget its last {ROLLBACK} tokens, not "
+                              f"{self.length - length}")
+        if self.window is not None:
+            self.window = self.window[:, : length - start]
+        self.length = length
 
 
 def _tables(rope: RopeConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -90,6 +136,7 @@ def _compress(state: _Series, x: np.ndarray, w: dict[str, np.ndarray | None], pr
     """x (B, T, H) -> every entry so far (B, C, dim).  ``overlap``: None for HCA (one series), else
     whether CSA's first series reaches into the next window (False only as a negative control)."""
     kv, gate = linear(x, w[prefix + "kv"]), linear(x, w[prefix + "gate"])  # type: ignore[arg-type]  # (B, T, width)
+    state.remember(kv, gate, w[prefix + "bias"], overlap is not None)  # type: ignore[arg-type]
     if state.buffer_kv is not None:
         kv, gate = np.concatenate([state.buffer_kv, kv], axis=1), np.concatenate([state.buffer_gate, gate], axis=1)  # type: ignore[list-item]
     usable = kv.shape[1] // rate * rate
@@ -148,10 +195,12 @@ def dsv4_attention(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelCon
     kv = rope_tail(rms_norm(linear(x, w["kv"]), w["kv_norm"], eps), cos, sin)  # type: ignore[arg-type]  # (B, T, hd)
     past = cache.length
     keys = kv if cache.window is None else np.concatenate([cache.window, kv], axis=1)
-    kpos = np.arange(past + T - keys.shape[1], past + T)
+    # the keys' positions: an MTP layer's cache holds slot j at index j, position j + 1 (model/_mtp_run.py)
+    kpos = np.arange(past + T - keys.shape[1], past + T) + (int(positions[0]) - past)
     allowed = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] > positions[:, None] - window)  # (T, S)
     allowed = np.broadcast_to(allowed, (B, T, keys.shape[1]))
-    cache.window, cache.length = keys[:, keys.shape[1] - min(window - 1, keys.shape[1]) :], past + T
+    keep = min(window - 1 + ROLLBACK, keys.shape[1])  # the window, and the keys a rollback needs back
+    cache.window, cache.length, cache.sliding_window = keys[:, keys.shape[1] - keep :], past + T, window
     if kind != "sliding" and s.compressed:
         rate = s.csa_rate if kind == "csa" else s.hca_rate
         entries = _compress(cache.kv, x, w, "c_", rate, hd, s.overlap if kind == "csa" else None, cfg, s.compress_rope)

@@ -20,7 +20,7 @@ spellings (``compress_ratios``, ``compress_rate_csa`` / ``_hca``, ``num_hash_lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .config import ModelConfig, RopeConfig, _common, register_family
@@ -79,6 +79,30 @@ def _layer_types(t: dict[str, Any], n: int) -> list[str]:
     if len(types) < n or bad:
         raise ValueError(f"layer_types must name one of {sorted(_KINDS)} for each of {n} layers (got {bad or len(types)})")
     return list(types[:n])
+
+
+def mtp_settings(s: Dsv4Settings, raw: dict[str, Any], n: int, count: int) -> Dsv4Settings:
+    """``s`` with ``count`` MTP layers after the ``n`` decoder layers.  DeepSeek's reference
+    (``inference/model.py``: ``MTPBlock(Block)`` built as layer ``n_layers + k``) reads its attention
+    from ``compress_ratios[n_layers + k]`` -- the hub's list is one longer than the layers, its last
+    entry 0, sliding attention alone -- and routes by score (``layer_id < n_hash_layers`` is false).
+    A config that names the MTP layers (``layer_types`` / ``mlp_layer_types`` / ``compress_ratios``
+    longer than ``n``) is followed; else sliding attention and a learned router.  Compressed
+    attention in an MTP layer is refused when config.json is read (``_check_mtp_kinds``): no
+    published checkpoint has it, and no reference says at which positions its windows would start."""
+    mlp = raw.get("mlp_layer_types") or []
+    hashed = [L < len(mlp) and mlp[L] == "hash_moe" for L in range(n, n + count)]
+    return replace(s, layer_kinds=s.layer_kinds + ("sliding",) * count,
+                   hash_layers=s.hash_layers + tuple(hashed))
+
+
+def _check_mtp_kinds(t: dict[str, Any], n: int) -> None:
+    """Entries of ``layer_types`` / ``compress_ratios`` past the ``n`` layers describe MTP layers:
+    only sliding attention is read (``mtp_settings``)."""
+    types, ratios = t.get("layer_types") or [], t.get("compress_ratios") or []
+    extra = [*types[n:], *(_LEGACY_RATIOS.get(int(r), str(r)) for r in ([] if t.get("layer_types") else ratios[n:]))]
+    if any(k != "sliding_attention" for k in extra):  # as in every published V4 checkpoint
+        raise ValueError(f"the MTP layers' attention must be sliding_attention (got {extra})")
 
 
 def _mlp_types(t: dict[str, Any], n: int) -> list[str]:
@@ -143,6 +167,7 @@ def _deepseek_v4(raw: dict[str, Any], model_id: str, path: str | None) -> ModelC
     if groups <= 0 or nh % groups:
         raise ValueError(f"o_groups={groups} must divide num_attention_heads={nh}")
     main, compress = _ropes(t, rope_dim)
+    _check_mtp_kinds(t, n)
     settings = Dsv4Settings(
         layer_kinds=tuple(_KINDS[k] for k in _layer_types(t, n)),
         hash_layers=tuple(k == "hash_moe" for k in _mlp_types(t, n)),

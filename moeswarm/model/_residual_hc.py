@@ -60,9 +60,10 @@ class HyperConnections:
         post, comb = held  # type: ignore[misc]
         return (post[..., None] * out[:, :, None, :] + np.einsum("btjk,btjd->btkd", comb, x)).astype(np.float32)
 
-    def collapse(self, x: np.ndarray) -> np.ndarray:
-        mix = self._mix(x, self.w["hc_head_fn"])  # (B, T, n)
-        pre = sigmoid(mix * f32(self.w["hc_head_scale"])[0] + f32(self.w["hc_head_base"])) + np.float32(self.eps)
+    def collapse(self, x: np.ndarray, head: str = "") -> np.ndarray:
+        """(B, T, n, H) -> (B, T, H) by the ``{head}hc_head_*`` tensors (an MTP layer has its own)."""
+        mix = self._mix(x, self.w[head + "hc_head_fn"])  # (B, T, n)
+        pre = sigmoid(mix * f32(self.w[head + "hc_head_scale"])[0] + f32(self.w[head + "hc_head_base"])) + np.float32(self.eps)
         return (pre[..., None] * x).sum(axis=2).astype(np.float32)
 
 
@@ -72,7 +73,7 @@ def dsv4_shapes(cfg: ModelConfig) -> Shapes:
     s: Dsv4Settings = cfg.family
     n, H = s.hc_mult, cfg.hidden_size
     shapes: Shapes = {"hc_head_fn": (n, n * H), "hc_head_base": (n,), "hc_head_scale": (1,)}
-    for L in range(cfg.num_layers):
+    for L in range(cfg.all_layers):  # the MTP layers' too (model/mtp.py)
         for site in ("attn", "mlp"):
             p = f"{L}.hc_{site}_"
             shapes.update({p + "fn": ((2 + n) * n, n * H), p + "base": ((2 + n) * n,), p + "scale": (3,)})

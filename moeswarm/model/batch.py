@@ -218,7 +218,7 @@ class Step:
     all_logits: bool = False  # logits at every new position (speculative verification), else the last only
     want_hidden: bool = False  # also the final-normed hidden states of every new position (MTP drafts)
     logits: np.ndarray | None = field(default=None, repr=False)  # (T or 1, V), set by forward_batch
-    hidden: np.ndarray | None = field(default=None, repr=False)  # (T, H), set by forward_batch if want_hidden
+    hidden: np.ndarray | None = field(default=None, repr=False)  # (T, H) (V4: (T, n, H)), set if want_hidden
 
 
 def forward_batch(model: Model, steps: Sequence[Step]) -> None:

@@ -202,7 +202,8 @@ class MtpDraft:
         return MtpState(new_mtp_cache(self.model.config))
 
     def observe(self, state: MtpState, start: int, hidden: np.ndarray) -> None:
-        """hidden (T, H): the model's final-normed states at positions start ... start + T - 1."""
+        """hidden (T, H): the model's final-normed states at positions start ... start + T - 1
+        (DeepSeek-V4: (T, hc_mult, H), its streams before the ``hc_head``)."""
         for i, row in enumerate(hidden):
             state.hidden[start + i] = row
 

@@ -247,7 +247,8 @@ class Model:
     def forward(self, ids: np.ndarray, cache: KVCache, *, last_only: bool = False,
                 hidden_out: list[np.ndarray] | None = None) -> np.ndarray:
         """ids (B, T) int -> logits (B, T, V) float32 (or (B, 1, V) with ``last_only``).  ``hidden_out``
-        gets the final-normed hidden states (B, T, H) of every position (what an MTP layer drafts from)."""
+        gets the final-normed hidden states (B, T, H) of every position (what an MTP layer drafts from;
+        DeepSeek-V4's drafts from the streams before the ``hc_head``, (B, T, hc_mult, H))."""
         cfg, w = self.config, self.weights
         ids = np.asarray(ids)
         if ids.ndim == 1:
@@ -264,10 +265,11 @@ class Model:
         x = self.residual_form.expand(x)
         for L in range(cfg.num_layers):
             x = self.layer(L, x, cache.layers[L], positions, step)
-        x = self.residual_form.collapse(x)
+        streams, x = x, self.residual_form.collapse(x)
         self.experts.end_step()
         if hidden_out is not None:
-            hidden_out.append(block_norm(cfg, x, w["final_norm"], w.get("final_norm_bias")))
+            hidden_out.append(streams if cfg.residual_form == "hyper" else
+                              block_norm(cfg, x, w["final_norm"], w.get("final_norm_bias")))
         if last_only:
             x = x[:, -1:]
         x = block_norm(cfg, x, w["final_norm"], w.get("final_norm_bias"))

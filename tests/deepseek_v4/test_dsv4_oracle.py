@@ -97,16 +97,6 @@ def test_each_mechanism_changes_the_logits(dsv4_checkpoints, mechanism: str) -> 
     assert moved(model, ref) > MATTERS
 
 
-def test_the_cache_refuses_to_roll_back(dsv4_checkpoints) -> None:
-    """The compressors pool finished windows; transformers marks V4 stateful for the same reason."""
-    model = load_model(dsv4_checkpoints.get("packed")[0])
-    cache = model.new_cache()
-    model.forward(np.asarray([[5, 6, 7, 8, 9]]), cache)
-    cache.truncate(5)  # no-op
-    with pytest.raises(ConfigError, match="cannot roll its cache back"):
-        cache.truncate(3)
-
-
 @pytest.mark.parametrize(("edit", "message"), [
     # a layer said to be sliding where the checkpoint has a compressor, and the reverse: tensors do not fit
     (lambda raw: raw["layer_types"].__setitem__(1, "heavily_compressed_attention"),
