@@ -21,6 +21,8 @@ Shapes: B batch, T new tokens, S = cached + new tokens, nh heads.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..errors import ConfigError
@@ -59,7 +61,7 @@ def _indexer_keep(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConf
 
 
 def ml4_attention(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig, rope: Rope,
-                  cache: DsaLayerCache, positions: np.ndarray, layer: int, step: dict[str, object]) -> np.ndarray:
+                  cache: DsaLayerCache, positions: np.ndarray, layer: int, step: dict[str, Any]) -> np.ndarray:
     """x (B, T, H) -> (B, T, H)."""
     if not isinstance(cache, DsaLayerCache):
         raise ConfigError("a Mistral Large 4 model needs the cache of Model.new_cache()")

@@ -9,7 +9,7 @@ the shared expert is computed while the routed experts are in flight; ``result``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,7 +41,7 @@ class ExpertExecutor(Protocol):
 
 class AttentionKind(Protocol):
     def __call__(self, w: dict[str, np.ndarray | None], h: np.ndarray, cfg: ModelConfig, rope: Rope, cache: object,
-                 positions: np.ndarray, layer: int, step: dict[str, object]) -> np.ndarray:
+                 positions: np.ndarray, layer: int, step: dict[str, Any]) -> np.ndarray:
         """Layer ``layer``'s token mixing: h (B, T, H) -> (B, T, H), over its ``cache``.  ``step`` is what
         one layer hands the next within this pass (Mistral Large 4: a layer's latent keys and values, the
         indexer's top-k)."""
@@ -265,7 +265,7 @@ class Model:
         if cfg.embedding_multiplier != 1.0:  # Granite
             x = x * np.float32(cfg.embedding_multiplier)
         # what one layer hands the next within this pass (DSA top-k), and the token ids (hash routing)
-        step: dict[str, np.ndarray] = {"tokens": ids.reshape(-1)}
+        step: dict[str, Any] = {"tokens": ids.reshape(-1)}
         self._announce_hashed(step["tokens"])
         x = self.residual_form.expand(x)
         for L in range(cfg.num_layers):
@@ -291,7 +291,7 @@ class Model:
         if routes:
             hint(routes)
 
-    def layer(self, L: int, x: np.ndarray, layer_cache: object, positions: np.ndarray, step: dict[str, np.ndarray],
+    def layer(self, L: int, x: np.ndarray, layer_cache: object, positions: np.ndarray, step: dict[str, Any],
               *, observe: bool = True) -> np.ndarray:
         """Decoder layer ``L`` (an MTP layer too: ``model/mtp.py``): x (B, T, H) -> (B, T, H).
         ``observe`` False keeps the observers (demand counts, state prefetch) out of it."""
@@ -319,7 +319,7 @@ class Model:
         return form.leave(L, "mlp", x, out.reshape(B, T, -1), held)
 
     def _mix_tokens(self, L: int, h: np.ndarray, layer_cache: object, positions: np.ndarray,
-                    step: dict[str, np.ndarray]) -> np.ndarray:
+                    step: dict[str, Any]) -> np.ndarray:
         """The attention kinds beyond GQA and MLA: DSA (DeepSeek-V3.2, GLM-5), Qwen3.5's DeltaNet +
         gated attention.  h (B, T, H) -> (B, T, H)."""
         cfg = self.config
