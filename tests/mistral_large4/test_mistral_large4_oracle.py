@@ -26,6 +26,7 @@ from moeswarm.model import (
 from moeswarm.model._config_mistral_large4 import ARCHITECTURES
 from moeswarm.model._safetensors import open_folder
 from moeswarm.model.convert import convert
+from moeswarm.model.transformer import ATTENTION_KINDS
 
 TOL = 1e-4
 MATTERS = 1e-2  # a mechanism switched off must move some logit by at least 100x the tolerance
@@ -109,18 +110,37 @@ def test_each_mechanism_changes_the_logits(ml4_checkpoints, mechanism: str) -> N
 
 
 def test_nope_layers_change_the_logits(ml4_checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
-    """NoPE's attention cannot be switched off on these weights (a RoPE layer's kv_a and kv_b have other
-    shapes: ``test_a_config_that_does_not_fit_says_what_is_wrong``); its indexer can: rotating the NoPE
-    layers' indexer queries and keys moves the logits."""
+    """NoPE switched off: layers 2 and 3 rotate the last qk_rope_head_dim dims of their attention queries
+    and keys, and the first of their indexer's, as a RoPE layer does (a RoPE layer's kv_a and kv_b have
+    other shapes, so no config change does this on these weights:
+    ``test_a_config_that_does_not_fit_says_what_is_wrong``).  Each half alone moves the logits."""
     folder, ref = ml4_checkpoints.get("packed")
     model = load_model(folder, backend="eager")
     assert moved(model, ref) <= TOL
-    keep = _attn_ml4._indexer_keep
+    rd, nope_layers, now = model.config.qk_rope_head_dim, (2, 3), {}
+    attention, attend, indexer = _attn_ml4.ml4_attention, _attn_ml4._attend, _attn_ml4._indexer_keep
 
-    def rotated(w, x, cfg, cos, sin, cache, positions):  # type: ignore[no-untyped-def]
-        return keep(w, x, cfg, *model.rope.tables(positions), cache, positions)
+    def layer_noted(w, x, cfg, rope, cache, positions, layer, step):  # type: ignore[no-untyped-def]
+        now["layer"] = layer
+        return attention(w, x, cfg, rope, cache, positions, layer, step)
 
-    monkeypatch.setattr(_attn_ml4, "_indexer_keep", rotated)
+    def attend_rotated(q, k, v, past, *rest):  # type: ignore[no-untyped-def]
+        if now["layer"] in nope_layers:
+            T, S = q.shape[2], k.shape[2]
+            qc, qs = model.rope.tables(np.arange(past, past + T))
+            kc, ks = model.rope.tables(np.arange(S))
+            q = np.concatenate([q[..., :-rd], model.rope.apply(q[..., -rd:], qc, qs)], axis=-1)
+            k = np.concatenate([k[..., :-rd], model.rope.apply(k[..., -rd:], kc, ks)], axis=-1)
+        return attend(q, k, v, past, *rest)
+
+    def indexer_rotated(w, x, cfg, cos, sin, cache, positions):  # type: ignore[no-untyped-def]
+        return indexer(w, x, cfg, *model.rope.tables(positions), cache, positions)
+
+    monkeypatch.setitem(ATTENTION_KINDS, "mistral_large4", layer_noted)
+    monkeypatch.setattr(_attn_ml4, "_attend", attend_rotated)
+    assert moved(model, ref) > MATTERS
+    monkeypatch.setattr(_attn_ml4, "_attend", attend)
+    monkeypatch.setattr(_attn_ml4, "_indexer_keep", indexer_rotated)
     assert moved(model, ref) > MATTERS
 
 
