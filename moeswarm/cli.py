@@ -64,8 +64,8 @@ def _default_model() -> str:
 @main.command()
 @click.option("--model", "model_dir", type=click.Path(), default=None,
               help="Hugging Face model folder (config.json + *.safetensors + tokenizer) or GGUF file. "
-                   "Vision-language checkpoints (MiniMax M3, Kimi K2.5, Qwen3.5-MoE) serve their language model: "
-                   "images are not supported yet. Default: the shipped demo.")
+                   "Vision-language checkpoints (MiniMax M3, Kimi K2.5, Qwen3.5-MoE, Mistral Large 4) serve their "
+                   "language model: images are not supported yet. Default: the shipped demo.")
 @click.option("--prompt", default=None, help="Text to continue. Default: the demo prompt.")
 @click.option("--prompt-ids", default=None, help="Token ids as a JSON list, instead of --prompt.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(0, 1_000_000))

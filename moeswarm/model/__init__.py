@@ -17,6 +17,7 @@ from . import _config_dots1_ernie, _config_glm4, _config_hunyuan, _config_qwen3_
 from . import _config_dbrx, _config_granite, _config_llama4, _config_mistral4, _config_phimoe  # noqa: F401
 from . import _config_kimi_linear, _config_longcat, _config_mimo, _config_minimax_text01  # noqa: F401
 from . import _attn_dsv4, _config_dsv4, _residual_hc  # noqa: F401 - DeepSeek-V4
+from . import _attn_ml4, _config_mistral_large4  # noqa: F401 - Mistral Large 4
 from . import _config_minimax_kimi, _rules_minimax_kimi  # noqa: F401
 from .attention import KVCache
 from .checkpoint import load_config, load_weights

@@ -83,18 +83,25 @@ def indexer_keep(
     cos, sin = rope.tables(positions)  # (T, rd/2)
     q = np.concatenate([_rotate(q[..., :rd], cos[:, None], sin[:, None], dsa.rope_interleaved), q[..., rd:]], axis=-1)
     k = np.concatenate([_rotate(k[..., :rd], cos, sin, dsa.rope_interleaved), k[..., rd:]], axis=-1)
+    return top_keys(q, k, linear(x, w["idx_w"]), dsa.topk, cache)  # type: ignore[arg-type]
+
+
+def top_keys(q: np.ndarray, k: np.ndarray, head_weights: np.ndarray, topk: int, cache: DsaLayerCache) -> np.ndarray:
+    """The indexer's choice from its rotated queries q (B, T, nh, D), keys k (B, T, D) (cached here) and
+    per-head weights (B, T, nh): keep (B, T, S) bool, the ``topk`` best causal keys of each query."""
+    B, T, nh, D = q.shape
     keys = cache.append_index(k)  # (B, S, D)
     S = keys.shape[1]
     scores = np.matmul(q, keys[:, None].swapaxes(-1, -2)) * np.float32(D**-0.5)  # (B, T, nh, S)
     np.maximum(scores, 0, out=scores)
-    weights = linear(x, w["idx_w"]) * np.float32(nh**-0.5)  # type: ignore[arg-type]  # (B, T, nh)
+    weights = head_weights * np.float32(nh**-0.5)  # (B, T, nh)
     index = np.matmul(weights[:, :, None, :], scores)[:, :, 0]  # (B, T, S)
     past = S - T
     causal = np.arange(S)[None, :] <= past + np.arange(T)[:, None]  # (T, S)
-    if dsa.topk >= S:
+    if topk >= S:
         return np.broadcast_to(causal, (B, T, S))
     index = np.where(causal, index, np.float32(-np.inf))
-    chosen = np.argpartition(-index, dsa.topk - 1, axis=-1)[..., : dsa.topk]  # (B, T, topk)
+    chosen = np.argpartition(-index, topk - 1, axis=-1)[..., :topk]  # (B, T, topk)
     keep = np.zeros((B, T, S), dtype=bool)
     np.put_along_axis(keep, chosen, True, axis=-1)
     return keep & causal

@@ -21,6 +21,7 @@ tokens of the unfinished window, the previous window's first series and the entr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -182,7 +183,8 @@ def _indexed(w: dict[str, np.ndarray | None], x: np.ndarray, q_res: np.ndarray, 
 
 
 def dsv4_attention(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig, rope: Rope,
-                   cache: Dsv4LayerCache, positions: np.ndarray, layer: int) -> np.ndarray:
+                   cache: Dsv4LayerCache, positions: np.ndarray, layer: int,
+                   step: dict[str, Any] | None = None) -> np.ndarray:
     """x (B, T, H) -> (B, T, H)."""
     s: Dsv4Settings = cfg.family
     kind = s.layer_kinds[layer]

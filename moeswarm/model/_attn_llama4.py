@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,8 @@ def _unit_rms(x: np.ndarray, eps: float) -> np.ndarray:
 
 
 def llama4_attention(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig, rope: Rope,
-                     cache: LayerCache, positions: np.ndarray, layer: int) -> np.ndarray:
+                     cache: LayerCache, positions: np.ndarray, layer: int,
+                     step: dict[str, Any] | None = None) -> np.ndarray:
     """x (B, T, H) -> (B, T, H)."""
     s: Llama4Settings = cfg.family
     B, T, _ = x.shape

@@ -159,7 +159,8 @@ def _kda(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig, cache
 
 
 def kimi_linear_attention(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig, rope: Rope,
-                          cache: object, positions: np.ndarray, layer: int) -> np.ndarray:
+                          cache: object, positions: np.ndarray, layer: int,
+                          step: dict[str, Any] | None = None) -> np.ndarray:
     """Layer ``layer``'s token mixing: KDA or MLA without RoPE.  x (B, T, H) -> (B, T, H)."""
     if cfg.family.linear[layer]:
         assert isinstance(cache, DeltaNetState)

@@ -109,7 +109,8 @@ _BLANK = ModelConfig(arch="", vocab_size=0, hidden_size=0, num_layers=0, num_hea
 
 
 def mimo_attention(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig, rope: Rope,
-                   cache: LayerCache, positions: np.ndarray, layer: int) -> np.ndarray:
+                   cache: LayerCache, positions: np.ndarray, layer: int,
+                   step: dict[str, Any] | None = None) -> np.ndarray:
     """x (B, T, H) -> (B, T, H)."""
     s: MimoSettings = cfg.family
     B, T, _ = x.shape

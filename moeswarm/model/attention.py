@@ -34,8 +34,10 @@ def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndar
 class Rope:
     """cos/sin tables for positions, grown on demand."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, alpha: np.ndarray | None = None) -> None:
         self.inv_freq, self.scale = cfg.rope.inv_freq()  # (dim/2,)
+        if alpha is not None:  # LeRoPE (Mistral Large 4): each inverse frequency times exp(a learned alpha)
+            self.inv_freq = (self.inv_freq * np.exp(f32(alpha))).astype(np.float32)
         self.interleaved = cfg.rope.interleaved
         # PhiMoE's longrope: a pass whose last position reaches past ``original`` scales by long_mscale
         self.long_scale, self.original = cfg.rope.long_mscale, cfg.rope.original_max_position

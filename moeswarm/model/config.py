@@ -187,6 +187,8 @@ class ModelConfig:
     # how each block's output joins the residual stream (``transformer.RESIDUAL_FORMS``): "add", or
     # DeepSeek-V4's "hyper" (hc_mult streams mixed by manifold-constrained hyper-connections)
     residual_form: str = "add"
+    # logits = c * tanh(logits / c) when c > 0 (Mistral Large 4's ``final_logit_softcapping``)
+    final_logit_softcapping: float = 0.0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

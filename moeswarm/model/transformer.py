@@ -9,7 +9,7 @@ the shared expert is computed while the routed experts are in flight; ``result``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,8 +41,10 @@ class ExpertExecutor(Protocol):
 
 class AttentionKind(Protocol):
     def __call__(self, w: dict[str, np.ndarray | None], h: np.ndarray, cfg: ModelConfig, rope: Rope, cache: object,
-                 positions: np.ndarray, layer: int) -> np.ndarray:
-        """Layer ``layer``'s token mixing: h (B, T, H) -> (B, T, H), over its ``cache``."""
+                 positions: np.ndarray, layer: int, step: dict[str, Any]) -> np.ndarray:
+        """Layer ``layer``'s token mixing: h (B, T, H) -> (B, T, H), over its ``cache``.  ``step`` is what
+        one layer hands the next within this pass (Mistral Large 4: a layer's latent keys and values, the
+        indexer's top-k)."""
         ...
 
 
@@ -189,11 +191,15 @@ def residual(cfg: ModelConfig, h: np.ndarray) -> np.ndarray:
 
 
 def scaled_logits(cfg: ModelConfig, logits: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """float32 logits, plus PhiMoE's LM-head ``bias``, divided by Granite's ``logits_scaling``."""
+    """float32 logits, plus PhiMoE's LM-head ``bias``, divided by Granite's ``logits_scaling``, soft-capped
+    by Mistral Large 4's ``final_logit_softcapping``."""
     if bias is not None:
         logits = logits + f32(bias)
     if cfg.logits_scaling != 1.0:
         logits = logits / np.float32(cfg.logits_scaling)
+    if cfg.final_logit_softcapping:
+        cap = np.float32(cfg.final_logit_softcapping)
+        logits = np.tanh(logits / cap) * cap
     return logits.astype(np.float32, copy=False)
 
 
@@ -222,7 +228,7 @@ class Model:
         # compute the shared expert while the routed experts are in flight; False waits for them
         # first (the same numbers, only slower: for measuring what the overlap saves)
         self.overlap_shared = overlap_shared
-        self.rope = Rope(cfg)
+        self.rope = Rope(cfg, weights.get("rope_alpha"))  # LeRoPE's learned alpha, if the family has one
         self.observers: list[RouteObserver] = []  # (layer, expert ids (T, k)) once a MoE layer has routed
         self.state_observers: list[Callable[[int, np.ndarray], None]] = []  # (layer, residual (N, H)) before its MLP
         self.residual_form = RESIDUAL_FORMS[cfg.residual_form](cfg, weights)
@@ -260,7 +266,7 @@ class Model:
         if cfg.embedding_multiplier != 1.0:  # Granite
             x = x * np.float32(cfg.embedding_multiplier)
         # what one layer hands the next within this pass (DSA top-k), and the token ids (hash routing)
-        step: dict[str, np.ndarray] = {"tokens": ids.reshape(-1)}
+        step: dict[str, Any] = {"tokens": ids.reshape(-1)}
         self._announce_hashed(step["tokens"])
         x = self.residual_form.expand(x)
         for L in range(cfg.num_layers):
@@ -287,7 +293,7 @@ class Model:
         if routes:
             hint(routes)
 
-    def layer(self, L: int, x: np.ndarray, layer_cache: object, positions: np.ndarray, step: dict[str, np.ndarray],
+    def layer(self, L: int, x: np.ndarray, layer_cache: object, positions: np.ndarray, step: dict[str, Any],
               *, observe: bool = True) -> np.ndarray:
         """Decoder layer ``L`` (an MTP layer too: ``model/mtp.py``): x (B, T, H) -> (B, T, H).
         ``observe`` False keeps the observers (demand counts, state prefetch) out of it."""
@@ -315,12 +321,12 @@ class Model:
         return form.leave(L, "mlp", x, out.reshape(B, T, -1), held)
 
     def _mix_tokens(self, L: int, h: np.ndarray, layer_cache: object, positions: np.ndarray,
-                    step: dict[str, np.ndarray]) -> np.ndarray:
+                    step: dict[str, Any]) -> np.ndarray:
         """The attention kinds beyond GQA and MLA: DSA (DeepSeek-V3.2, GLM-5), Qwen3.5's DeltaNet +
         gated attention.  h (B, T, H) -> (B, T, H)."""
         cfg = self.config
         if cfg.attention in ATTENTION_KINDS:
-            return ATTENTION_KINDS[cfg.attention](self._attn[L], h, cfg, self.rope, layer_cache, positions, L)
+            return ATTENTION_KINDS[cfg.attention](self._attn[L], h, cfg, self.rope, layer_cache, positions, L, step)
         if cfg.attention == "dsa":
             return dsa_attention(self._attn[L], h, cfg, self.rope, layer_cache, positions, L, step)  # type: ignore[arg-type]
         if cfg.attention == "qwen3_5":

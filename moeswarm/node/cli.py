@@ -15,7 +15,8 @@ def swarm_options(fn):  # type: ignore[no-untyped-def]
     options = [
         click.option("--model", "model_dir", required=True, type=click.Path(),
                      help="Hugging Face model folder, or a GGUF file (the same checkpoint every peer of this model uses). "
-                          "Vision-language checkpoints (MiniMax M3, Kimi K2.5) serve text: images are not supported yet."),
+                          "Vision-language checkpoints (MiniMax M3, Kimi K2.5, Mistral Large 4) serve text: images are not "
+                          "supported yet."),
         click.option("--bootstrap", multiple=True, metavar="MULTIADDR",
                      help="A peer to join through, e.g. /ip4/1.2.3.4/tcp/4001/p2p/12D3Koo... (repeatable). "
                           "Without it this process is a bootstrap peer."),

@@ -1,5 +1,5 @@
 """Mistral Large 4 (``mistral_large4``, text model ``mistral_large4_text``): ``moeswarm plan`` counts it
-(the engine does not run it yet: see docs/families.md).  plan's count of the text model equals the
+and the engine reads its published config (it runs it: ``test_mistral_large4_oracle.py``).  plan's count of the text model equals the
 parameters transformers 5.24 builds for it (the vision tower and projector left out), on the shipped
 config (transformers' defaults, named after mistralai/Mistral-Large-4-1T-A52B) and on a small one
 with every per-layer variant: NoPE layers, layers reading an earlier layer's latent cache, indexer
@@ -17,7 +17,6 @@ import pytest
 import torch
 from transformers import MistralLarge4Config, MistralLarge4ForConditionalGeneration
 
-from moeswarm.errors import CheckpointError
 from moeswarm.model import ModelConfig
 from moeswarm.model.plan import model_size
 
@@ -59,7 +58,17 @@ def test_plan_prints_the_model_card_beside_the_count() -> None:
     assert "model card      1T total, 52B active (mistralai/Mistral-Large-4-1T-A52B)" in text
 
 
-def test_the_engine_says_it_does_not_run_it() -> None:
+def test_the_engine_reads_the_published_config() -> None:
+    """The shipped config.json (the multimodal one) read through its text_config, with transformers'
+    defaults for what it leaves out."""
     raw = json.loads((CONFIGS / "mistral-large-4.json").read_text())
-    with pytest.raises(CheckpointError, match="unsupported architecture 'mistral_large4'"):
-        ModelConfig.from_hf(raw)
+    c = ModelConfig.from_hf(raw)
+    text = raw["text_config"]
+    assert (c.arch, c.attention, c.num_layers, c.q_lora_rank, c.kv_lora_rank) == ("mistral_large4", "mistral_large4",
+                                                                                  72, None, 512)
+    assert c.family.rope_layers == tuple(bool(f) for f in text["no_rope_layers"]) and not c.family.rope_layers[3]
+    assert c.family.kv_source == tuple(range(72)) and c.dsa is not None and not any(c.dsa.shared)
+    assert (c.dsa.topk, c.dsa.n_heads, c.dsa.head_dim) == (2048, 32, 128)
+    assert (c.router, c.norm_topk_prob, c.num_experts, c.top_k) == ("softmax_group", True, 128, 4)
+    assert c.moe_layers == (False,) + (True,) * 71 and c.final_logit_softcapping == 30.0
+    assert (c.rope.kind, c.rope.factor, c.rope.attention_factor, c.scale) == ("yarn", 2048.0, 1.0, 128**-0.5)
