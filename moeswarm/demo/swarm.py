@@ -71,57 +71,96 @@ def _wait_ready(name: str, process: subprocess.Popen[str], timeout_s: float, log
 
 def start_daemon(name: str, args: list[str], timeout_s: float = 120.0, env: dict[str, str] | None = None) -> Daemon:
     """Start ``moeswarm ARGS`` and wait for its READY line; stderr goes to a temporary file."""
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"moeswarm-{name.replace(' ', '-')}-", suffix=".log")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moeswarm.cli", *args], stdout=subprocess.PIPE, stderr=log, text=True,
-        env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})},
-    )
+    return start_daemons([(name, args)], timeout_s, env)[0]
+
+
+def start_daemons(commands: Sequence[tuple[str, list[str]]], timeout_s: float = 120.0,
+                  env: dict[str, str] | None = None) -> list[Daemon]:
+    """Start every ``(name, moeswarm ARGS)`` at once, then wait for each one's READY line (so their
+    start-ups overlap); if one fails, the others are stopped."""
+    spawned: list[tuple[str, subprocess.Popen[str], IO[str]]] = []
+    ready: list[Daemon] = []
     try:
-        lines: list[str] = []
-        return Daemon(name, process, _wait_ready(name, process, timeout_s, log, lines), log, lines)
+        for name, args in commands:
+            log = tempfile.NamedTemporaryFile("w+", prefix=f"moeswarm-{name.replace(' ', '-')}-", suffix=".log")
+            try:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "moeswarm.cli", *args], stdout=subprocess.PIPE, stderr=log, text=True,
+                    env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **(env or {})},
+                )
+            except BaseException:
+                log.close()
+                raise
+            spawned.append((name, process, log))
+        for name, process, log in spawned:
+            lines: list[str] = []
+            ready.append(Daemon(name, process, _wait_ready(name, process, timeout_s, log, lines), log, lines))
+        return ready
     except BaseException:
-        if process.stdout is not None:
-            process.stdout.close()
-        log.close()
+        for name, process, log in spawned[len(ready):]:
+            if process.poll() is None:
+                process.kill()
+                process.wait(5)
+            if process.stdout is not None:
+                process.stdout.close()
+            log.close()
+        stop_daemons(ready)
         raise
 
 
 def stop_daemon(daemon: Daemon, timeout_s: float = 15.0) -> None:
     """SIGTERM (clean shutdown: the node withdraws its announcement), SIGKILL if it hangs."""
-    if daemon.process.poll() is None:
-        daemon.process.send_signal(signal.SIGTERM)
+    stop_daemons([daemon], timeout_s)
+
+
+def stop_daemons(daemons: Sequence[Daemon], timeout_s: float = 15.0) -> None:
+    """``stop_daemon`` for several at once: every one is sent SIGTERM first, so their clean
+    shutdowns overlap; each gets ``timeout_s`` from then before SIGKILL."""
+    for daemon in daemons:
+        if daemon.process.poll() is None:
+            daemon.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for daemon in daemons:
         try:
-            daemon.process.wait(timeout_s)
+            daemon.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             daemon.process.kill()
             daemon.process.wait(5)
-    if daemon.process.stdout is not None:
-        daemon.process.stdout.close()
-    daemon.log.close()
+        if daemon.process.stdout is not None:
+            daemon.process.stdout.close()
+        daemon.log.close()
 
 
 @contextmanager
 def expert_nodes(model_dir: str, ranges: Sequence[str], *, bootstrap: str | None = None,
                  extra_args: Callable[[int], list[str]] = lambda i: [],
                  progress: Callable[[str], None] = lambda line: None) -> Iterator[list[Daemon]]:
-    """One ``moeswarm node`` per range of experts ("0-3"), each started once the one before is
-    READY; they join through ``bootstrap``, else through the first node.  Stopped, last first, on
-    exit.  ``extra_args(i)`` adds options to node ``i``'s command line; ``progress`` hears a line
-    as each one starts."""
+    """One ``moeswarm node`` per range of experts ("0-3"); they join through ``bootstrap``, else
+    through the first node, which is then started (and READY) before the others.  The others start
+    at once, except ``--experts auto`` nodes, each started once the one before is READY (each
+    chooses from what the others announced).  Stopped together on exit.  ``extra_args(i)`` adds
+    options to node ``i``'s command line; ``progress`` hears a line as each one starts."""
     started: list[Daemon] = []
     try:
-        for i, experts in enumerate(ranges):
-            progress(f"  starting node {i} (experts {experts} of every layer)"
-                     + (" as the bootstrap peer..." if i == 0 and bootstrap is None else "..."))
-            args = ["node", "--model", model_dir, "--experts", experts, *extra_args(i)]
+        i = 0
+        while i < len(ranges):
             boot = bootstrap or (started[0].info["multiaddrs"][0] if started else None)
-            if boot:
-                args += ["--bootstrap", boot]
-            started.append(start_daemon(f"node {i}", args))
+            # a batch: the bootstrap node alone, an auto node alone, else every fixed range left before the next auto
+            end = i + 1
+            if boot is not None and ranges[i] != "auto":
+                while end < len(ranges) and ranges[end] != "auto":
+                    end += 1
+            batch = []
+            for j in range(i, end):
+                progress(f"  starting node {j} (experts {ranges[j]} of every layer)"
+                         + (" as the bootstrap peer..." if boot is None else "..."))
+                args = ["node", "--model", model_dir, "--experts", ranges[j], *extra_args(j)]
+                batch.append((f"node {j}", args + (["--bootstrap", boot] if boot else [])))
+            started += start_daemons(batch)
+            i = end
         yield started
     finally:
-        for daemon in reversed(started):
-            stop_daemon(daemon)
+        stop_daemons(started[::-1])
 
 
 @contextmanager
