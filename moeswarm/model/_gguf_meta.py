@@ -85,7 +85,7 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
     w.add_feed_forward_length(cfg.dense_intermediate_size or cfg.moe_intermediate_size)
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
-    if cfg.norm == "layer":  # DBRX's LayerNorm: llama.cpp's key for a LayerNorm's epsilon
+    if cfg.norm == "layer" and cfg.arch != "phimoe":  # DBRX's LayerNorm (llama.cpp's phimoe reads the RMS key)
         w.add_layer_norm_eps(cfg.rms_norm_eps)
     else:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -108,7 +108,7 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.shared_intermediate_size:
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe", "mistral4", "dots1"):
+    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe", "glm4_moe_lite", "mistral4", "dots1"):
         w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
         w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
@@ -136,9 +136,13 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_interleave_moe_layer_step(cfg.moe_layers.index(True) + 1 if True in cfg.moe_layers else cfg.num_layers)
         if not any(cfg.family.chunked):
             w.add_sliding_window(0)
+    if cfg.arch == "hunyuan_v1_moe":  # one shared MLP, as wide as an expert
+        w.add_expert_shared_count(1)
+    if cfg.arch == "phimoe":
+        _phimoe_hparams(w, cfg)
     _dsa_deltanet_hparams(w, cfg)
     windows = {x for x in cfg.sliding_windows if x is not None}
-    if windows:
+    if windows and cfg.arch != "phimoe":
         w.add_sliding_window(max(windows))
     if cfg.rope.kind == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -151,9 +155,11 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
 
 
 def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: str,
-                            rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+                            rope_freqs: np.ndarray | None = None,
+                            rope_factors: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
     """A config.json-like dict from llama.cpp keys (``meta``: key -> value) and tensor names; ``rope_freqs``:
-    the values of llama.cpp's ``rope_freqs`` tensor when the file has one (Llama 4's llama3 RoPE scaling)."""
+    the values of llama.cpp's ``rope_freqs`` tensor when the file has one (Llama 4's llama3 RoPE scaling);
+    ``rope_factors``: those of ``rope_factors_short`` / ``rope_factors_long`` (PhiMoE's longrope), by name."""
     from ._gguf_names import model_type_of
 
     arch = model_type_of(garch)
@@ -212,6 +218,10 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         clip = get(A.CLAMP_KQV, None)
         raw.update(attention_bias=has("attn_q.bias"), clip_qkv=_f32(clip) if clip else None)
     elif arch in ("deepseek_v3", "mistral4"):
+        first_dense = int(get(L.LEADING_DENSE_BLOCK_COUNT, 0))
+        if arch == "deepseek_v3" and dense != list(range(first_dense)):  # GLM-4.7-Flash: dense layers anywhere
+            raw.update(model_type="glm4_moe_lite",
+                       mlp_layer_types=["dense" if i in dense else "sparse" for i in range(n)])
         rope_dim = int(get(R.DIMENSION_COUNT))
         q_lora = get(A.Q_LORA_RANK, None)
         key, value = _mla_head_lengths(get, A)
@@ -234,6 +244,11 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         raw["rope_parameters"]["partial_rotary_factor"] = int(get(R.DIMENSION_COUNT, head_dim)) / head_dim
     elif arch in ("glm_moe_dsa", "qwen3_5_moe"):
         _dsa_deltanet_config(raw, get, tensors, n, experts, dense)
+    elif arch == "hunyuan_v1_moe":
+        raw.update(intermediate_size=expert_ff, moe_topk=raw["num_experts_per_tok"], attention_bias=has("attn_q.bias"),
+                   head_dim=int(raw["head_dim"] or raw["hidden_size"] // heads))
+    elif arch == "phimoe":
+        _phimoe_config(raw, get, tensors, experts, expert_ff, rope_factors or {})
     elif arch == "dots1":  # llama.cpp's dots1 has no sliding-window layers
         raw.update(n_routed_experts=experts, head_dim=int(raw["head_dim"] or raw["hidden_size"] // heads),
                    attention_bias=has("attn_q.bias"), first_k_dense_replace=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
@@ -420,3 +435,55 @@ def llama3_from_factors(factors: np.ndarray, theta: float, dim: int) -> dict[str
     if not np.allclose(llama3_factors(rope), rf, rtol=1e-4, atol=0):
         raise ValueError("rope_freqs is not a llama3 RoPE scaling")
     return params
+
+
+# ---------------------------------------------------------------- PhiMoE (phimoe)
+PHIMOE_JITTER = "moeswarm.phimoe.router_jitter_noise"  # sparsemixer's jitter: llama.cpp has no key for it
+PHIMOE_LONG_MSCALE = "moeswarm.phimoe.long_mscale"  # longrope's cos/sin scale past the original context
+
+
+def _phimoe_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
+    """As llama.cpp's Phi3MiniModel / PhiMoeModel write them (the LayerNorms' epsilon under the RMS key, above): the
+    window (0: none), the original context, and for longrope the cos/sin scale as ``rope.scaling.attn_factor``
+    (the short one: transformers 5.24's PhiMoE rotates with the short factors; past the original context it
+    switches to ``long_mscale``, which has no llama.cpp key)."""
+    windows = {x for x in cfg.sliding_windows if x is not None}
+    w.add_sliding_window(max(windows) if windows else 0)
+    w.add_float32(PHIMOE_JITTER, cfg.family.router_jitter)
+    if cfg.rope.kind == "longrope":
+        w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position)
+        w.add_rope_scaling_attn_factors(float(cfg.rope.attention_factor or 1.0))
+        w.add_float32(PHIMOE_LONG_MSCALE, cfg.rope.long_mscale)
+    else:
+        w.add_rope_scaling_orig_ctx_len(cfg.max_position_embeddings)
+
+
+def phimoe_rope_factors(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """llama.cpp's ``rope_factors_short`` / ``rope_factors_long`` tensors of a longrope PhiMoE (none otherwise)."""
+    if cfg.rope.kind != "longrope":
+        return {}
+    params = {**(cfg.raw.get("rope_scaling") or {}), **(cfg.raw.get("rope_parameters") or {})}
+    short = np.asarray(cfg.rope.factors, np.float32)
+    long = np.asarray(params.get("long_factor") or cfg.rope.factors, np.float32)
+    return {"rope_factors_short.weight": short, "rope_factors_long.weight": long}
+
+
+def _phimoe_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: int, expert_ff: int,
+                   rope_factors: Mapping[str, np.ndarray]) -> None:
+    """PhiMoE's config.json fields from llama.cpp's keys and its rope_factors tensors.  A file without our
+    jitter key takes PhimoeConfig's default (0.01, Phi-3.5-MoE's); without our long scale, the short one."""
+    A, R = Keys.Attention, Keys.Rope
+    window = int(get(A.SLIDING_WINDOW, 0))
+    raw.update(num_local_experts=experts, intermediate_size=expert_ff, sliding_window=window or None,
+               attention_bias=any(t.endswith(".attn_q.bias") for t in tensors), lm_head_bias="output.bias" in tensors,
+               rms_norm_eps=_f32(get(A.LAYERNORM_RMS_EPS, 1e-5)),
+               router_jitter_noise=_f32(get(PHIMOE_JITTER, 0.01)), num_experts_per_tok=2)
+    short = rope_factors.get("rope_factors_short.weight")
+    if short is not None:
+        mscale = _f32(get(R.SCALING_ATTN_FACTOR, 1.0))
+        long = rope_factors.get("rope_factors_long.weight", short)
+        raw["rope_parameters"].update(
+            rope_type="longrope", short_factor=[_f32(x) for x in np.asarray(short).reshape(-1)],
+            long_factor=[_f32(x) for x in np.asarray(long).reshape(-1)], short_mscale=mscale,
+            long_mscale=_f32(get(PHIMOE_LONG_MSCALE, mscale)),
+            original_max_position_embeddings=int(get(R.SCALING_ORIG_CTX_LEN)))

@@ -413,3 +413,44 @@ NAME_MAP["ernie4_5_moe"] = (
     + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
 )
 ROW_VECTORS = {("ernie4_5_moe", "{L}.router_score_bias")}  # 1-D in the engine, stored [1, n] by llama.cpp
+
+
+# ---------------------------------------------------------------- Hunyuan-A13B (hunyuan-moe)
+# As llama.cpp's convert_hf_to_gguf.py (HunYuanMoEModel) writes it: NeoX rotary (no permutation), the q/k
+# norms applied after RoPE (``query_layernorm`` / ``key_layernorm``) as attn_q_norm / attn_k_norm, the router
+# ``mlp.gate.wg`` as ffn_gate_inp and the unweighted shared MLP as ffn_*_shexp.
+GGUF_ARCH["hunyuan_v1_moe"] = "hunyuan-moe"
+NAME_MAP["hunyuan_v1_moe"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _O_BIAS
+    + _rows(("{L}.attn.q_norm", "blk.{L}.attn_q_norm.weight", _P + "self_attn.query_layernorm.weight"),
+            ("{L}.attn.k_norm", "blk.{L}.attn_k_norm.weight", _P + "self_attn.key_layernorm.weight"),
+            ("{L}.router", "blk.{L}.ffn_gate_inp.weight", _P + "mlp.gate.wg.weight"))
+    + _experts("mlp.", _PROJ) + _shared("shared_mlp")
+)
+
+
+# ---------------------------------------------------------------- GLM-4.7-Flash (glm4_moe_lite, as deepseek2)
+# llama.cpp's convert_hf_to_gguf.py (Glm4MoeLiteModel, a DeepseekV2Model) writes GLM-4.7-Flash as ``deepseek2``:
+# DeepSeek-V3's names and keys.  llama.cpp's deepseek2 runs dense layers only before the first MoE one
+# (leading_dense_block_count); which layers are dense is read back from the tensors (``_gguf_meta``).
+GGUF_ARCH["glm4_moe_lite"] = "deepseek2"
+NAME_MAP["glm4_moe_lite"] = NAME_MAP["deepseek_v3"]
+
+
+# ---------------------------------------------------------------- PhiMoE (phimoe)
+# As llama.cpp's convert_hf_to_gguf.py (PhiMoeModel, a Phi3MiniModel) writes it: Mixtral's names without
+# the q/k permutation (llama.cpp's phimoe is NeoX), the LayerNorms' biases as ``.bias`` beside their weights,
+# the LM head's bias as output.bias.  The sparsemixer router is ffn_gate_inp (its jitter has no llama.cpp
+# key: ``moeswarm.phimoe.router_jitter_noise``); longrope's factors travel as llama.cpp's rope_factors_short /
+# rope_factors_long tensors (``_gguf_write``), outside this table.
+GGUF_ARCH["phimoe"] = "phimoe"
+NAME_MAP["phimoe"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _O_BIAS
+    + _rows(("final_norm_bias", "output_norm.bias", "model.norm.bias"),
+            ("lm_head_bias", "output.bias", "lm_head.bias"),
+            ("{L}.attn_norm_bias", "blk.{L}.attn_norm.bias", _P + "input_layernorm.bias"),
+            ("{L}.mlp_norm_bias", "blk.{L}.ffn_norm.bias", _P + "post_attention_layernorm.bias"),
+            ("{L}.router", "blk.{L}.ffn_gate_inp.weight", _P + "block_sparse_moe.gate.weight"))
+    + _experts("block_sparse_moe.", {"gate": "experts.{E}.w1.weight", "up": "experts.{E}.w3.weight",
+                                     "down": "experts.{E}.w2.weight"})
+)

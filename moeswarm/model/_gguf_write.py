@@ -29,7 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from ..errors import ConfigError
-from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, llama3_factors, write_metadata
+from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, llama3_factors, phimoe_rope_factors, write_metadata
 from ._gguf_names import GGUF_ARCH, ROW_VECTORS, fused_siblings, gguf_name, rope_permutation, template, v_head_order
 from ._gguf_path import find_gguf
 from ._gguf_read import GGUFFile
@@ -157,6 +157,9 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
     if cfg.arch in ("llama4", "llama4_text") and cfg.rope.kind == "llama3":  # llama.cpp's form of the scaling
         factors = llama3_factors(cfg.rope)
         plans.append(((-1, 1), TensorPlan("rope_freqs.weight", Q.F32, factors.shape, (factors,))))
+    if cfg.arch == "phimoe":  # longrope's factors, as llama.cpp's rope_factors_short / _long tensors
+        for name, factors in phimoe_rope_factors(cfg).items():
+            plans.append(((-1, 1), TensorPlan(name, Q.F32, factors.shape, (factors,))))
     plans.sort(key=lambda item: item[0])
     return [p for _, p in plans]
 

@@ -1,24 +1,39 @@
 """Tiny checkpoints for llama.cpp's converter: a family oracle's (tests/oracle_families.py) config with what
 llama.cpp's architecture cannot express switched off.  ``dots1``: llama.cpp's dots1 has no sliding-window
-layers, so every layer attends fully (``layer_types`` all ``full_attention``)."""
+layers, so every layer attends fully (``layer_types`` all ``full_attention``).  ``hunyuan_v1_moe``: llama.cpp's
+converter takes the hub's per-layer lists (``moe_intermediate_size``, ``moe_topk``, ``num_shared_expert``) and
+converts the NTK ``alpha`` only at Hunyuan-A13B's own values (alpha 1000, head 128), so plain RoPE.  ``phimoe``:
+llama.cpp has no key for sparsemixer's jitter (the published 0.01 here) and one cos/sin scale for longrope, the
+one its converter computes from the context lengths (sqrt(1 + ln(256 / 32) / ln 32)), here both of transformers'."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
 import oracle
 import oracle_families
 import oracle_mistral4
+import oracle_phimoe
 from oracle import PROMPT  # noqa: F401  (OracleCheckpoints reads it here)
 
 SOURCES: dict[str, Any] = {"dots1": oracle_families.CONFIGS["dots1"],
-                           "ernie4_5_moe": oracle_families.CONFIGS["ernie4_5_moe"], "mistral4": oracle_mistral4.CONFIG}
+                           "ernie4_5_moe": oracle_families.CONFIGS["ernie4_5_moe"], "mistral4": oracle_mistral4.CONFIG,
+                           "hunyuan_v1_moe": oracle_families.CONFIGS["hunyuan_v1_moe"], "phimoe": oracle_phimoe.CONFIG}
+HUB_CLASS = {"phimoe": "PhiMoEForCausalLM"}  # transformers 5.24 saves PhimoeForCausalLM
+PHIMOE_MSCALE = math.sqrt(1 + math.log(256 / 32) / math.log(32))
 OVERRIDES: dict[str, dict[str, Any]] = {
     "mistral4": {"rope_parameters": {**oracle_mistral4.ROPE, "original_max_position_embeddings": 64}},
     "ernie4_5_moe": {"moe_layer_interval": 1, "moe_layer_end_index": -1, "num_key_value_heads": 4},
     "dots1": {"sliding_window": None, "layer_types": ["full_attention"] * 3, "num_key_value_heads": 4,
               "attention_bias": False},
+    "hunyuan_v1_moe": {"rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+                       "moe_intermediate_size": [32, 32], "moe_topk": [2, 2], "num_shared_expert": [1, 1]},
+    "phimoe": {"router_jitter_noise": 0.01,
+               "rope_parameters": {**oracle_phimoe.CONFIG().rope_parameters, "short_mscale": PHIMOE_MSCALE,
+                                   "long_mscale": PHIMOE_MSCALE}},
 }
 
 
@@ -38,7 +53,11 @@ def build_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
             return model
 
         return oracle.save_in_layout(build, "per_expert", out_dir)
-    return oracle.save_in_layout(lambda: oracle.build_from_config(config, seed), "per_expert", out_dir)
+    folder = oracle.save_in_layout(lambda: oracle.build_from_config(config, seed), "per_expert", out_dir)
+    if arch in HUB_CLASS:  # the class name the hub's config.json gives, the one llama.cpp's converter registers
+        raw = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**raw, "architectures": [HUB_CLASS[arch]]}, indent=2))
+    return folder
 
 
 def reference_run(folder: Path, prompt: list[int], n_decode: int = 8) -> Any:

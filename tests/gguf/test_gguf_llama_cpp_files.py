@@ -37,7 +37,7 @@ TOL = 1e-4
 # llama.cpp's converter writes MLA absorbed (attn_k_b / attn_v_b, key_length = kv_lora_rank + rope, one
 # key-value head) and the experts' gate and up fused (ffn_gate_up_exps); convert-gguf writes attn_kv_b and
 # the two apart, which llama.cpp runs too: the files agree as weights, not byte for byte
-ABSORBED_MLA = {"mistral4", "deepseek_v3"}
+ABSORBED_MLA = {"mistral4", "deepseek_v3", "glm4_moe_lite"}
 
 CASES = {
     "glm4_moe": ("oracle_glm4", "glm4_moe", "per_expert"),
@@ -49,6 +49,9 @@ CASES = {
     "ernie4_5_moe": ("oracle_llama_cpp_variants", "ernie4_5_moe"),
     "mistral4": ("oracle_llama_cpp_variants", "mistral4"),
     "deepseek_v3": ("oracle", "deepseek_v3", "per_expert"),
+    "glm4_moe_lite": ("oracle_glm4", "glm4_moe_lite", "per_expert"),
+    "hunyuan_v1_moe": ("oracle_llama_cpp_variants", "hunyuan_v1_moe"),
+    "phimoe": ("oracle_llama_cpp_variants", "phimoe"),
 }
 
 
