@@ -242,7 +242,7 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         head_dim = int(raw["head_dim"] or raw["hidden_size"] // heads)
         raw.update(num_local_experts=experts, intermediate_size=expert_ff, head_dim=head_dim)
         raw["rope_parameters"]["partial_rotary_factor"] = int(get(R.DIMENSION_COUNT, head_dim)) / head_dim
-    elif arch in ("glm_moe_dsa", "qwen3_5_moe"):
+    elif arch in ("glm_moe_dsa", "qwen3_5_moe", "qwen3_next"):
         _dsa_deltanet_config(raw, get, tensors, n, experts, dense)
     elif arch == "hunyuan_v1_moe":
         raw.update(intermediate_size=expert_ff, moe_topk=raw["num_experts_per_tok"], attention_bias=has("attn_q.bias"),
@@ -322,6 +322,7 @@ def _rope(get: Any, R: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- GLM-5 (glm-dsa) and Qwen3.5-MoE (qwen35moe)
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # llama.cpp's key (newer than this gguf package's Keys)
 
 
 def _dsa_deltanet_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
@@ -338,6 +339,11 @@ def _dsa_deltanet_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_ssm_time_step_rank(dn.num_v_heads)
         w.add_ssm_inner_size(dn.value_dim)
         full = [i for i, linear in enumerate(dn.layers) if not linear]
+        if cfg.arch == "qwen3_next":  # as llama.cpp's Qwen3NextModel writes them: the config's interval (its
+            # default 4) and which layers are DeltaNet
+            w.add_full_attention_interval(int(cfg.raw.get("full_attention_interval", 4)))
+            w.add_array(RECURRENT_LAYERS.format(arch=w.arch), [bool(x) for x in dn.layers])
+            return
         w.add_full_attention_interval(full[0] + 1 if full else len(dn.layers))
         text = cfg.raw.get("text_config", cfg.raw)
         section = list((text.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10])
@@ -371,6 +377,9 @@ def _dsa_deltanet_config(raw: dict[str, Any], get: Any, tensors: set[str], n: in
                linear_value_head_dim=int(get(S.INNER_SIZE)) // value_heads,
                shared_expert_intermediate_size=int(get(L.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)))
     raw["rope_parameters"]["partial_rotary_factor"] = int(get(Keys.Rope.DIMENSION_COUNT)) / int(raw["head_dim"])
+    if raw["model_type"] == "qwen3_next":  # llama.cpp's qwen3next always renormalises the top-k weights
+        raw.update(mlp_only_layers=dense, decoder_sparse_step=1, norm_topk_prob=bool(get(L.EXPERT_WEIGHTS_NORM, True)),
+                   intermediate_size=int(get(L.FEED_FORWARD_LENGTH, raw["moe_intermediate_size"])))
 
 
 # ---------------------------------------------------------------- Llama 4 (llama4)

@@ -454,3 +454,39 @@ NAME_MAP["phimoe"] = (
     + _experts("block_sparse_moe.", {"gate": "experts.{E}.w1.weight", "up": "experts.{E}.w3.weight",
                                      "down": "experts.{E}.w2.weight"})
 )
+
+
+# ---------------------------------------------------------------- Qwen3-Next (qwen3next)
+# As llama.cpp's convert_hf_to_gguf.py (Qwen3NextModel) writes it: Qwen3.5's DeltaNet names without its
+# value-head reordering (llama.cpp's qwen3next takes the heads grouped by key head, as the hub stores them),
+# and ``in_proj_qkvz`` (per key head: q, k, v, z) split into attn_qkv (every head's q, then k, then v) and
+# attn_gate (z): ``SPLIT`` / ``qkvz_rows``.  ``in_proj_ba`` stays grouped as ssm_ba.  llama.cpp also reads
+# the hub's layout whole as ``ssm_in`` (its "legacy GGUF"), and so does the engine.  llama.cpp's qwen3next
+# has no dense layers: ours (``mlp_only_layers``) take the generic ffn_* names (``invented``).
+GGUF_ARCH["qwen3_next"] = "qwen3next"
+_QWEN3_NEXT_DELTANET = _rows(
+    ("{L}.attn.qkvz", "blk.{L}.attn_qkv.weight", _P + "linear_attn.in_proj_qkvz.weight"),
+    ("{L}.attn.ba", "blk.{L}.ssm_ba.weight", _P + "linear_attn.in_proj_ba.weight"),
+) + tuple(r for r in _DELTANET if r.canonical not in ("{L}.attn.qkv", "{L}.attn.z", "{L}.attn.b", "{L}.attn.a"))
+NAME_MAP["qwen3_next"] = tuple(
+    NameRow(r.canonical, r.gguf, r.hf, None, r.invented, r.fused)  # no value-head reordering
+    for r in _BACKBONE + _GQA + _QK_NORM + _QWEN3_NEXT_DELTANET + _ROUTER + _experts("mlp.", _PROJ)
+    + _shared("shared_expert")
+    + _rows(("{L}.mlp_norm", "blk.{L}.post_attention_norm.weight", _P + "post_attention_layernorm.weight"),
+            ("{L}.shared_gate", "blk.{L}.ffn_gate_inp_shexp.weight", _P + "mlp.shared_expert_gate.weight"))
+) + _dense(invented=True)
+# (arch, canonical) -> the GGUF tensors its rows are split into, in order (``qkvz_rows`` gives which rows)
+SPLIT = {("qwen3_next", "{L}.attn.qkvz"): ("blk.{L}.attn_qkv.weight", "blk.{L}.attn_gate.weight")}
+LEGACY_WHOLE = {("qwen3_next", "{L}.attn.qkvz"): "blk.{L}.ssm_in.weight"}  # the same tensor unsplit, as the hub's
+
+
+def qkvz_rows(cfg: "ModelConfig") -> tuple[np.ndarray, np.ndarray]:
+    """The rows of Qwen3-Next's ``in_proj_qkvz`` (per key head: q, k, then v and z of its value heads) that
+    llama.cpp's attn_qkv (q of every head, then k, then v) and attn_gate (z) hold, in their order."""
+    dn = cfg.deltanet
+    assert dn is not None
+    dk, vz = dn.k_head_dim, dn.num_v_heads // dn.num_k_heads * dn.v_head_dim
+    base = np.arange(dn.num_k_heads)[:, None] * (2 * dk + 2 * vz)
+    q, k = (base + np.arange(dk)).reshape(-1), (base + dk + np.arange(dk)).reshape(-1)
+    v, z = (base + 2 * dk + np.arange(vz)).reshape(-1), (base + 2 * dk + vz + np.arange(vz)).reshape(-1)
+    return np.concatenate([q, k, v]), z

@@ -30,7 +30,8 @@ from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from ..errors import ConfigError
 from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, llama3_factors, phimoe_rope_factors, write_metadata
-from ._gguf_names import GGUF_ARCH, ROW_VECTORS, fused_siblings, gguf_name, rope_permutation, template, v_head_order
+from ._gguf_names import (GGUF_ARCH, ROW_VECTORS, SPLIT, fused_siblings, gguf_name, qkvz_rows, rope_permutation, template,
+                          v_head_order)
 from ._gguf_path import find_gguf
 from ._gguf_read import GGUFFile
 from .checkpoint import load_weights
@@ -131,6 +132,13 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
             qtype, note = _choose(name, shape, base)
             plans.append(((layer if layer is not None else cfg.num_layers, 0),
                           TensorPlan(gname, qtype, shape, parts, None, note)))
+            continue
+        if (cfg.arch, row.canonical) in SPLIT:  # one canonical tensor's rows as several GGUF tensors
+            for gname_part, part_rows in zip(SPLIT[cfg.arch, row.canonical], qkvz_rows(cfg)):
+                shape = (len(part_rows), a.shape[1])
+                qtype, note = _choose(name, shape, base)
+                plans.append(((layer if layer is not None else cfg.num_layers, 0),
+                              TensorPlan(gname_part.format(L=layer), qtype, shape, (a,), part_rows, note)))
             continue
         qtype, note = _choose(name, a.shape, base)
         rows = cols = None

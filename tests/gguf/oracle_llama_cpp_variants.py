@@ -4,7 +4,9 @@ layers, so every layer attends fully (``layer_types`` all ``full_attention``).  
 converter takes the hub's per-layer lists (``moe_intermediate_size``, ``moe_topk``, ``num_shared_expert``) and
 converts the NTK ``alpha`` only at Hunyuan-A13B's own values (alpha 1000, head 128), so plain RoPE.  ``phimoe``:
 llama.cpp has no key for sparsemixer's jitter (the published 0.01 here) and one cos/sin scale for longrope, the
-one its converter computes from the context lengths (sqrt(1 + ln(256 / 32) / ln 32)), here both of transformers'."""
+one its converter computes from the context lengths (sqrt(1 + ln(256 / 32) / ln 32)), here both of transformers'.
+``qwen3_next``: llama.cpp's qwen3next has no dense layers (its converter cannot name them) and always renormalises
+the chosen experts' weights, so every layer MoE and ``norm_topk_prob``."""
 
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ import oracle
 import oracle_families
 import oracle_mistral4
 import oracle_phimoe
+import oracle_qwen3_next
 from oracle import PROMPT  # noqa: F401  (OracleCheckpoints reads it here)
 
 SOURCES: dict[str, Any] = {"dots1": oracle_families.CONFIGS["dots1"],
                            "ernie4_5_moe": oracle_families.CONFIGS["ernie4_5_moe"], "mistral4": oracle_mistral4.CONFIG,
-                           "hunyuan_v1_moe": oracle_families.CONFIGS["hunyuan_v1_moe"], "phimoe": oracle_phimoe.CONFIG}
+                           "hunyuan_v1_moe": oracle_families.CONFIGS["hunyuan_v1_moe"], "phimoe": oracle_phimoe.CONFIG,
+                           "qwen3_next": oracle_qwen3_next.make_config}
 HUB_CLASS = {"phimoe": "PhiMoEForCausalLM"}  # transformers 5.24 saves PhimoeForCausalLM
 PHIMOE_MSCALE = math.sqrt(1 + math.log(256 / 32) / math.log(32))
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -34,6 +38,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "phimoe": {"router_jitter_noise": 0.01,
                "rope_parameters": {**oracle_phimoe.CONFIG().rope_parameters, "short_mscale": PHIMOE_MSCALE,
                                    "long_mscale": PHIMOE_MSCALE}},
+    "qwen3_next": {"mlp_only_layers": [], "norm_topk_prob": True},
 }
 
 
