@@ -84,7 +84,7 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
     w.add_block_count(cfg.num_layers)
     w.add_feed_forward_length(cfg.dense_intermediate_size or cfg.moe_intermediate_size)
     w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_head_count_kv(_kv_heads(cfg))
     if cfg.norm == "layer" and cfg.arch != "phimoe":  # DBRX's LayerNorm (llama.cpp's phimoe reads the RMS key)
         w.add_layer_norm_eps(cfg.rms_norm_eps)
     else:
@@ -103,7 +103,7 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_kv_lora_rank(cfg.kv_lora_rank)
     else:
         w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
+        w.add_value_length(cfg.family.v_head_dim if cfg.arch == "mimo_v2_flash" else cfg.head_dim)
     if cfg.clip_qkv is not None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.shared_intermediate_size:
@@ -140,6 +140,8 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_expert_shared_count(1)
     if cfg.arch == "phimoe":
         _phimoe_hparams(w, cfg)
+    if cfg.arch == "mimo_v2_flash":
+        _mimo_hparams(w, cfg)
     _dsa_deltanet_hparams(w, cfg)
     windows = {x for x in cfg.sliding_windows if x is not None}
     if windows and cfg.arch != "phimoe":
@@ -185,7 +187,7 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         "hidden_size": int(get(L.EMBEDDING_LENGTH)),
         "num_hidden_layers": n,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get(A.HEAD_COUNT_KV, heads)),
+        "num_key_value_heads": min(np.asarray(get(A.HEAD_COUNT_KV, heads), int).reshape(-1)),  # per layer: mimo2
         "rms_norm_eps": _f32(get(A.LAYERNORM_RMS_EPS, 1e-6)),
         "max_position_embeddings": int(get(L.CONTEXT_LENGTH, 0)),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -249,6 +251,8 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
                    head_dim=int(raw["head_dim"] or raw["hidden_size"] // heads))
     elif arch == "phimoe":
         _phimoe_config(raw, get, tensors, experts, expert_ff, rope_factors or {})
+    elif arch == "mimo_v2_flash":
+        _mimo_config(raw, get, n, experts, dense)
     elif arch == "dots1":  # llama.cpp's dots1 has no sliding-window layers
         raw.update(n_routed_experts=experts, head_dim=int(raw["head_dim"] or raw["hidden_size"] // heads),
                    attention_bias=has("attn_q.bias"), first_k_dense_replace=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
@@ -496,3 +500,49 @@ def _phimoe_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: in
             long_factor=[_f32(x) for x in np.asarray(long).reshape(-1)], short_mscale=mscale,
             long_mscale=_f32(get(PHIMOE_LONG_MSCALE, mscale)),
             original_max_position_embeddings=int(get(R.SCALING_ORIG_CTX_LEN)))
+
+
+# ---------------------------------------------------------------- MiMo-V2-Flash (mimo2)
+MIMO_VALUE_SCALE = "{arch}.attention.value_scale"  # llama.cpp's key (newer than this gguf package's Keys)
+
+
+def _kv_heads(cfg: ModelConfig) -> int | list[int]:
+    """``head_count_kv``: one number, or per layer where layers differ (MiMo's sliding layers have more)."""
+    if cfg.arch == "mimo_v2_flash":
+        return [cfg.family.sliding_kv_heads if s else cfg.num_kv_heads for s in cfg.family.sliding]
+    return cfg.num_kv_heads
+
+
+def _mimo_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
+    """As llama.cpp's MimoV2Model writes them: which layers slide, their RoPE base, the values' scale; and the
+    router's group counts and scale (llama.cpp's mimo2 reads no scale and always renormalises: the published
+    checkpoint's routed_scaling_factor is 1)."""
+    s = cfg.family
+    w.add_sliding_window_pattern([int(x) for x in s.sliding])  # type: ignore[list-item]
+    w.add_rope_freq_base_swa(s.sliding_rope.theta)
+    w.add_float32(MIMO_VALUE_SCALE.format(arch=w.arch), s.value_scale)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+
+
+def _mimo_config(raw: dict[str, Any], get: Any, n: int, experts: int, dense: list[int]) -> None:
+    """MiMo-V2-Flash's config.json fields from llama.cpp's keys (its sliding layers have twice the full layers'
+    key-value heads; the partial rotary factor is the one whose ``int(head_dim * factor)`` is the rotary width)."""
+    A, R, L = Keys.Attention, Keys.Rope, Keys.LLM
+    head_dim = int(get(A.KEY_LENGTH))
+    factor = (int(get(R.DIMENSION_COUNT)) + 0.5) / head_dim
+    pattern = [bool(x) for x in np.asarray(get(A.SLIDING_WINDOW_PATTERN)).reshape(-1)][:n]
+    base = raw["rope_parameters"]["rope_theta"]
+    raw.update(n_routed_experts=experts, head_dim=head_dim, v_head_dim=int(get(A.VALUE_LENGTH)),
+               sliding_window=int(get(A.SLIDING_WINDOW)),
+               attention_value_scale=_f32(get(MIMO_VALUE_SCALE, 1.0)),
+               layer_types=["sliding_attention" if s else "full_attention" for s in pattern],
+               mlp_layer_types=["dense" if i in dense else "sparse" for i in range(n)],
+               n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)),
+               routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
+               norm_topk_prob=bool(get(L.EXPERT_WEIGHTS_NORM, True)),
+               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": base,
+                                                   "partial_rotary_factor": factor},
+                                "sliding_attention": {"rope_type": "default", "partial_rotary_factor": factor,
+                                                      "rope_theta": _f32(get(R.FREQ_BASE_SWA, base))}})

@@ -490,3 +490,16 @@ def qkvz_rows(cfg: "ModelConfig") -> tuple[np.ndarray, np.ndarray]:
     q, k = (base + np.arange(dk)).reshape(-1), (base + dk + np.arange(dk)).reshape(-1)
     v, z = (base + 2 * dk + np.arange(vz)).reshape(-1), (base + 2 * dk + vz + np.arange(vz)).reshape(-1)
     return np.concatenate([q, k, v]), z
+
+
+# ---------------------------------------------------------------- MiMo-V2-Flash (mimo2)
+# As llama.cpp's convert_hf_to_gguf.py (MimoV2Model) writes it: GQA names (NeoX rotary: no permutation) with
+# each layer's own key-value heads (head_count_kv per layer), the sliding layers' sinks as attn_sinks (one per
+# head), DeepSeek-V3's router and correction bias, the dense first layer as ffn_*.
+GGUF_ARCH["mimo_v2_flash"] = "mimo2"
+NAME_MAP["mimo_v2_flash"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _ROUTER
+    + _rows(("{L}.attn.sinks", "blk.{L}.attn_sinks.weight", _P + "self_attn.attention_sink_bias"),
+            ("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.gate.e_score_correction_bias"))
+    + _experts("mlp.", _PROJ) + _dense(invented=False)
+)

@@ -19,6 +19,11 @@ Mistral 4: llama.cpp's converter takes it as ``Mistral3ForConditionalGeneration`
 its ``llama_4_scaling_beta`` (the checkpoint's original context is past the reference positions), and writes
 MLA absorbed, as for DeepSeek-V3: the engine rebuilds ``kv_b`` from ``attn_k_b`` / ``attn_v_b`` and splits
 ``ffn_gate_up_exps``.
+GLM-4.7-Flash: llama.cpp's converter writes it as ``deepseek2`` (absorbed, as DeepSeek-V3); its dense layer after a
+MoE one (which llama.cpp's deepseek2 graph cannot run) is read back from the tensors.
+Hunyuan-A13B, PhiMoE, Qwen3-Next, MiMo-V2-Flash: variants llama.cpp can express (``oracle_llama_cpp_variants``).
+Qwen3-Next and MiMo-V2-Flash are converted ``--no-mtp``; MiMo-V2-Flash from the hub's remote-code config.json keys
+(``mimo_hub_keys``, read as the file it is: ``--raw-config``).
 """
 
 from __future__ import annotations
@@ -53,19 +58,45 @@ CASES = {
     "hunyuan_v1_moe": ("oracle_llama_cpp_variants", "hunyuan_v1_moe"),
     "phimoe": ("oracle_llama_cpp_variants", "phimoe"),
     "qwen3_next": ("oracle_llama_cpp_variants", "qwen3_next"),
+    "mimo_v2_flash": ("oracle_llama_cpp_variants", "mimo_v2_flash"),
 }
-CONVERTER_OPTIONS = {"qwen3_next": ("--no-mtp",)}  # its converter otherwise expects Qwen3-Next's MTP layer
 
 
-def as_mistral3(folder: Path, out: Path) -> Path:
-    """The checkpoint as llama.cpp's converter takes Mistral 4: it converts ``Mistral3ForConditionalGeneration``
-    only, and a text config of ``model_type`` mistral4 as Mistral 4 (``Mistral3Model.Mistral4Model``)."""
+def as_mistral3(config: dict) -> dict:
+    """Mistral 4 as llama.cpp's converter takes it: it converts ``Mistral3ForConditionalGeneration`` only, and a
+    text config of ``model_type`` mistral4 as Mistral 4 (``Mistral3Model.Mistral4Model``)."""
+    return {**config, "architectures": ["Mistral3ForConditionalGeneration"]}
+
+
+def mimo_hub_keys(config: dict) -> dict:
+    """MiMo-V2-Flash's config.json as the hub's remote-code checkpoint has it (what llama.cpp's MimoV2Model reads:
+    ``hybrid_layer_pattern``, the ``swa_*`` sizes, top-level RoPE keys), from transformers' form."""
+    out = {k: v for k, v in config.items() if k != "rope_parameters"}
+    full, sliding = config["rope_parameters"]["full_attention"], config["rope_parameters"]["sliding_attention"]
+    kv = config["num_key_value_heads"]
+    return {**out, "hybrid_layer_pattern": [int(t == "sliding_attention") for t in config["layer_types"]],
+            "swa_head_dim": config["head_dim"], "swa_v_head_dim": config["v_head_dim"],
+            "swa_num_attention_heads": config["num_attention_heads"], "swa_num_key_value_heads": 2 * kv,
+            "topk_method": "noaux_tc", "layernorm_epsilon": config["rms_norm_eps"], "rope_theta": full["rope_theta"],
+            "swa_rope_theta": sliding["rope_theta"], "partial_rotary_factor": full["partial_rotary_factor"]}
+
+
+# the config.json llama.cpp's converter is given (the weights are the checkpoint's), and its options
+HUB_FORM = {"mistral4": as_mistral3, "mimo_v2_flash": mimo_hub_keys}
+CONVERTER_OPTIONS = {"qwen3_next": ("--no-mtp",),  # it otherwise expects Qwen3-Next's MTP layer
+                     "mimo_v2_flash": ("--no-mtp", "--raw-config")}  # as from the hub's remote-code config.json
+
+
+def for_converter(family: str, folder: Path, out: Path) -> Path:
+    """The checkpoint with the config.json llama.cpp's converter reads for ``family`` (``HUB_FORM``)."""
+    if family not in HUB_FORM:
+        return folder
     out.mkdir()
     for f in folder.iterdir():
         (out / f.name).symlink_to(f)
     config = json.loads((folder / "config.json").read_text())
     (out / "config.json").unlink()
-    (out / "config.json").write_text(json.dumps({**config, "architectures": ["Mistral3ForConditionalGeneration"]}))
+    (out / "config.json").write_text(json.dumps(HUB_FORM[family](config)))
     return out
 
 
@@ -96,7 +127,7 @@ def _value(v):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("family", list(CASES))
 def test_llama_cpp_converter_file(family_oracles, llama_cpp_src: Path, family: str, tmp_path: Path) -> None:
     folder, ref = family_oracles.get(*CASES[family])
-    source = as_mistral3(folder, tmp_path / "mistral3") if family == "mistral4" else folder
+    source = for_converter(family, folder, tmp_path / "hub-form")
     theirs = llama_cpp_tools.convert(llama_cpp_src, source, tmp_path / "llama.cpp.gguf", "f32",
                                      *CONVERTER_OPTIONS.get(family, ()))
 
