@@ -95,7 +95,7 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
     w.add_expert_used_count(cfg.top_k)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_weights_norm(cfg.norm_topk_prob)
-    if cfg.attention in ("mla", "dsa"):
+    if cfg.attention in ("mla", "dsa", "kimi_linear"):
         w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         w.add_value_length(cfg.v_head_dim)
         if cfg.q_lora_rank:
@@ -142,6 +142,8 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         _phimoe_hparams(w, cfg)
     if cfg.arch == "mimo_v2_flash":
         _mimo_hparams(w, cfg)
+    if cfg.arch == "kimi_linear":
+        _kimi_linear_hparams(w, cfg)
     _dsa_deltanet_hparams(w, cfg)
     windows = {x for x in cfg.sliding_windows if x is not None}
     if windows and cfg.arch != "phimoe":
@@ -187,7 +189,7 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         "hidden_size": int(get(L.EMBEDDING_LENGTH)),
         "num_hidden_layers": n,
         "num_attention_heads": heads,
-        "num_key_value_heads": min(np.asarray(get(A.HEAD_COUNT_KV, heads), int).reshape(-1)),  # per layer: mimo2
+        "num_key_value_heads": _attention_kv_heads(get(A.HEAD_COUNT_KV, heads)),
         "rms_norm_eps": _f32(get(A.LAYERNORM_RMS_EPS, 1e-6)),
         "max_position_embeddings": int(get(L.CONTEXT_LENGTH, 0)),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -253,6 +255,8 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         _phimoe_config(raw, get, tensors, experts, expert_ff, rope_factors or {})
     elif arch == "mimo_v2_flash":
         _mimo_config(raw, get, n, experts, dense)
+    elif arch == "kimi_linear":
+        _kimi_linear_config(raw, get, n, experts, expert_ff, dense)
     elif arch == "dots1":  # llama.cpp's dots1 has no sliding-window layers
         raw.update(n_routed_experts=experts, head_dim=int(raw["head_dim"] or raw["hidden_size"] // heads),
                    attention_bias=has("attn_q.bias"), first_k_dense_replace=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
@@ -507,10 +511,20 @@ MIMO_VALUE_SCALE = "{arch}.attention.value_scale"  # llama.cpp's key (newer than
 
 
 def _kv_heads(cfg: ModelConfig) -> int | list[int]:
-    """``head_count_kv``: one number, or per layer where layers differ (MiMo's sliding layers have more)."""
+    """``head_count_kv``: one number, or per layer where layers differ (MiMo's sliding layers have more; Kimi
+    Linear's KDA layers none: llama.cpp tells its recurrent layers by 0)."""
     if cfg.arch == "mimo_v2_flash":
         return [cfg.family.sliding_kv_heads if s else cfg.num_kv_heads for s in cfg.family.sliding]
+    if cfg.arch == "kimi_linear":
+        return [0 if linear else cfg.num_kv_heads for linear in cfg.family.linear]
     return cfg.num_kv_heads
+
+
+def _attention_kv_heads(value: Any) -> int:
+    """The key-value heads of the full-attention layers from ``head_count_kv`` (one number, or per layer: the
+    fewest of the layers that have any)."""
+    counts = [int(x) for x in np.asarray(value).reshape(-1)]
+    return min((x for x in counts if x), default=0)
 
 
 def _mimo_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
@@ -546,3 +560,44 @@ def _mimo_config(raw: dict[str, Any], get: Any, n: int, experts: int, dense: lis
                                                    "partial_rotary_factor": factor},
                                 "sliding_attention": {"rope_type": "default", "partial_rotary_factor": factor,
                                                       "rope_theta": _f32(get(R.FREQ_BASE_SWA, base))}})
+
+
+# ---------------------------------------------------------------- Kimi Linear (kimi-linear)
+KDA_HEAD_DIM = "{arch}.kda.head_dim"  # llama.cpp's key (newer than this gguf package's Keys)
+
+
+def _kimi_linear_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
+    """As llama.cpp's KimiLinearModel writes them (its runtime requires the MLA widths, the convolution width,
+    the KDA head width and the gating function): KDA uses the model's head count."""
+    k = cfg.family
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_ssm_conv_kernel(k.conv_kernel)
+    w.add_uint32(KDA_HEAD_DIM.format(arch=w.arch), k.head_dim)
+    w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
+    w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+
+
+def _kimi_linear_config(raw: dict[str, Any], get: Any, n: int, experts: int, expert_ff: int,
+                        dense: list[int]) -> None:
+    """Kimi Linear's config.json fields from llama.cpp's keys: KDA layers are those without key-value heads."""
+    A, L, R = Keys.Attention, Keys.LLM, Keys.Rope
+    kv = [int(x) for x in np.asarray(get(A.HEAD_COUNT_KV)).reshape(-1)]
+    kv = kv * n if len(kv) == 1 else kv
+    rope = int(get(R.DIMENSION_COUNT))
+    q_lora = get(A.Q_LORA_RANK, None)
+    raw.update(layer_types=["linear_attention" if x == 0 else "full_attention" for x in kv[:n]],
+               mlp_layer_types=["dense" if i in dense else "sparse" for i in range(n)],
+               linear_num_heads=raw["num_attention_heads"], linear_head_dim=int(get(KDA_HEAD_DIM)),
+               linear_conv_kernel_dim=int(get(Keys.SSM.CONV_KERNEL)), num_local_experts=experts,
+               moe_intermediate_size=expert_ff, qk_rope_head_dim=rope,
+               qk_nope_head_dim=int(get(A.KEY_LENGTH_MLA)) - rope, v_head_dim=int(get(A.VALUE_LENGTH_MLA)),
+               kv_lora_rank=int(get(A.KV_LORA_RANK)), q_lora_rank=int(q_lora) if q_lora else None,
+               n_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)),
+               routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
+               n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)),
+               norm_topk_prob=bool(get(L.EXPERT_WEIGHTS_NORM, True)), head_dim=None)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -405,14 +406,17 @@ NAME_MAP["dots1"] = (
 # ---------------------------------------------------------------- ERNIE 4.5 MoE (ernie4_5-moe)
 # As llama.cpp's convert_hf_to_gguf.py (Ernie4_5MoeModel) writes it: Llama's names, no q/k permutation
 # (ERNIE's RoPE already pairs adjacent dimensions), the router's score bias (``moe_statics``) as
-# exp_probs_b kept [1, E] as the hub stores it (``ROW_VECTORS``), DeepSeek-V3's shared-expert and dense names.
+# exp_probs_b kept [1, E] as the hub stores it (``STORED_SHAPE``), DeepSeek-V3's shared-expert and dense names.
 GGUF_ARCH["ernie4_5_moe"] = "ernie4_5-moe"
 NAME_MAP["ernie4_5_moe"] = (
     _BACKBONE + _FFN_NORM + _GQA + _ROUTER
     + _rows(("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.moe_statics.e_score_correction_bias"))
     + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
 )
-ROW_VECTORS = {("ernie4_5_moe", "{L}.router_score_bias")}  # 1-D in the engine, stored [1, n] by llama.cpp
+# (arch, canonical) -> the shape llama.cpp stores a tensor in (numpy order, same values in the same order)
+STORED_SHAPE: dict[tuple[str, str], Callable[[tuple[int, ...]], tuple[int, ...]]] = {
+    ("ernie4_5_moe", "{L}.router_score_bias"): lambda s: (1, *s),  # 1-D in the engine, [1, n] in llama.cpp
+}
 
 
 # ---------------------------------------------------------------- Hunyuan-A13B (hunyuan-moe)
@@ -503,3 +507,40 @@ NAME_MAP["mimo_v2_flash"] = (
             ("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.gate.e_score_correction_bias"))
     + _experts("mlp.", _PROJ) + _dense(invented=False)
 )
+
+
+# ---------------------------------------------------------------- Kimi Linear (kimi-linear)
+# As llama.cpp's convert_hf_to_gguf.py (KimiLinearModel) writes it: the KDA layers' q/k/v as attn_q/k/v, their
+# three causal convolutions as ssm_conv1d_{q,k,v} stored [1, C, 1, K] (ggml ne [K, 1, C, 1]), the decay
+# ``A = -exp(A_log)`` as ssm_a stored [1, 1, h, 1], dt_bias as ssm_dt.bias, the forget and output gates'
+# low-rank pairs as ssm_f_a / ssm_f_b and ssm_g_a / ssm_g_b, beta's projection as ssm_beta, the per-head output
+# norm as ssm_norm; the MLA layers (no RoPE) with DeepSeek-V3's names, ``kv_b_proj`` kept whole as attn_kv_b
+# (llama.cpp's "legacy" form, which its kimi-linear also runs; its converter writes attn_k_b / attn_v_b, which
+# the engine reads too); the hub's ``block_sparse_moe`` MoE names.
+_KA = _P + "self_attn."
+GGUF_ARCH["kimi_linear"] = "kimi-linear"
+NAME_MAP["kimi_linear"] = (
+    _BACKBONE + _FFN_NORM + _MLA
+    + _rows(("{L}.attn.k", "blk.{L}.attn_k.weight", _KA + "k_proj.weight"),
+            ("{L}.attn.v", "blk.{L}.attn_v.weight", _KA + "v_proj.weight"),
+            ("{L}.attn.q_conv", "blk.{L}.ssm_conv1d_q.weight", _KA + "q_conv1d.weight"),
+            ("{L}.attn.k_conv", "blk.{L}.ssm_conv1d_k.weight", _KA + "k_conv1d.weight"),
+            ("{L}.attn.v_conv", "blk.{L}.ssm_conv1d_v.weight", _KA + "v_conv1d.weight"),
+            ("{L}.attn.A", "blk.{L}.ssm_a", _KA + "A_log"),
+            ("{L}.attn.dt_bias", "blk.{L}.ssm_dt.bias", _KA + "dt_bias"),
+            ("{L}.attn.f_a", "blk.{L}.ssm_f_a.weight", _KA + "f_a_proj.weight"),
+            ("{L}.attn.f_b", "blk.{L}.ssm_f_b.weight", _KA + "f_b_proj.weight"),
+            ("{L}.attn.g_a", "blk.{L}.ssm_g_a.weight", _KA + "g_a_proj.weight"),
+            ("{L}.attn.g_b", "blk.{L}.ssm_g_b.weight", _KA + "g_b_proj.weight"),
+            ("{L}.attn.b", "blk.{L}.ssm_beta.weight", _KA + "b_proj.weight"),
+            ("{L}.attn.o_norm", "blk.{L}.ssm_norm.weight", _KA + "o_norm.weight"),
+            ("{L}.router", "blk.{L}.ffn_gate_inp.weight", _P + "block_sparse_moe.gate.weight"),
+            ("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias",
+             _P + "block_sparse_moe.gate.e_score_correction_bias"))
+    + _experts("block_sparse_moe.", {"gate": "experts.{E}.w1.weight", "up": "experts.{E}.w3.weight",
+                                     "down": "experts.{E}.w2.weight"})
+    + tuple(NameRow(r.canonical, r.gguf, r.hf.replace("mlp.{s}", "block_sparse_moe.shared_experts")) for r in _SHARED)
+    + _dense(invented=False)
+)
+STORED_SHAPE.update({("kimi_linear", f"{{L}}.attn.{p}_conv"): (lambda s: (1, s[0], 1, s[1])) for p in "qkv"})
+STORED_SHAPE[("kimi_linear", "{L}.attn.A")] = lambda s: (1, 1, *s, 1)

@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..errors import CheckpointError
 from ._gguf_meta import FORMAT_VERSION, HF_CONFIG, VERSION, hf_config_from_metadata
-from ._gguf_names import (GGUF_ARCH, LEGACY_WHOLE, ROW_VECTORS, SPLIT, NameRow, fused_siblings, gguf_name, qkvz_rows,
+from ._gguf_names import (GGUF_ARCH, LEGACY_WHOLE, SPLIT, STORED_SHAPE, NameRow, fused_siblings, gguf_name, qkvz_rows,
                           rope_permutation, template, v_head_order)
 from ._gguf_path import split_paths
 from ._gguf_tensor import QuantizedTensor
@@ -440,8 +440,8 @@ def load_gguf_weights(
             gname = "+".join(names)
         elif row.canonical == "{L}.attn.kv_b" and gname not in f.tensors:  # recent llama.cpp: split k_b / v_b
             w.tensors[name] = _kv_b_from_split(f, gname, cfg)
-        elif (cfg.arch, row.canonical) in ROW_VECTORS:  # stored [1, n]
-            w.tensors[name] = np.asarray(f.tensor(gname, (1, *shape))).reshape(shape)
+        elif (cfg.arch, row.canonical) in STORED_SHAPE:  # stored in another shape ([1, n], Kimi's 4-D conv)
+            w.tensors[name] = np.asarray(f.tensor(gname, STORED_SHAPE[cfg.arch, row.canonical](shape))).reshape(shape)
         else:
             w.tensors[name] = f.tensor(gname, shape, *_unpermute(row, cfg, shape))
         w.sources[name] = TensorRef(f.file_of(gname.split("+")[0]), gname)

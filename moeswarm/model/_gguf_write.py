@@ -30,7 +30,7 @@ from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from ..errors import ConfigError
 from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, llama3_factors, phimoe_rope_factors, write_metadata
-from ._gguf_names import (GGUF_ARCH, ROW_VECTORS, SPLIT, fused_siblings, gguf_name, qkvz_rows, rope_permutation, template,
+from ._gguf_names import (GGUF_ARCH, SPLIT, STORED_SHAPE, fused_siblings, gguf_name, qkvz_rows, rope_permutation, template,
                           v_head_order)
 from ._gguf_path import find_gguf
 from ._gguf_read import GGUFFile
@@ -142,7 +142,8 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
             continue
         qtype, note = _choose(name, a.shape, base)
         rows = cols = None
-        shape = (1, *a.shape) if (cfg.arch, template(name)[0]) in ROW_VECTORS else tuple(a.shape)
+        reshape = STORED_SHAPE.get((cfg.arch, template(name)[0]))
+        shape = reshape(tuple(a.shape)) if reshape else tuple(a.shape)
         if row.permute in ("heads", "kv_heads"):
             rows = rope_permutation(a.shape[0], cfg.num_heads if row.permute == "heads" else cfg.num_kv_heads)
         elif row.permute:

@@ -7,7 +7,8 @@ llama.cpp has no key for sparsemixer's jitter (the published 0.01 here) and one 
 one its converter computes from the context lengths (sqrt(1 + ln(256 / 32) / ln 32)), here both of transformers'.
 ``qwen3_next``: llama.cpp's qwen3next has no dense layers (its converter cannot name them) and always renormalises
 the chosen experts' weights, so every layer MoE and ``norm_topk_prob``.  ``mimo_v2_flash``: llama.cpp's mimo2
-reads no routed scaling factor (the published checkpoint's is 1), so 1."""
+reads no routed scaling factor (the published checkpoint's is 1), so 1.  ``kimi_linear``: llama.cpp's converter
+writes no expert group count (the published checkpoint has one group), so one group."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import oracle
 import oracle_families
+import oracle_kimi_linear
 import oracle_mimo
 import oracle_mistral4
 import oracle_phimoe
@@ -27,7 +29,8 @@ from oracle import PROMPT  # noqa: F401  (OracleCheckpoints reads it here)
 SOURCES: dict[str, Any] = {"dots1": oracle_families.CONFIGS["dots1"],
                            "ernie4_5_moe": oracle_families.CONFIGS["ernie4_5_moe"], "mistral4": oracle_mistral4.CONFIG,
                            "hunyuan_v1_moe": oracle_families.CONFIGS["hunyuan_v1_moe"], "phimoe": oracle_phimoe.CONFIG,
-                           "qwen3_next": oracle_qwen3_next.make_config, "mimo_v2_flash": oracle_mimo.CONFIG}
+                           "qwen3_next": oracle_qwen3_next.make_config, "mimo_v2_flash": oracle_mimo.CONFIG,
+                           "kimi_linear": oracle_kimi_linear.CONFIG}
 HUB_CLASS = {"phimoe": "PhiMoEForCausalLM"}  # transformers 5.24 saves PhimoeForCausalLM
 PHIMOE_MSCALE = math.sqrt(1 + math.log(256 / 32) / math.log(32))
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -42,6 +45,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                                    "long_mscale": PHIMOE_MSCALE}},
     "qwen3_next": {"mlp_only_layers": [], "norm_topk_prob": True},
     "mimo_v2_flash": {"routed_scaling_factor": 1.0},
+    "kimi_linear": {"num_expert_group": 1},  # KimiLinearConfig.to_dict's name for n_group
 }
 
 

@@ -4,7 +4,8 @@ dots.llm1 (``dots1``: sliding-window layers, grouped key-value heads, q/k/v/o bi
 norms after RoPE, NTK alpha), PhiMoE (``phimoe``: LayerNorms with biases, LM-head bias, sparsemixer, longrope),
 GLM-4.7-Flash (llama.cpp's ``deepseek2``: a dense layer between MoE ones) and Qwen3-Next (``qwen3next``: gated
 DeltaNet with in_proj_qkvz split as llama.cpp splits it, a dense layer), MiMo-V2-Flash (``mimo2``: per-layer
-key-value heads, sliding layers with sinks and their own RoPE base, narrower values scaled).  What llama.cpp's architectures lack
+key-value heads, sliding layers with sinks and their own RoPE base, narrower values scaled) and Kimi Linear
+(``kimi-linear``: KDA layers' convolutions and decay in llama.cpp's 4-D shapes, MLA without RoPE).  What llama.cpp's architectures lack
 travels in the embedded config.json (and PhiMoE's jitter and long scale under ``moeswarm.phimoe.*``).
 llama.cpp's own files: tests/gguf/test_gguf_llama_cpp_files.py."""
 
@@ -31,17 +32,19 @@ ORACLES = {
     "glm4_moe_lite": ("oracle_glm4", "glm4_moe_lite", "per_expert"),
     "qwen3_next": ("oracle_qwen3_next", "per_expert"),
     "mimo_v2_flash": ("oracle_mimo", "per_expert"),
+    "kimi_linear": ("oracle_kimi_linear", "per_expert"),
 }
 # What llama.cpp's keys alone cannot say.  dots1: which layers slide.  hunyuan: the NTK-stretched base is a
 # float32 key (1 ulp from the float64 one).  phimoe: sparsemixer's jitter (PhimoeConfig's 0.01 instead) and
 # longrope's long scale (the short one instead) when our moeswarm.phimoe.* keys are dropped.
 FROM_KEYS_ALONE_DIFFER = {"dots1": {"raw", "sliding_windows"}, "ernie4_5_moe": {"raw"},
                           "hunyuan_v1_moe": {"raw", "rope"}, "phimoe": {"raw", "family", "rope"},
-                          "glm4_moe_lite": {"raw"}, "qwen3_next": {"raw"}, "mimo_v2_flash": {"raw"}}
+                          "glm4_moe_lite": {"raw"}, "qwen3_next": {"raw"}, "mimo_v2_flash": {"raw"},
+                          "kimi_linear": {"raw"}}
 ARCH = {"dots1": gguf.MODEL_ARCH.DOTS1, "ernie4_5_moe": gguf.MODEL_ARCH.ERNIE4_5_MOE,
         "hunyuan_v1_moe": gguf.MODEL_ARCH.HUNYUAN_MOE, "phimoe": gguf.MODEL_ARCH.PHIMOE,
         "glm4_moe_lite": gguf.MODEL_ARCH.DEEPSEEK2, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT,
-        "mimo_v2_flash": gguf.MODEL_ARCH.MIMO2}
+        "mimo_v2_flash": gguf.MODEL_ARCH.MIMO2, "kimi_linear": gguf.MODEL_ARCH.KIMI_LINEAR}
 
 
 @pytest.mark.parametrize("family", list(ORACLES))
@@ -75,7 +78,7 @@ def test_convert_gguf_round_trips(family_oracles, family: str, tmp_path: Path) -
         assert rebuilt.rope.theta == pytest.approx(exact.rope.theta, rel=1e-7)
 
 
-NEW = ["hunyuan_v1_moe", "phimoe", "glm4_moe_lite", "qwen3_next", "mimo_v2_flash"]
+NEW = ["hunyuan_v1_moe", "phimoe", "glm4_moe_lite", "qwen3_next", "mimo_v2_flash", "kimi_linear"]
 
 
 @pytest.mark.parametrize("family", NEW)
@@ -120,7 +123,7 @@ def test_name_map_agrees_with_gguf_py(family: str) -> None:
         if row.stacked:
             continue
         hf = row.hf.format(L=0).replace("e_score_correction_bias", "e_score_correction.bias")  # as llama.cpp
-        hf = hf.replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias")  # as llama.cpp renames it
+        hf = hf.replace(".dt_bias", ".dt_proj.bias")  # as llama.cpp renames it
         theirs = known.get_name(hf, try_suffixes=(".weight", ".bias"))
         if theirs is not None and theirs.endswith(".attn_sinks"):  # llama.cpp's converter appends .weight to it
             theirs += ".weight"

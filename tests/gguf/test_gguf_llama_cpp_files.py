@@ -23,7 +23,8 @@ GLM-4.7-Flash: llama.cpp's converter writes it as ``deepseek2`` (absorbed, as De
 MoE one (which llama.cpp's deepseek2 graph cannot run) is read back from the tensors.
 Hunyuan-A13B, PhiMoE, Qwen3-Next, MiMo-V2-Flash: variants llama.cpp can express (``oracle_llama_cpp_variants``).
 Qwen3-Next and MiMo-V2-Flash are converted ``--no-mtp``; MiMo-V2-Flash from the hub's remote-code config.json keys
-(``mimo_hub_keys``, read as the file it is: ``--raw-config``).
+(``mimo_hub_keys``, read as the file it is: ``--raw-config``), Kimi Linear likewise (``kimi_hub_keys``, its dense
+layer's MLP under the hub's ``mlp.`` names: ``kimi_hub_tensor``), written MLA absorbed as for DeepSeek-V3.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ TOL = 1e-4
 # llama.cpp's converter writes MLA absorbed (attn_k_b / attn_v_b, key_length = kv_lora_rank + rope, one
 # key-value head) and the experts' gate and up fused (ffn_gate_up_exps); convert-gguf writes attn_kv_b and
 # the two apart, which llama.cpp runs too: the files agree as weights, not byte for byte
-ABSORBED_MLA = {"mistral4", "deepseek_v3", "glm4_moe_lite"}
+ABSORBED_MLA = {"mistral4", "deepseek_v3", "glm4_moe_lite", "kimi_linear"}
 
 CASES = {
     "glm4_moe": ("oracle_glm4", "glm4_moe", "per_expert"),
@@ -59,6 +60,7 @@ CASES = {
     "phimoe": ("oracle_llama_cpp_variants", "phimoe"),
     "qwen3_next": ("oracle_llama_cpp_variants", "qwen3_next"),
     "mimo_v2_flash": ("oracle_llama_cpp_variants", "mimo_v2_flash"),
+    "kimi_linear": ("oracle_llama_cpp_variants", "kimi_linear"),
 }
 
 
@@ -81,22 +83,53 @@ def mimo_hub_keys(config: dict) -> dict:
             "swa_rope_theta": sliding["rope_theta"], "partial_rotary_factor": full["partial_rotary_factor"]}
 
 
-# the config.json llama.cpp's converter is given (the weights are the checkpoint's), and its options
-HUB_FORM = {"mistral4": as_mistral3, "mimo_v2_flash": mimo_hub_keys}
+def kimi_hub_keys(config: dict) -> dict:
+    """Kimi Linear's config.json as the hub's remote-code checkpoint has it (what llama.cpp's KimiLinearModel reads:
+    ``linear_attn_config`` with 1-based layer lists, ``first_k_dense_replace``), from transformers' form."""
+    full = [i + 1 for i, t in enumerate(config["layer_types"]) if t == "full_attention"]
+    kda = [i + 1 for i, t in enumerate(config["layer_types"]) if t != "full_attention"]
+    sparse = [t == "sparse" for t in config["mlp_layer_types"]]
+    return {**config, "first_k_dense_replace": sparse.index(True), "mla_use_nope": True,
+            "linear_attn_config": {"full_attn_layers": full, "kda_layers": kda, "num_heads": config["linear_num_heads"],
+                                   "head_dim": config["linear_head_dim"],
+                                   "short_conv_kernel_size": config["linear_conv_kernel_dim"]}}
+
+
+def kimi_hub_tensor(name: str, config: dict) -> str:
+    """The hub's name of a Kimi Linear tensor transformers 5.24 saved: its dense layers' MLP is ``mlp.*`` (transformers
+    writes ``block_sparse_moe.*``, which llama.cpp's converter cannot name)."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and parts[3] == "block_sparse_moe" and \
+            config["mlp_layer_types"][int(parts[2])] == "dense":
+        return name.replace(".block_sparse_moe.", ".mlp.", 1)
+    return name
+
+
+# the config.json llama.cpp's converter is given, its tensors' names (else the checkpoint's), and its options
+HUB_FORM = {"mistral4": as_mistral3, "mimo_v2_flash": mimo_hub_keys, "kimi_linear": kimi_hub_keys}
+HUB_TENSORS = {"kimi_linear": kimi_hub_tensor}
 CONVERTER_OPTIONS = {"qwen3_next": ("--no-mtp",),  # it otherwise expects Qwen3-Next's MTP layer
-                     "mimo_v2_flash": ("--no-mtp", "--raw-config")}  # as from the hub's remote-code config.json
+                     # as from the hub's remote-code config.json
+                     "mimo_v2_flash": ("--no-mtp", "--raw-config"), "kimi_linear": ("--raw-config",)}
 
 
 def for_converter(family: str, folder: Path, out: Path) -> Path:
-    """The checkpoint with the config.json llama.cpp's converter reads for ``family`` (``HUB_FORM``)."""
+    """The checkpoint as llama.cpp's converter reads ``family`` (``HUB_FORM``, ``HUB_TENSORS``)."""
     if family not in HUB_FORM:
         return folder
+    from safetensors.numpy import load_file, save_file
+
     out.mkdir()
-    for f in folder.iterdir():
-        (out / f.name).symlink_to(f)
     config = json.loads((folder / "config.json").read_text())
-    (out / "config.json").unlink()
-    (out / "config.json").write_text(json.dumps(HUB_FORM[family](config)))
+    for f in folder.iterdir():
+        if f.name == "config.json":
+            (out / f.name).write_text(json.dumps(HUB_FORM[family](config)))
+        elif f.suffix == ".safetensors" and family in HUB_TENSORS:
+            tensors = load_file(f)
+            save_file({HUB_TENSORS[family](k, config): v for k, v in tensors.items()}, out / f.name,
+                      metadata={"format": "pt"})
+        else:
+            (out / f.name).symlink_to(f)
     return out
 
 
@@ -113,7 +146,10 @@ def assert_same_weights(ours: Path, theirs: Path) -> None:
     a, b = load_weights(ours), load_weights(theirs)
     assert set(a.tensors) == set(b.tensors)
     for name, x in a.tensors.items():
-        assert np.array_equal(np.asarray(x), np.asarray(b.tensors[name])), name
+        if name.endswith(".attn.A"):  # -exp(A_log): llama.cpp's in torch, ours in numpy (1 ulp apart)
+            assert np.allclose(np.asarray(x), np.asarray(b.tensors[name]), rtol=1e-6, atol=0), name
+        else:
+            assert np.array_equal(np.asarray(x), np.asarray(b.tensors[name])), name
     for L, layer in a.experts.items():
         for e, x in layer.items():
             for part in ("gate", "up", "down"):
@@ -142,7 +178,8 @@ def test_llama_cpp_converter_file(family_oracles, llama_cpp_src: Path, family: s
     assert f.architecture == g.architecture
     if family in ABSORBED_MLA:
         assert_same_weights(ours, theirs)
-        assert "blk.0.attn_k_b.weight" in g.tensors and "blk.0.attn_kv_b.weight" in f.tensors
+        assert any(n.endswith(".attn_k_b.weight") for n in g.tensors) and \
+            any(n.endswith(".attn_kv_b.weight") for n in f.tensors)
         return
     assert set(f.tensors) == set(g.tensors)
     for name, t in g.tensors.items():
