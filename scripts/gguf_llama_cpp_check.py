@@ -31,7 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gguf")]
 import llama_cpp_tools
 import numpy as np
 from engine_support import OracleCheckpoints
-from test_gguf_llama_cpp_files import CASES, as_mistral3
+from test_gguf_llama_cpp_files import CASES, CONVERTER_OPTIONS, for_converter
 
 from moeswarm.model.gguf import convert_to_gguf
 
@@ -126,8 +126,8 @@ def check(python: str, src: Path, root: Path, oracles: dict[str, OracleCheckpoin
     folder, ref = oracles[module].get(*key)
     work = root / "files" / family
     work.mkdir(parents=True)
-    source = as_mistral3(folder, work / "mistral3") if family == "mistral4" else folder
-    theirs = llama_cpp_tools.convert(src, source, work / "llama.cpp.gguf")
+    source = for_converter(family, folder, work / "hub-form")
+    theirs = llama_cpp_tools.convert(src, source, work / "llama.cpp.gguf", "f32", *CONVERTER_OPTIONS.get(family, ()))
     ours = convert_to_gguf(folder, work / "ours.gguf", weight_type="F32", sidecar=False).path
     last = ref.prefill_logits[-1]
     parts, ok = [], True

@@ -133,3 +133,41 @@ def test_name_map_agrees_with_gguf_py(family: str) -> None:
             assert theirs == LEGACY_WHOLE[family, row.canonical].format(L=0), (hf, theirs)
         else:
             assert theirs is not None and row.gguf.format(L=0) == theirs, (hf, row.gguf, theirs)
+
+
+def test_qwen3_next_legacy_ssm_in_reads(family_oracles, tmp_path: Path) -> None:
+    """llama.cpp's older Qwen3-Next files hold ``in_proj_qkvz`` whole, in the hub's order, as ``ssm_in`` (its
+    qwen3next still runs them): convert-gguf's file with attn_qkv + attn_gate replaced by that tensor reads as the
+    same weights; negative control: the same file with ssm_in's rows in llama.cpp's split order does not."""
+    folder, _ = family_oracles.get(*ORACLES["qwen3_next"])
+    ours = convert_to_gguf(folder, tmp_path / "model.gguf", weight_type="F32", sidecar=False).path
+    source = load_weights(folder)
+
+    def legacy(out: Path, split_order: bool) -> Path:
+        src = gguf.GGUFReader(ours)
+        writer = gguf.GGUFWriter(out, GGUF_ARCH["qwen3_next"])
+        for field in src.fields.values():
+            if field.name != gguf.Keys.General.ARCHITECTURE and not field.name.startswith("GGUF."):
+                kind = field.types[0]
+                writer.add_key_value(field.name, field.contents(), kind,
+                                     sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+        tensors = {t.name: np.asarray(t.data) for t in src.tensors}
+        for L in range(source.config.num_layers):
+            if f"blk.{L}.attn_qkv.weight" in tensors:
+                qkv, gate = tensors.pop(f"blk.{L}.attn_qkv.weight"), tensors.pop(f"blk.{L}.attn_gate.weight")
+                tensors[f"blk.{L}.ssm_in.weight"] = np.concatenate([qkv, gate]) if split_order \
+                    else np.asarray(source.tensors[f"{L}.attn.qkvz"])
+        for name, a in tensors.items():
+            writer.add_tensor(name, a)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return out
+
+    w = load_weights(legacy(tmp_path / "legacy.gguf", split_order=False))
+    assert "blk.0.ssm_in.weight" in GGUFFile(tmp_path / "legacy.gguf").tensors
+    for name, a in source.tensors.items():
+        assert np.array_equal(np.asarray(w.tensors[name]), a), name
+    wrong = load_weights(legacy(tmp_path / "wrong.gguf", split_order=True))
+    assert not np.array_equal(np.asarray(wrong.tensors["0.attn.qkvz"]), source.tensors["0.attn.qkvz"])
