@@ -95,7 +95,13 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
     w.add_expert_used_count(cfg.top_k)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_weights_norm(cfg.norm_topk_prob)
-    if cfg.attention in ("mla", "dsa", "kimi_linear"):
+    if cfg.attention == "kimi_linear":  # written absorbed (attn_k_b / attn_v_b): one key-value head of the latent
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+    elif cfg.attention in ("mla", "dsa"):
         w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         w.add_value_length(cfg.v_head_dim)
         if cfg.q_lora_rank:
@@ -512,11 +518,11 @@ MIMO_VALUE_SCALE = "{arch}.attention.value_scale"  # llama.cpp's key (newer than
 
 def _kv_heads(cfg: ModelConfig) -> int | list[int]:
     """``head_count_kv``: one number, or per layer where layers differ (MiMo's sliding layers have more; Kimi
-    Linear's KDA layers none: llama.cpp tells its recurrent layers by 0)."""
+    Linear's KDA layers none, by which llama.cpp tells its recurrent layers, and its absorbed MLA one)."""
     if cfg.arch == "mimo_v2_flash":
         return [cfg.family.sliding_kv_heads if s else cfg.num_kv_heads for s in cfg.family.sliding]
     if cfg.arch == "kimi_linear":
-        return [0 if linear else cfg.num_kv_heads for linear in cfg.family.linear]
+        return [0 if linear else 1 for linear in cfg.family.linear]  # MLA absorbed: one latent head
     return cfg.num_kv_heads
 
 
@@ -600,4 +606,5 @@ def _kimi_linear_config(raw: dict[str, Any], get: Any, n: int, experts: int, exp
                n_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)),
                routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
                n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)),
-               norm_topk_prob=bool(get(L.EXPERT_WEIGHTS_NORM, True)), head_dim=None)
+               norm_topk_prob=bool(get(L.EXPERT_WEIGHTS_NORM, True)), head_dim=None,
+               num_key_value_heads=raw["num_attention_heads"])

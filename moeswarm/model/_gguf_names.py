@@ -515,8 +515,9 @@ NAME_MAP["mimo_v2_flash"] = (
 # ``A = -exp(A_log)`` as ssm_a stored [1, 1, h, 1], dt_bias as ssm_dt.bias, the forget and output gates'
 # low-rank pairs as ssm_f_a / ssm_f_b and ssm_g_a / ssm_g_b, beta's projection as ssm_beta, the per-head output
 # norm as ssm_norm; the MLA layers (no RoPE) with DeepSeek-V3's names, ``kv_b_proj`` kept whole as attn_kv_b
-# (llama.cpp's "legacy" form, which its kimi-linear also runs; its converter writes attn_k_b / attn_v_b, which
-# the engine reads too); the hub's ``block_sparse_moe`` MoE names.
+# split and absorbed as llama.cpp's converter writes it (attn_k_b [heads, rank, nope], attn_v_b [heads, v, rank]:
+# ``WRITE_ABSORBED``; llama.cpp 0.3.36's kimi-linear crashes on the whole attn_kv_b it calls "legacy"); the hub's
+# ``block_sparse_moe`` MoE names.
 _KA = _P + "self_attn."
 GGUF_ARCH["kimi_linear"] = "kimi-linear"
 NAME_MAP["kimi_linear"] = (
@@ -544,3 +545,14 @@ NAME_MAP["kimi_linear"] = (
 )
 STORED_SHAPE.update({("kimi_linear", f"{{L}}.attn.{p}_conv"): (lambda s: (1, s[0], 1, s[1])) for p in "qkv"})
 STORED_SHAPE[("kimi_linear", "{L}.attn.A")] = lambda s: (1, 1, *s, 1)
+
+# (arch, canonical) -> the GGUF tensors MLA's kv_b is written as, absorbed (``absorbed_kv_b``)
+WRITE_ABSORBED = {("kimi_linear", "{L}.attn.kv_b"): ("blk.{L}.attn_k_b.weight", "blk.{L}.attn_v_b.weight")}
+
+
+def absorbed_kv_b(kv_b: np.ndarray, cfg: "ModelConfig") -> tuple[np.ndarray, np.ndarray]:
+    """MLA's kv_b [heads * (nope + v), rank] as llama.cpp's converter splits it: attn_k_b [heads, rank, nope] (each
+    head's key rows, transposed) and attn_v_b [heads, v, rank], float32 (``_gguf_read._kv_b_from_split`` undoes it)."""
+    heads, nope, rank = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    kv = np.asarray(kv_b, np.float32).reshape(heads, -1, rank)
+    return np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(kv[:, nope:])

@@ -30,7 +30,7 @@ from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from ..errors import ConfigError
 from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, llama3_factors, phimoe_rope_factors, write_metadata
-from ._gguf_names import (GGUF_ARCH, SPLIT, STORED_SHAPE, fused_siblings, gguf_name, qkvz_rows, rope_permutation, template,
+from ._gguf_names import (GGUF_ARCH, SPLIT, STORED_SHAPE, WRITE_ABSORBED, absorbed_kv_b, fused_siblings, gguf_name, qkvz_rows, rope_permutation, template,
                           v_head_order)
 from ._gguf_path import find_gguf
 from ._gguf_read import GGUFFile
@@ -132,6 +132,12 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
             qtype, note = _choose(name, shape, base)
             plans.append(((layer if layer is not None else cfg.num_layers, 0),
                           TensorPlan(gname, qtype, shape, parts, None, note)))
+            continue
+        if (cfg.arch, row.canonical) in WRITE_ABSORBED:  # MLA's kv_b as llama.cpp's attn_k_b / attn_v_b
+            for gname_part, part in zip(WRITE_ABSORBED[cfg.arch, row.canonical], absorbed_kv_b(a, cfg)):
+                qtype, note = _choose(name, part.shape, base)
+                plans.append(((layer if layer is not None else cfg.num_layers, 0),
+                              TensorPlan(gname_part.format(L=layer), qtype, part.shape, (part,), None, note)))
             continue
         if (cfg.arch, row.canonical) in SPLIT:  # one canonical tensor's rows as several GGUF tensors
             for gname_part, part_rows in zip(SPLIT[cfg.arch, row.canonical], qkvz_rows(cfg)):

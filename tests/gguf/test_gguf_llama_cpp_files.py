@@ -19,12 +19,13 @@ Mistral 4: llama.cpp's converter takes it as ``Mistral3ForConditionalGeneration`
 its ``llama_4_scaling_beta`` (the checkpoint's original context is past the reference positions), and writes
 MLA absorbed, as for DeepSeek-V3: the engine rebuilds ``kv_b`` from ``attn_k_b`` / ``attn_v_b`` and splits
 ``ffn_gate_up_exps``.
-GLM-4.7-Flash: llama.cpp's converter writes it as ``deepseek2`` (absorbed, as DeepSeek-V3); its dense layer after a
-MoE one (which llama.cpp's deepseek2 graph cannot run) is read back from the tensors.
+GLM-4.7-Flash: llama.cpp's converter writes it as ``deepseek2`` (absorbed, as DeepSeek-V3); the oracle's dense layer
+after a MoE one (``glm4_moe_lite_dense_between``: llama.cpp's deepseek2 graph cannot run it) is read back from the
+tensors.
 Hunyuan-A13B, PhiMoE, Qwen3-Next, MiMo-V2-Flash: variants llama.cpp can express (``oracle_llama_cpp_variants``).
 Qwen3-Next and MiMo-V2-Flash are converted ``--no-mtp``; MiMo-V2-Flash from the hub's remote-code config.json keys
 (``mimo_hub_keys``, read as the file it is: ``--raw-config``), Kimi Linear likewise (``kimi_hub_keys``, its dense
-layer's MLP under the hub's ``mlp.`` names: ``kimi_hub_tensor``), written MLA absorbed as for DeepSeek-V3.
+layer's MLP under the hub's ``mlp.`` names: ``kimi_hub_tensor``); both converters write its MLA absorbed.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ TOL = 1e-4
 # llama.cpp's converter writes MLA absorbed (attn_k_b / attn_v_b, key_length = kv_lora_rank + rope, one
 # key-value head) and the experts' gate and up fused (ffn_gate_up_exps); convert-gguf writes attn_kv_b and
 # the two apart, which llama.cpp runs too: the files agree as weights, not byte for byte
-ABSORBED_MLA = {"mistral4", "deepseek_v3", "glm4_moe_lite", "kimi_linear"}
+ABSORBED_MLA = {"mistral4", "deepseek_v3", "glm4_moe_lite", "glm4_moe_lite_dense_between"}
+# keys whose llama.cpp value is not the checkpoint's: Kimi Linear's value_length is transformers' derived head_dim
+# (qk_rope_head_dim) there; convert-gguf writes the absorbed latent's width, as for deepseek2 (llama.cpp runs both)
+KEYS_DIFFER = {"kimi_linear": {"kimi-linear.attention.value_length"}}
 
 CASES = {
     "glm4_moe": ("oracle_glm4", "glm4_moe", "per_expert"),
@@ -55,7 +59,8 @@ CASES = {
     "ernie4_5_moe": ("oracle_llama_cpp_variants", "ernie4_5_moe"),
     "mistral4": ("oracle_llama_cpp_variants", "mistral4"),
     "deepseek_v3": ("oracle", "deepseek_v3", "per_expert"),
-    "glm4_moe_lite": ("oracle_glm4", "glm4_moe_lite", "per_expert"),
+    "glm4_moe_lite": ("oracle_llama_cpp_variants", "glm4_moe_lite"),
+    "glm4_moe_lite_dense_between": ("oracle_glm4", "glm4_moe_lite", "per_expert"),  # llama.cpp's runtime refuses it
     "hunyuan_v1_moe": ("oracle_llama_cpp_variants", "hunyuan_v1_moe"),
     "phimoe": ("oracle_llama_cpp_variants", "phimoe"),
     "qwen3_next": ("oracle_llama_cpp_variants", "qwen3_next"),
@@ -90,6 +95,7 @@ def kimi_hub_keys(config: dict) -> dict:
     kda = [i + 1 for i, t in enumerate(config["layer_types"]) if t != "full_attention"]
     sparse = [t == "sparse" for t in config["mlp_layer_types"]]
     return {**config, "first_k_dense_replace": sparse.index(True), "mla_use_nope": True,
+            "moe_router_activation_func": "sigmoid",
             "linear_attn_config": {"full_attn_layers": full, "kda_layers": kda, "num_heads": config["linear_num_heads"],
                                    "head_dim": config["linear_head_dim"],
                                    "short_conv_kernel_size": config["linear_conv_kernel_dim"]}}
@@ -191,7 +197,7 @@ def test_llama_cpp_converter_file(family_oracles, llama_cpp_src: Path, family: s
         else:
             assert np.array_equal(np.asarray(mine.data), np.asarray(t.data)), name
     for key, value in g.meta.items():
-        if key.startswith(("general.", "tokenizer.", "GGUF.")):
+        if key.startswith(("general.", "tokenizer.", "GGUF.")) or key in KEYS_DIFFER.get(family, ()):
             continue
         assert key in f.meta, key
         assert np.array_equal(_value(f.meta[key]), _value(value)) or np.allclose(_value(f.meta[key]), _value(value)), \
