@@ -44,6 +44,11 @@ OWN_FILE_DIFFERS = {
     # on its absorbed-MLA file (attn_k_b / attn_v_b) llama.cpp's first token is transformers' but its decode
     # steps are not ([280, 438, ...] for [280, 379, ...])
     "deepseek_v3": "llama.cpp's decode steps on its absorbed-MLA file differ",
+    # its converter takes the leading dense layers from first_k_dense_replace, which transformers 5.24's
+    # Glm4MoeLiteConfig does not save (it has mlp_layer_types): leading_dense_block_count 0, and llama.cpp then
+    # looks for blk.0.ffn_gate_inp ("check_tensor_dims: tensor 'blk.0.ffn_gate_inp.weight' not found");
+    # convert-gguf writes the count from the layers (the engine reads either file: dense layers from the tensors)
+    "glm4_moe_lite": "llama.cpp refuses it: its converter writes leading_dense_block_count 0",
 }
 
 # Where llama.cpp's runtime cannot express the checkpoint, whichever converter wrote the file:
