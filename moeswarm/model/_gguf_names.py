@@ -301,8 +301,8 @@ def v_head_order(kind: str, cfg: "ModelConfig", shape: tuple[int, ...]) -> tuple
 # ---------------------------------------------------------------- GLM-4.5 / 4.6 (glm4moe)
 # As llama.cpp's convert_hf_to_gguf.py (Glm4MoeModel) writes it: NeoX rotary (no q/k permutation),
 # the pre-FFN norm as ``post_attention_norm``, DeepSeek-V3's router, shared-expert and dense-layer
-# names; the multi-token-prediction layer is not written.  GLM-4.7-Flash (glm4_moe_lite) has no
-# GGUF form here.
+# names; the multi-token-prediction layer is not written.  GLM-4.7-Flash (glm4_moe_lite) is llama.cpp's
+# deepseek2 (below).
 GGUF_ARCH["glm4_moe"] = "glm4moe"
 NAME_MAP["glm4_moe"] = (
     _BACKBONE + _GQA + _QKV_BIAS + _QK_NORM + _ROUTER
