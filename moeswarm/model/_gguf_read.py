@@ -205,8 +205,8 @@ class GGUFFile:
         else:
             try:
                 freqs = self.tensors.get("rope_freqs.weight")
-                factors = {n: np.asarray(self.tensors[n].data) for n in ("rope_factors_short.weight",
-                                                                         "rope_factors_long.weight") if n in self.tensors}
+                factors = {n: np.asarray(self.tensors[n].data)
+                           for n in ("rope_factors_short.weight", "rope_factors_long.weight") if n in self.tensors}
                 raw = hf_config_from_metadata(self.meta, set(self.tensors), self.architecture,
                                               None if freqs is None else np.asarray(freqs.data), factors)
             except KeyError as e:

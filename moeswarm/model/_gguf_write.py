@@ -30,8 +30,8 @@ from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from ..errors import ConfigError
 from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, llama3_factors, phimoe_rope_factors, write_metadata
-from ._gguf_names import (GGUF_ARCH, SPLIT, STORED_SHAPE, WRITE_ABSORBED, absorbed_kv_b, fused_siblings, gguf_name, qkvz_rows, rope_permutation, template,
-                          v_head_order)
+from ._gguf_names import (GGUF_ARCH, SPLIT, STORED_SHAPE, WRITE_ABSORBED, absorbed_kv_b, fused_siblings, gguf_name,
+                          qkvz_rows, rope_permutation, template, v_head_order)
 from ._gguf_path import find_gguf
 from ._gguf_read import GGUFFile
 from .checkpoint import load_weights

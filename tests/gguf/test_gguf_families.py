@@ -2,11 +2,11 @@
 dots.llm1 (``dots1``: sliding-window layers, grouped key-value heads, q/k/v/o biases), ERNIE 4.5 MoE
 (``ernie4_5-moe``: MoE on every other layer up to layer 3, tied embeddings), Hunyuan-A13B (``hunyuan-moe``: q/k
 norms after RoPE, NTK alpha), PhiMoE (``phimoe``: LayerNorms with biases, LM-head bias, sparsemixer, longrope),
-GLM-4.7-Flash (llama.cpp's ``deepseek2``: a dense layer between MoE ones) and Qwen3-Next (``qwen3next``: gated
+GLM-4.7-Flash (llama.cpp's ``deepseek2``: a dense layer between MoE ones), Qwen3-Next (``qwen3next``: gated
 DeltaNet with in_proj_qkvz split as llama.cpp splits it, a dense layer), MiMo-V2-Flash (``mimo2``: per-layer
 key-value heads, sliding layers with sinks and their own RoPE base, narrower values scaled) and Kimi Linear
-(``kimi-linear``: KDA layers' convolutions and decay in llama.cpp's 4-D shapes, MLA without RoPE).  What llama.cpp's architectures lack
-travels in the embedded config.json (and PhiMoE's jitter and long scale under ``moeswarm.phimoe.*``).
+(``kimi-linear``: KDA layers' convolutions and decay in llama.cpp's 4-D shapes, MLA without RoPE, absorbed).
+What llama.cpp's architectures lack travels in the embedded config.json (and PhiMoE's jitter and long scale under ``moeswarm.phimoe.*``).
 llama.cpp's own files: tests/gguf/test_gguf_llama_cpp_files.py."""
 
 from __future__ import annotations
