@@ -84,8 +84,8 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
     w.add_block_count(cfg.num_layers)
     w.add_feed_forward_length(cfg.dense_intermediate_size or cfg.moe_intermediate_size)
     w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    if cfg.norm == "layer":  # DBRX's LayerNorm: llama.cpp's key for a LayerNorm's epsilon
+    w.add_head_count_kv(_kv_heads(cfg))
+    if cfg.norm == "layer" and cfg.arch != "phimoe":  # DBRX's LayerNorm (llama.cpp's phimoe reads the RMS key)
         w.add_layer_norm_eps(cfg.rms_norm_eps)
     else:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -95,7 +95,13 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
     w.add_expert_used_count(cfg.top_k)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_weights_norm(cfg.norm_topk_prob)
-    if cfg.attention in ("mla", "dsa"):
+    if cfg.attention == "kimi_linear":  # written absorbed (attn_k_b / attn_v_b): one key-value head of the latent
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+    elif cfg.attention in ("mla", "dsa"):
         w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         w.add_value_length(cfg.v_head_dim)
         if cfg.q_lora_rank:
@@ -103,12 +109,12 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_kv_lora_rank(cfg.kv_lora_rank)
     else:
         w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
+        w.add_value_length(cfg.family.v_head_dim if cfg.arch == "mimo_v2_flash" else cfg.head_dim)
     if cfg.clip_qkv is not None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.shared_intermediate_size:
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe", "mistral4", "dots1"):
+    if cfg.arch in ("deepseek_v3", "kimi_k25", "glm_moe_dsa", "glm4_moe", "glm4_moe_lite", "mistral4", "dots1"):
         w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
         w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
         w.add_expert_weights_scale(cfg.routed_scaling_factor)
@@ -136,9 +142,17 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_interleave_moe_layer_step(cfg.moe_layers.index(True) + 1 if True in cfg.moe_layers else cfg.num_layers)
         if not any(cfg.family.chunked):
             w.add_sliding_window(0)
+    if cfg.arch == "hunyuan_v1_moe":  # one shared MLP, as wide as an expert
+        w.add_expert_shared_count(1)
+    if cfg.arch == "phimoe":
+        _phimoe_hparams(w, cfg)
+    if cfg.arch == "mimo_v2_flash":
+        _mimo_hparams(w, cfg)
+    if cfg.arch == "kimi_linear":
+        _kimi_linear_hparams(w, cfg)
     _dsa_deltanet_hparams(w, cfg)
     windows = {x for x in cfg.sliding_windows if x is not None}
-    if windows:
+    if windows and cfg.arch != "phimoe":
         w.add_sliding_window(max(windows))
     if cfg.rope.kind == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -151,9 +165,11 @@ def _hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
 
 
 def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: str,
-                            rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+                            rope_freqs: np.ndarray | None = None,
+                            rope_factors: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
     """A config.json-like dict from llama.cpp keys (``meta``: key -> value) and tensor names; ``rope_freqs``:
-    the values of llama.cpp's ``rope_freqs`` tensor when the file has one (Llama 4's llama3 RoPE scaling)."""
+    the values of llama.cpp's ``rope_freqs`` tensor when the file has one (Llama 4's llama3 RoPE scaling);
+    ``rope_factors``: those of ``rope_factors_short`` / ``rope_factors_long`` (PhiMoE's longrope), by name."""
     from ._gguf_names import model_type_of
 
     arch = model_type_of(garch)
@@ -179,7 +195,7 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         "hidden_size": int(get(L.EMBEDDING_LENGTH)),
         "num_hidden_layers": n,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get(A.HEAD_COUNT_KV, heads)),
+        "num_key_value_heads": _attention_kv_heads(get(A.HEAD_COUNT_KV, heads)),
         "rms_norm_eps": _f32(get(A.LAYERNORM_RMS_EPS, 1e-6)),
         "max_position_embeddings": int(get(L.CONTEXT_LENGTH, 0)),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -212,6 +228,10 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         clip = get(A.CLAMP_KQV, None)
         raw.update(attention_bias=has("attn_q.bias"), clip_qkv=_f32(clip) if clip else None)
     elif arch in ("deepseek_v3", "mistral4"):
+        first_dense = int(get(L.LEADING_DENSE_BLOCK_COUNT, 0))
+        if arch == "deepseek_v3" and dense != list(range(first_dense)):  # GLM-4.7-Flash: dense layers anywhere
+            raw.update(model_type="glm4_moe_lite",
+                       mlp_layer_types=["dense" if i in dense else "sparse" for i in range(n)])
         rope_dim = int(get(R.DIMENSION_COUNT))
         q_lora = get(A.Q_LORA_RANK, None)
         key, value = _mla_head_lengths(get, A)
@@ -232,8 +252,17 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         head_dim = int(raw["head_dim"] or raw["hidden_size"] // heads)
         raw.update(num_local_experts=experts, intermediate_size=expert_ff, head_dim=head_dim)
         raw["rope_parameters"]["partial_rotary_factor"] = int(get(R.DIMENSION_COUNT, head_dim)) / head_dim
-    elif arch in ("glm_moe_dsa", "qwen3_5_moe"):
+    elif arch in ("glm_moe_dsa", "qwen3_5_moe", "qwen3_next"):
         _dsa_deltanet_config(raw, get, tensors, n, experts, dense)
+    elif arch == "hunyuan_v1_moe":
+        raw.update(intermediate_size=expert_ff, moe_topk=raw["num_experts_per_tok"], attention_bias=has("attn_q.bias"),
+                   head_dim=int(raw["head_dim"] or raw["hidden_size"] // heads))
+    elif arch == "phimoe":
+        _phimoe_config(raw, get, tensors, experts, expert_ff, rope_factors or {})
+    elif arch == "mimo_v2_flash":
+        _mimo_config(raw, get, n, experts, dense)
+    elif arch == "kimi_linear":
+        _kimi_linear_config(raw, get, n, experts, expert_ff, dense)
     elif arch == "dots1":  # llama.cpp's dots1 has no sliding-window layers
         raw.update(n_routed_experts=experts, head_dim=int(raw["head_dim"] or raw["hidden_size"] // heads),
                    attention_bias=has("attn_q.bias"), first_k_dense_replace=int(get(L.LEADING_DENSE_BLOCK_COUNT, 0)),
@@ -307,6 +336,7 @@ def _rope(get: Any, R: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- GLM-5 (glm-dsa) and Qwen3.5-MoE (qwen35moe)
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # llama.cpp's key (newer than this gguf package's Keys)
 
 
 def _dsa_deltanet_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
@@ -323,6 +353,11 @@ def _dsa_deltanet_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
         w.add_ssm_time_step_rank(dn.num_v_heads)
         w.add_ssm_inner_size(dn.value_dim)
         full = [i for i, linear in enumerate(dn.layers) if not linear]
+        if cfg.arch == "qwen3_next":  # as llama.cpp's Qwen3NextModel writes them: the config's interval (its
+            # default 4) and which layers are DeltaNet
+            w.add_full_attention_interval(int(cfg.raw.get("full_attention_interval", 4)))
+            w.add_array(RECURRENT_LAYERS.format(arch=w.arch), [bool(x) for x in dn.layers])
+            return
         w.add_full_attention_interval(full[0] + 1 if full else len(dn.layers))
         text = cfg.raw.get("text_config", cfg.raw)
         section = list((text.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10])
@@ -356,6 +391,9 @@ def _dsa_deltanet_config(raw: dict[str, Any], get: Any, tensors: set[str], n: in
                linear_value_head_dim=int(get(S.INNER_SIZE)) // value_heads,
                shared_expert_intermediate_size=int(get(L.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0)))
     raw["rope_parameters"]["partial_rotary_factor"] = int(get(Keys.Rope.DIMENSION_COUNT)) / int(raw["head_dim"])
+    if raw["model_type"] == "qwen3_next":  # llama.cpp's qwen3next always renormalises the top-k weights
+        raw.update(mlp_only_layers=dense, decoder_sparse_step=1, norm_topk_prob=bool(get(L.EXPERT_WEIGHTS_NORM, True)),
+                   intermediate_size=int(get(L.FEED_FORWARD_LENGTH, raw["moe_intermediate_size"])))
 
 
 # ---------------------------------------------------------------- Llama 4 (llama4)
@@ -420,3 +458,153 @@ def llama3_from_factors(factors: np.ndarray, theta: float, dim: int) -> dict[str
     if not np.allclose(llama3_factors(rope), rf, rtol=1e-4, atol=0):
         raise ValueError("rope_freqs is not a llama3 RoPE scaling")
     return params
+
+
+# ---------------------------------------------------------------- PhiMoE (phimoe)
+PHIMOE_JITTER = "moeswarm.phimoe.router_jitter_noise"  # sparsemixer's jitter: llama.cpp has no key for it
+PHIMOE_LONG_MSCALE = "moeswarm.phimoe.long_mscale"  # longrope's cos/sin scale past the original context
+
+
+def _phimoe_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
+    """As llama.cpp's Phi3MiniModel / PhiMoeModel write them (the LayerNorms' epsilon under the RMS key, above): the
+    window (0: none), the original context, and for longrope the cos/sin scale as ``rope.scaling.attn_factor``
+    (the short one: transformers 5.24's PhiMoE rotates with the short factors; past the original context it
+    switches to ``long_mscale``, which has no llama.cpp key)."""
+    windows = {x for x in cfg.sliding_windows if x is not None}
+    w.add_sliding_window(max(windows) if windows else 0)
+    w.add_float32(PHIMOE_JITTER, cfg.family.router_jitter)
+    if cfg.rope.kind == "longrope":
+        w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position)
+        w.add_rope_scaling_attn_factors(float(cfg.rope.attention_factor or 1.0))
+        w.add_float32(PHIMOE_LONG_MSCALE, cfg.rope.long_mscale)
+    else:
+        w.add_rope_scaling_orig_ctx_len(cfg.max_position_embeddings)
+
+
+def phimoe_rope_factors(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """llama.cpp's ``rope_factors_short`` / ``rope_factors_long`` tensors of a longrope PhiMoE (none otherwise)."""
+    if cfg.rope.kind != "longrope":
+        return {}
+    params = {**(cfg.raw.get("rope_scaling") or {}), **(cfg.raw.get("rope_parameters") or {})}
+    short = np.asarray(cfg.rope.factors, np.float32)
+    long = np.asarray(params.get("long_factor") or cfg.rope.factors, np.float32)
+    return {"rope_factors_short.weight": short, "rope_factors_long.weight": long}
+
+
+def _phimoe_config(raw: dict[str, Any], get: Any, tensors: set[str], experts: int, expert_ff: int,
+                   rope_factors: Mapping[str, np.ndarray]) -> None:
+    """PhiMoE's config.json fields from llama.cpp's keys and its rope_factors tensors.  A file without our
+    jitter key takes PhimoeConfig's default (0.01, Phi-3.5-MoE's); without our long scale, the short one."""
+    A, R = Keys.Attention, Keys.Rope
+    window = int(get(A.SLIDING_WINDOW, 0))
+    raw.update(num_local_experts=experts, intermediate_size=expert_ff, sliding_window=window or None,
+               attention_bias=any(t.endswith(".attn_q.bias") for t in tensors), lm_head_bias="output.bias" in tensors,
+               rms_norm_eps=_f32(get(A.LAYERNORM_RMS_EPS, 1e-5)),
+               router_jitter_noise=_f32(get(PHIMOE_JITTER, 0.01)), num_experts_per_tok=2)
+    short = rope_factors.get("rope_factors_short.weight")
+    if short is not None:
+        mscale = _f32(get(R.SCALING_ATTN_FACTOR, 1.0))
+        long = rope_factors.get("rope_factors_long.weight", short)
+        raw["rope_parameters"].update(
+            rope_type="longrope", short_factor=[_f32(x) for x in np.asarray(short).reshape(-1)],
+            long_factor=[_f32(x) for x in np.asarray(long).reshape(-1)], short_mscale=mscale,
+            long_mscale=_f32(get(PHIMOE_LONG_MSCALE, mscale)),
+            original_max_position_embeddings=int(get(R.SCALING_ORIG_CTX_LEN)))
+
+
+# ---------------------------------------------------------------- MiMo-V2-Flash (mimo2)
+MIMO_VALUE_SCALE = "{arch}.attention.value_scale"  # llama.cpp's key (newer than this gguf package's Keys)
+
+
+def _kv_heads(cfg: ModelConfig) -> int | list[int]:
+    """``head_count_kv``: one number, or per layer where layers differ (MiMo's sliding layers have more; Kimi
+    Linear's KDA layers none, by which llama.cpp tells its recurrent layers, and its absorbed MLA one)."""
+    if cfg.arch == "mimo_v2_flash":
+        return [cfg.family.sliding_kv_heads if s else cfg.num_kv_heads for s in cfg.family.sliding]
+    if cfg.arch == "kimi_linear":
+        return [0 if linear else 1 for linear in cfg.family.linear]  # MLA absorbed: one latent head
+    return cfg.num_kv_heads
+
+
+def _attention_kv_heads(value: Any) -> int:
+    """The key-value heads of the full-attention layers from ``head_count_kv`` (one number, or per layer: the
+    fewest of the layers that have any)."""
+    counts = [int(x) for x in np.asarray(value).reshape(-1)]
+    return min((x for x in counts if x), default=0)
+
+
+def _mimo_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
+    """As llama.cpp's MimoV2Model writes them: which layers slide, their RoPE base, the values' scale; and the
+    router's group counts and scale (llama.cpp's mimo2 reads no scale and always renormalises: the published
+    checkpoint's routed_scaling_factor is 1)."""
+    s = cfg.family
+    w.add_sliding_window_pattern([int(x) for x in s.sliding])  # type: ignore[list-item]
+    w.add_rope_freq_base_swa(s.sliding_rope.theta)
+    w.add_float32(MIMO_VALUE_SCALE.format(arch=w.arch), s.value_scale)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+
+
+def _mimo_config(raw: dict[str, Any], get: Any, n: int, experts: int, dense: list[int]) -> None:
+    """MiMo-V2-Flash's config.json fields from llama.cpp's keys (its sliding layers have twice the full layers'
+    key-value heads; the partial rotary factor is the one whose ``int(head_dim * factor)`` is the rotary width)."""
+    A, R, L = Keys.Attention, Keys.Rope, Keys.LLM
+    head_dim = int(get(A.KEY_LENGTH))
+    factor = (int(get(R.DIMENSION_COUNT)) + 0.5) / head_dim
+    pattern = [bool(x) for x in np.asarray(get(A.SLIDING_WINDOW_PATTERN)).reshape(-1)][:n]
+    base = raw["rope_parameters"]["rope_theta"]
+    raw.update(n_routed_experts=experts, head_dim=head_dim, v_head_dim=int(get(A.VALUE_LENGTH)),
+               sliding_window=int(get(A.SLIDING_WINDOW)),
+               attention_value_scale=_f32(get(MIMO_VALUE_SCALE, 1.0)),
+               layer_types=["sliding_attention" if s else "full_attention" for s in pattern],
+               mlp_layer_types=["dense" if i in dense else "sparse" for i in range(n)],
+               n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)),
+               routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
+               norm_topk_prob=bool(get(L.EXPERT_WEIGHTS_NORM, True)),
+               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": base,
+                                                   "partial_rotary_factor": factor},
+                                "sliding_attention": {"rope_type": "default", "partial_rotary_factor": factor,
+                                                      "rope_theta": _f32(get(R.FREQ_BASE_SWA, base))}})
+
+
+# ---------------------------------------------------------------- Kimi Linear (kimi-linear)
+KDA_HEAD_DIM = "{arch}.kda.head_dim"  # llama.cpp's key (newer than this gguf package's Keys)
+
+
+def _kimi_linear_hparams(w: GGUFWriter, cfg: ModelConfig) -> None:
+    """As llama.cpp's KimiLinearModel writes them (its runtime requires the MLA widths, the convolution width,
+    the KDA head width and the gating function): KDA uses the model's head count."""
+    k = cfg.family
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_ssm_conv_kernel(k.conv_kernel)
+    w.add_uint32(KDA_HEAD_DIM.format(arch=w.arch), k.head_dim)
+    w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
+    w.add_expert_shared_count(cfg.shared_intermediate_size // max(cfg.moe_intermediate_size, 1))
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+
+
+def _kimi_linear_config(raw: dict[str, Any], get: Any, n: int, experts: int, expert_ff: int,
+                        dense: list[int]) -> None:
+    """Kimi Linear's config.json fields from llama.cpp's keys: KDA layers are those without key-value heads."""
+    A, L, R = Keys.Attention, Keys.LLM, Keys.Rope
+    kv = [int(x) for x in np.asarray(get(A.HEAD_COUNT_KV)).reshape(-1)]
+    kv = kv * n if len(kv) == 1 else kv
+    rope = int(get(R.DIMENSION_COUNT))
+    q_lora = get(A.Q_LORA_RANK, None)
+    raw.update(layer_types=["linear_attention" if x == 0 else "full_attention" for x in kv[:n]],
+               mlp_layer_types=["dense" if i in dense else "sparse" for i in range(n)],
+               linear_num_heads=raw["num_attention_heads"], linear_head_dim=int(get(KDA_HEAD_DIM)),
+               linear_conv_kernel_dim=int(get(Keys.SSM.CONV_KERNEL)), num_local_experts=experts,
+               moe_intermediate_size=expert_ff, qk_rope_head_dim=rope,
+               qk_nope_head_dim=int(get(A.KEY_LENGTH_MLA)) - rope, v_head_dim=int(get(A.VALUE_LENGTH_MLA)),
+               kv_lora_rank=int(get(A.KV_LORA_RANK)), q_lora_rank=int(q_lora) if q_lora else None,
+               n_shared_experts=int(get(L.EXPERT_SHARED_COUNT, 0)),
+               routed_scaling_factor=_f32(get(L.EXPERT_WEIGHTS_SCALE, 1.0)),
+               n_group=int(get(L.EXPERT_GROUP_COUNT, 1)), topk_group=int(get(L.EXPERT_GROUP_USED_COUNT, 1)),
+               norm_topk_prob=bool(get(L.EXPERT_WEIGHTS_NORM, True)), head_dim=None,
+               num_key_value_heads=raw["num_attention_heads"])

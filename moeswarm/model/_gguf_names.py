@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -300,8 +301,8 @@ def v_head_order(kind: str, cfg: "ModelConfig", shape: tuple[int, ...]) -> tuple
 # ---------------------------------------------------------------- GLM-4.5 / 4.6 (glm4moe)
 # As llama.cpp's convert_hf_to_gguf.py (Glm4MoeModel) writes it: NeoX rotary (no q/k permutation),
 # the pre-FFN norm as ``post_attention_norm``, DeepSeek-V3's router, shared-expert and dense-layer
-# names; the multi-token-prediction layer is not written.  GLM-4.7-Flash (glm4_moe_lite) has no
-# GGUF form here.
+# names; the multi-token-prediction layer is not written.  GLM-4.7-Flash (glm4_moe_lite) is llama.cpp's
+# deepseek2 (below).
 GGUF_ARCH["glm4_moe"] = "glm4moe"
 NAME_MAP["glm4_moe"] = (
     _BACKBONE + _GQA + _QKV_BIAS + _QK_NORM + _ROUTER
@@ -405,11 +406,153 @@ NAME_MAP["dots1"] = (
 # ---------------------------------------------------------------- ERNIE 4.5 MoE (ernie4_5-moe)
 # As llama.cpp's convert_hf_to_gguf.py (Ernie4_5MoeModel) writes it: Llama's names, no q/k permutation
 # (ERNIE's RoPE already pairs adjacent dimensions), the router's score bias (``moe_statics``) as
-# exp_probs_b kept [1, E] as the hub stores it (``ROW_VECTORS``), DeepSeek-V3's shared-expert and dense names.
+# exp_probs_b kept [1, E] as the hub stores it (``STORED_SHAPE``), DeepSeek-V3's shared-expert and dense names.
 GGUF_ARCH["ernie4_5_moe"] = "ernie4_5-moe"
 NAME_MAP["ernie4_5_moe"] = (
     _BACKBONE + _FFN_NORM + _GQA + _ROUTER
     + _rows(("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.moe_statics.e_score_correction_bias"))
     + _experts("mlp.", _PROJ) + _shared("shared_experts") + _dense(invented=False)
 )
-ROW_VECTORS = {("ernie4_5_moe", "{L}.router_score_bias")}  # 1-D in the engine, stored [1, n] by llama.cpp
+# (arch, canonical) -> the shape llama.cpp stores a tensor in (numpy order, same values in the same order)
+STORED_SHAPE: dict[tuple[str, str], Callable[[tuple[int, ...]], tuple[int, ...]]] = {
+    ("ernie4_5_moe", "{L}.router_score_bias"): lambda s: (1, *s),  # 1-D in the engine, [1, n] in llama.cpp
+}
+
+
+# ---------------------------------------------------------------- Hunyuan-A13B (hunyuan-moe)
+# As llama.cpp's convert_hf_to_gguf.py (HunYuanMoEModel) writes it: NeoX rotary (no permutation), the q/k
+# norms applied after RoPE (``query_layernorm`` / ``key_layernorm``) as attn_q_norm / attn_k_norm, the router
+# ``mlp.gate.wg`` as ffn_gate_inp and the unweighted shared MLP as ffn_*_shexp.
+GGUF_ARCH["hunyuan_v1_moe"] = "hunyuan-moe"
+NAME_MAP["hunyuan_v1_moe"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _O_BIAS
+    + _rows(("{L}.attn.q_norm", "blk.{L}.attn_q_norm.weight", _P + "self_attn.query_layernorm.weight"),
+            ("{L}.attn.k_norm", "blk.{L}.attn_k_norm.weight", _P + "self_attn.key_layernorm.weight"),
+            ("{L}.router", "blk.{L}.ffn_gate_inp.weight", _P + "mlp.gate.wg.weight"))
+    + _experts("mlp.", _PROJ) + _shared("shared_mlp")
+)
+
+
+# ---------------------------------------------------------------- GLM-4.7-Flash (glm4_moe_lite, as deepseek2)
+# llama.cpp's convert_hf_to_gguf.py (Glm4MoeLiteModel, a DeepseekV2Model) writes GLM-4.7-Flash as ``deepseek2``:
+# DeepSeek-V3's names and keys.  llama.cpp's deepseek2 runs dense layers only before the first MoE one
+# (leading_dense_block_count); which layers are dense is read back from the tensors (``_gguf_meta``).
+GGUF_ARCH["glm4_moe_lite"] = "deepseek2"
+NAME_MAP["glm4_moe_lite"] = NAME_MAP["deepseek_v3"]
+
+
+# ---------------------------------------------------------------- PhiMoE (phimoe)
+# As llama.cpp's convert_hf_to_gguf.py (PhiMoeModel, a Phi3MiniModel) writes it: Mixtral's names without
+# the q/k permutation (llama.cpp's phimoe is NeoX), the LayerNorms' biases as ``.bias`` beside their weights,
+# the LM head's bias as output.bias.  The sparsemixer router is ffn_gate_inp (its jitter has no llama.cpp
+# key: ``moeswarm.phimoe.router_jitter_noise``); longrope's factors travel as llama.cpp's rope_factors_short /
+# rope_factors_long tensors (``_gguf_write``), outside this table.
+GGUF_ARCH["phimoe"] = "phimoe"
+NAME_MAP["phimoe"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _QKV_BIAS + _O_BIAS
+    + _rows(("final_norm_bias", "output_norm.bias", "model.norm.bias"),
+            ("lm_head_bias", "output.bias", "lm_head.bias"),
+            ("{L}.attn_norm_bias", "blk.{L}.attn_norm.bias", _P + "input_layernorm.bias"),
+            ("{L}.mlp_norm_bias", "blk.{L}.ffn_norm.bias", _P + "post_attention_layernorm.bias"),
+            ("{L}.router", "blk.{L}.ffn_gate_inp.weight", _P + "block_sparse_moe.gate.weight"))
+    + _experts("block_sparse_moe.", {"gate": "experts.{E}.w1.weight", "up": "experts.{E}.w3.weight",
+                                     "down": "experts.{E}.w2.weight"})
+)
+
+
+# ---------------------------------------------------------------- Qwen3-Next (qwen3next)
+# As llama.cpp's convert_hf_to_gguf.py (Qwen3NextModel) writes it: Qwen3.5's DeltaNet names without its
+# value-head reordering (llama.cpp's qwen3next takes the heads grouped by key head, as the hub stores them),
+# and ``in_proj_qkvz`` (per key head: q, k, v, z) split into attn_qkv (every head's q, then k, then v) and
+# attn_gate (z): ``SPLIT`` / ``qkvz_rows``.  ``in_proj_ba`` stays grouped as ssm_ba.  llama.cpp also reads
+# the hub's layout whole as ``ssm_in`` (its "legacy GGUF"), and so does the engine.  llama.cpp's qwen3next
+# has no dense layers: ours (``mlp_only_layers``) take the generic ffn_* names (``invented``).
+GGUF_ARCH["qwen3_next"] = "qwen3next"
+_QWEN3_NEXT_DELTANET = _rows(
+    ("{L}.attn.qkvz", "blk.{L}.attn_qkv.weight", _P + "linear_attn.in_proj_qkvz.weight"),
+    ("{L}.attn.ba", "blk.{L}.ssm_ba.weight", _P + "linear_attn.in_proj_ba.weight"),
+) + tuple(r for r in _DELTANET if r.canonical not in ("{L}.attn.qkv", "{L}.attn.z", "{L}.attn.b", "{L}.attn.a"))
+NAME_MAP["qwen3_next"] = tuple(
+    NameRow(r.canonical, r.gguf, r.hf, None, r.invented, r.fused)  # no value-head reordering
+    for r in _BACKBONE + _GQA + _QK_NORM + _QWEN3_NEXT_DELTANET + _ROUTER + _experts("mlp.", _PROJ)
+    + _shared("shared_expert")
+    + _rows(("{L}.mlp_norm", "blk.{L}.post_attention_norm.weight", _P + "post_attention_layernorm.weight"),
+            ("{L}.shared_gate", "blk.{L}.ffn_gate_inp_shexp.weight", _P + "mlp.shared_expert_gate.weight"))
+) + _dense(invented=True)
+# (arch, canonical) -> the GGUF tensors its rows are split into, in order (``qkvz_rows`` gives which rows)
+SPLIT = {("qwen3_next", "{L}.attn.qkvz"): ("blk.{L}.attn_qkv.weight", "blk.{L}.attn_gate.weight")}
+LEGACY_WHOLE = {("qwen3_next", "{L}.attn.qkvz"): "blk.{L}.ssm_in.weight"}  # the same tensor unsplit, as the hub's
+
+
+def qkvz_rows(cfg: "ModelConfig") -> tuple[np.ndarray, np.ndarray]:
+    """The rows of Qwen3-Next's ``in_proj_qkvz`` (per key head: q, k, then v and z of its value heads) that
+    llama.cpp's attn_qkv (q of every head, then k, then v) and attn_gate (z) hold, in their order."""
+    dn = cfg.deltanet
+    assert dn is not None
+    dk, vz = dn.k_head_dim, dn.num_v_heads // dn.num_k_heads * dn.v_head_dim
+    base = np.arange(dn.num_k_heads)[:, None] * (2 * dk + 2 * vz)
+    q, k = (base + np.arange(dk)).reshape(-1), (base + dk + np.arange(dk)).reshape(-1)
+    v, z = (base + 2 * dk + np.arange(vz)).reshape(-1), (base + 2 * dk + vz + np.arange(vz)).reshape(-1)
+    return np.concatenate([q, k, v]), z
+
+
+# ---------------------------------------------------------------- MiMo-V2-Flash (mimo2)
+# As llama.cpp's convert_hf_to_gguf.py (MimoV2Model) writes it: GQA names (NeoX rotary: no permutation) with
+# each layer's own key-value heads (head_count_kv per layer), the sliding layers' sinks as attn_sinks (one per
+# head), DeepSeek-V3's router and correction bias, the dense first layer as ffn_*.
+GGUF_ARCH["mimo_v2_flash"] = "mimo2"
+NAME_MAP["mimo_v2_flash"] = (
+    _BACKBONE + _FFN_NORM + _GQA + _ROUTER
+    + _rows(("{L}.attn.sinks", "blk.{L}.attn_sinks.weight", _P + "self_attn.attention_sink_bias"),
+            ("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias", _P + "mlp.gate.e_score_correction_bias"))
+    + _experts("mlp.", _PROJ) + _dense(invented=False)
+)
+
+
+# ---------------------------------------------------------------- Kimi Linear (kimi-linear)
+# As llama.cpp's convert_hf_to_gguf.py (KimiLinearModel) writes it: the KDA layers' q/k/v as attn_q/k/v, their
+# three causal convolutions as ssm_conv1d_{q,k,v} stored [1, C, 1, K] (ggml ne [K, 1, C, 1]), the decay
+# ``A = -exp(A_log)`` as ssm_a stored [1, 1, h, 1], dt_bias as ssm_dt.bias, the forget and output gates'
+# low-rank pairs as ssm_f_a / ssm_f_b and ssm_g_a / ssm_g_b, beta's projection as ssm_beta, the per-head output
+# norm as ssm_norm; the MLA layers (no RoPE) with DeepSeek-V3's names, ``kv_b_proj`` kept whole as attn_kv_b
+# split and absorbed as llama.cpp's converter writes it (attn_k_b [heads, rank, nope], attn_v_b [heads, v, rank]:
+# ``WRITE_ABSORBED``; llama.cpp 0.3.36's kimi-linear crashes on the whole attn_kv_b it calls "legacy"); the hub's
+# ``block_sparse_moe`` MoE names.
+_KA = _P + "self_attn."
+GGUF_ARCH["kimi_linear"] = "kimi-linear"
+NAME_MAP["kimi_linear"] = (
+    _BACKBONE + _FFN_NORM + _MLA
+    + _rows(("{L}.attn.k", "blk.{L}.attn_k.weight", _KA + "k_proj.weight"),
+            ("{L}.attn.v", "blk.{L}.attn_v.weight", _KA + "v_proj.weight"),
+            ("{L}.attn.q_conv", "blk.{L}.ssm_conv1d_q.weight", _KA + "q_conv1d.weight"),
+            ("{L}.attn.k_conv", "blk.{L}.ssm_conv1d_k.weight", _KA + "k_conv1d.weight"),
+            ("{L}.attn.v_conv", "blk.{L}.ssm_conv1d_v.weight", _KA + "v_conv1d.weight"),
+            ("{L}.attn.A", "blk.{L}.ssm_a", _KA + "A_log"),
+            ("{L}.attn.dt_bias", "blk.{L}.ssm_dt.bias", _KA + "dt_bias"),
+            ("{L}.attn.f_a", "blk.{L}.ssm_f_a.weight", _KA + "f_a_proj.weight"),
+            ("{L}.attn.f_b", "blk.{L}.ssm_f_b.weight", _KA + "f_b_proj.weight"),
+            ("{L}.attn.g_a", "blk.{L}.ssm_g_a.weight", _KA + "g_a_proj.weight"),
+            ("{L}.attn.g_b", "blk.{L}.ssm_g_b.weight", _KA + "g_b_proj.weight"),
+            ("{L}.attn.b", "blk.{L}.ssm_beta.weight", _KA + "b_proj.weight"),
+            ("{L}.attn.o_norm", "blk.{L}.ssm_norm.weight", _KA + "o_norm.weight"),
+            ("{L}.router", "blk.{L}.ffn_gate_inp.weight", _P + "block_sparse_moe.gate.weight"),
+            ("{L}.router_score_bias", "blk.{L}.exp_probs_b.bias",
+             _P + "block_sparse_moe.gate.e_score_correction_bias"))
+    + _experts("block_sparse_moe.", {"gate": "experts.{E}.w1.weight", "up": "experts.{E}.w3.weight",
+                                     "down": "experts.{E}.w2.weight"})
+    + tuple(NameRow(r.canonical, r.gguf, r.hf.replace("mlp.{s}", "block_sparse_moe.shared_experts")) for r in _SHARED)
+    + _dense(invented=False)
+)
+STORED_SHAPE.update({("kimi_linear", f"{{L}}.attn.{p}_conv"): (lambda s: (1, s[0], 1, s[1])) for p in "qkv"})
+STORED_SHAPE[("kimi_linear", "{L}.attn.A")] = lambda s: (1, 1, *s, 1)
+
+# (arch, canonical) -> the GGUF tensors MLA's kv_b is written as, absorbed (``absorbed_kv_b``)
+WRITE_ABSORBED = {("kimi_linear", "{L}.attn.kv_b"): ("blk.{L}.attn_k_b.weight", "blk.{L}.attn_v_b.weight")}
+
+
+def absorbed_kv_b(kv_b: np.ndarray, cfg: "ModelConfig") -> tuple[np.ndarray, np.ndarray]:
+    """MLA's kv_b [heads * (nope + v), rank] as llama.cpp's converter splits it: attn_k_b [heads, rank, nope] (each
+    head's key rows, transposed) and attn_v_b [heads, v, rank], float32 (``_gguf_read._kv_b_from_split`` undoes it)."""
+    heads, nope, rank = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    kv = np.asarray(kv_b, np.float32).reshape(heads, -1, rank)
+    return np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(kv[:, nope:])

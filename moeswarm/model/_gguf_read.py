@@ -24,7 +24,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..errors import CheckpointError
 from ._gguf_meta import FORMAT_VERSION, HF_CONFIG, VERSION, hf_config_from_metadata
-from ._gguf_names import GGUF_ARCH, ROW_VECTORS, NameRow, fused_siblings, gguf_name, rope_permutation, v_head_order
+from ._gguf_names import (GGUF_ARCH, LEGACY_WHOLE, SPLIT, STORED_SHAPE, NameRow, fused_siblings, gguf_name, qkvz_rows,
+                          rope_permutation, template, v_head_order)
 from ._gguf_path import split_paths
 from ._gguf_tensor import QuantizedTensor
 from ._kernel_file import open_or_build
@@ -204,8 +205,10 @@ class GGUFFile:
         else:
             try:
                 freqs = self.tensors.get("rope_freqs.weight")
+                factors = {n: np.asarray(self.tensors[n].data)
+                           for n in ("rope_factors_short.weight", "rope_factors_long.weight") if n in self.tensors}
                 raw = hf_config_from_metadata(self.meta, set(self.tensors), self.architecture,
-                                              None if freqs is None else np.asarray(freqs.data))
+                                              None if freqs is None else np.asarray(freqs.data), factors)
             except KeyError as e:
                 raise CheckpointError(f"GGUF metadata lacks {e.args[0]!r} (and has no {HF_CONFIG})",
                                       path=self.path) from None
@@ -265,6 +268,20 @@ class GGUFFile:
         t = self._tensor(name)
         self._check_shape(t, (total, *shape[1:]))
         return _wrap(t.data[start:start + shape[0]], t.tensor_type, shape, None)
+
+    def joined(self, parts: list[tuple[str, int]], shape: tuple[int, ...], rows: np.ndarray) -> Any:
+        """One ``shape`` tensor whose rows several GGUF tensors hold (name, row count each), concatenated and
+        put in order by ``rows`` (Qwen3-Next's attn_qkv + attn_gate -> in_proj_qkvz).  A copy: quantized parts of
+        one type stay encoded (re-ordered after decoding), parts of different types are decoded to float32."""
+        tensors = [self._tensor(name) for name, _ in parts]
+        for t, (_, n) in zip(tensors, parts):
+            self._check_shape(t, (n, *shape[1:]))
+        types = {t.tensor_type for t in tensors}
+        if len(types) == 1:
+            return _wrap(np.concatenate([t.data for t in tensors]), types.pop(), shape, rows)
+        decoded = [np.asarray(_wrap(t.data, t.tensor_type, (n, *shape[1:]), None), np.float32)
+                   for t, (_, n) in zip(tensors, parts)]
+        return np.concatenate(decoded)[rows]
 
     def experts(self, name: str, shape: tuple[int, ...], count: int) -> Callable[[int], Any]:
         """Expert ``e`` of a stacked ``[count, *shape]`` tensor, as a view of its own bytes.  Recent llama.cpp
@@ -411,13 +428,23 @@ def load_gguf_weights(
             w.tensors[name] = f.rows_of(gname, start, shape, sum(sizes))
             w.sources[name] = TensorRef(f.file_of(gname), f"{gname}[{start}:{start + shape[0]}]")
             continue
-        if row.canonical == "{L}.attn.kv_b" and gname not in f.tensors:  # recent llama.cpp: split k_b / v_b
+        layer_no = template(name)[1]
+        if (cfg.arch, row.canonical) in SPLIT and LEGACY_WHOLE[cfg.arch, row.canonical].format(L=layer_no) in f.tensors:
+            gname = LEGACY_WHOLE[cfg.arch, row.canonical].format(L=layer_no)  # llama.cpp's older files: unsplit
+            w.tensors[name] = f.tensor(gname, shape)
+        elif (cfg.arch, row.canonical) in SPLIT:  # several GGUF tensors hold its rows
+            pieces = qkvz_rows(cfg)
+            names = [n.format(L=layer_no) for n in SPLIT[cfg.arch, row.canonical]]
+            w.tensors[name] = f.joined([(n, len(r)) for n, r in zip(names, pieces)], shape,
+                                       np.argsort(np.concatenate(pieces)))
+            gname = "+".join(names)
+        elif row.canonical == "{L}.attn.kv_b" and gname not in f.tensors:  # recent llama.cpp: split k_b / v_b
             w.tensors[name] = _kv_b_from_split(f, gname, cfg)
-        elif (cfg.arch, row.canonical) in ROW_VECTORS:  # stored [1, n]
-            w.tensors[name] = np.asarray(f.tensor(gname, (1, *shape))).reshape(shape)
+        elif (cfg.arch, row.canonical) in STORED_SHAPE:  # stored in another shape ([1, n], Kimi's 4-D conv)
+            w.tensors[name] = np.asarray(f.tensor(gname, STORED_SHAPE[cfg.arch, row.canonical](shape))).reshape(shape)
         else:
             w.tensors[name] = f.tensor(gname, shape, *_unpermute(row, cfg, shape))
-        w.sources[name] = TensorRef(f.file_of(gname), gname)
+        w.sources[name] = TensorRef(f.file_of(gname.split("+")[0]), gname)
     if cfg.tie_word_embeddings:
         w.tensors["lm_head"] = w.tensors["embed"]
     eshapes = expert_shapes(cfg)

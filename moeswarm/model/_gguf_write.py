@@ -29,8 +29,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from ..errors import ConfigError
-from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, llama3_factors, write_metadata
-from ._gguf_names import GGUF_ARCH, ROW_VECTORS, fused_siblings, gguf_name, rope_permutation, template, v_head_order
+from ._gguf_meta import EMBEDDED_FILES, HF_CONFIG, llama3_factors, phimoe_rope_factors, write_metadata
+from ._gguf_names import (GGUF_ARCH, SPLIT, STORED_SHAPE, WRITE_ABSORBED, absorbed_kv_b, fused_siblings, gguf_name,
+                          qkvz_rows, rope_permutation, template, v_head_order)
 from ._gguf_path import find_gguf
 from ._gguf_read import GGUFFile
 from .checkpoint import load_weights
@@ -132,9 +133,23 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
             plans.append(((layer if layer is not None else cfg.num_layers, 0),
                           TensorPlan(gname, qtype, shape, parts, None, note)))
             continue
+        if (cfg.arch, row.canonical) in WRITE_ABSORBED:  # MLA's kv_b as llama.cpp's attn_k_b / attn_v_b
+            for gname_part, part in zip(WRITE_ABSORBED[cfg.arch, row.canonical], absorbed_kv_b(a, cfg)):
+                qtype, note = _choose(name, part.shape, base)
+                plans.append(((layer if layer is not None else cfg.num_layers, 0),
+                              TensorPlan(gname_part.format(L=layer), qtype, part.shape, (part,), None, note)))
+            continue
+        if (cfg.arch, row.canonical) in SPLIT:  # one canonical tensor's rows as several GGUF tensors
+            for gname_part, part_rows in zip(SPLIT[cfg.arch, row.canonical], qkvz_rows(cfg)):
+                shape = (len(part_rows), a.shape[1])
+                qtype, note = _choose(name, shape, base)
+                plans.append(((layer if layer is not None else cfg.num_layers, 0),
+                              TensorPlan(gname_part.format(L=layer), qtype, shape, (a,), part_rows, note)))
+            continue
         qtype, note = _choose(name, a.shape, base)
         rows = cols = None
-        shape = (1, *a.shape) if (cfg.arch, template(name)[0]) in ROW_VECTORS else tuple(a.shape)
+        reshape = STORED_SHAPE.get((cfg.arch, template(name)[0]))
+        shape = reshape(tuple(a.shape)) if reshape else tuple(a.shape)
         if row.permute in ("heads", "kv_heads"):
             rows = rope_permutation(a.shape[0], cfg.num_heads if row.permute == "heads" else cfg.num_kv_heads)
         elif row.permute:
@@ -157,6 +172,9 @@ def plan(w: Weights, weight_type: str = "F16", experts_type: str | None = None) 
     if cfg.arch in ("llama4", "llama4_text") and cfg.rope.kind == "llama3":  # llama.cpp's form of the scaling
         factors = llama3_factors(cfg.rope)
         plans.append(((-1, 1), TensorPlan("rope_freqs.weight", Q.F32, factors.shape, (factors,))))
+    if cfg.arch == "phimoe":  # longrope's factors, as llama.cpp's rope_factors_short / _long tensors
+        for name, factors in phimoe_rope_factors(cfg).items():
+            plans.append(((-1, 1), TensorPlan(name, Q.F32, factors.shape, (factors,))))
     plans.sort(key=lambda item: item[0])
     return [p for _, p in plans]
 

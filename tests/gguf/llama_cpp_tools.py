@@ -87,7 +87,7 @@ def converter_source() -> Path:
 
 _CONVERT = r'''
 import importlib.util, sys
-src, folder, out, outtype = sys.argv[1:5]
+src, folder, out, outtype, *extra = sys.argv[1:]
 sys.path.insert(0, src)
 spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", src + "/convert_hf_to_gguf.py")
 mod = importlib.util.module_from_spec(spec)
@@ -118,16 +118,29 @@ def get_model_class(*args, **kwargs):
             todo.extend(c.__subclasses__())
     return cls
 
+class HubConfig:  # --raw-config: the config.json as the hub's remote-code checkpoints have it, not transformers' form
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+        raise ValueError("reading config.json itself (--raw-config)")
+
+if "--raw-config" in extra:
+    extra.remove("--raw-config")
+    importlib.import_module("conversion.base").AutoConfig = HubConfig
+
 real = mod.get_model_class
 mod.get_model_class = get_model_class
-sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype]
+sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype, *extra]
 mod.main()
 '''
 
 
-def convert(src: Path, folder: Path, out: Path, outtype: str = "f32") -> Path:
-    """llama.cpp's converter in ``src`` (``converter_source()``) on ``folder`` (a transformers checkpoint) -> ``out``."""
-    done = subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(folder), str(out), outtype],
+def convert(src: Path, folder: Path, out: Path, outtype: str = "f32", *extra: str) -> Path:
+    """llama.cpp's converter in ``src`` (``converter_source()``) on ``folder`` (a transformers checkpoint) -> ``out``;
+    ``extra``: more of its command-line options (``--no-mtp``), and ``--raw-config``: the converter reads config.json
+    as it is rather than through transformers' ``AutoConfig`` (what it does when transformers does not know the
+    model type, as for the hub's remote-code MiMo-V2-Flash; transformers 5.24 knows it and rewrites the hub's
+    keys into a form llama.cpp's MimoV2Model does not read)."""
+    done = subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(folder), str(out), outtype, *extra],
                           capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0 and out.is_file(), f"llama.cpp's converter failed:\n{done.stderr[-3000:]}"

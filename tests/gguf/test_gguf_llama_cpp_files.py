@@ -19,6 +19,13 @@ Mistral 4: llama.cpp's converter takes it as ``Mistral3ForConditionalGeneration`
 its ``llama_4_scaling_beta`` (the checkpoint's original context is past the reference positions), and writes
 MLA absorbed, as for DeepSeek-V3: the engine rebuilds ``kv_b`` from ``attn_k_b`` / ``attn_v_b`` and splits
 ``ffn_gate_up_exps``.
+GLM-4.7-Flash: llama.cpp's converter writes it as ``deepseek2`` (absorbed, as DeepSeek-V3); the oracle's dense layer
+after a MoE one (``glm4_moe_lite_dense_between``: llama.cpp's deepseek2 graph cannot run it) is read back from the
+tensors.
+Hunyuan-A13B, PhiMoE, Qwen3-Next, MiMo-V2-Flash: variants llama.cpp can express (``oracle_llama_cpp_variants``).
+Qwen3-Next and MiMo-V2-Flash are converted ``--no-mtp``; MiMo-V2-Flash from the hub's remote-code config.json keys
+(``mimo_hub_keys``, read as the file it is: ``--raw-config``), Kimi Linear likewise (``kimi_hub_keys``, its dense
+layer's MLP under the hub's ``mlp.`` names: ``kimi_hub_tensor``); both converters write its MLA absorbed.
 """
 
 from __future__ import annotations
@@ -37,7 +44,10 @@ TOL = 1e-4
 # llama.cpp's converter writes MLA absorbed (attn_k_b / attn_v_b, key_length = kv_lora_rank + rope, one
 # key-value head) and the experts' gate and up fused (ffn_gate_up_exps); convert-gguf writes attn_kv_b and
 # the two apart, which llama.cpp runs too: the files agree as weights, not byte for byte
-ABSORBED_MLA = {"mistral4", "deepseek_v3"}
+ABSORBED_MLA = {"mistral4", "deepseek_v3", "glm4_moe_lite", "glm4_moe_lite_dense_between"}
+# keys whose llama.cpp value is not the checkpoint's: Kimi Linear's value_length is transformers' derived head_dim
+# (qk_rope_head_dim) there; convert-gguf writes the absorbed latent's width, as for deepseek2 (llama.cpp runs both)
+KEYS_DIFFER = {"kimi_linear": {"kimi-linear.attention.value_length"}}
 
 CASES = {
     "glm4_moe": ("oracle_glm4", "glm4_moe", "per_expert"),
@@ -49,18 +59,83 @@ CASES = {
     "ernie4_5_moe": ("oracle_llama_cpp_variants", "ernie4_5_moe"),
     "mistral4": ("oracle_llama_cpp_variants", "mistral4"),
     "deepseek_v3": ("oracle", "deepseek_v3", "per_expert"),
+    "glm4_moe_lite": ("oracle_llama_cpp_variants", "glm4_moe_lite"),
+    "glm4_moe_lite_dense_between": ("oracle_glm4", "glm4_moe_lite", "per_expert"),  # llama.cpp's runtime refuses it
+    "hunyuan_v1_moe": ("oracle_llama_cpp_variants", "hunyuan_v1_moe"),
+    "phimoe": ("oracle_llama_cpp_variants", "phimoe"),
+    "qwen3_next": ("oracle_llama_cpp_variants", "qwen3_next"),
+    "mimo_v2_flash": ("oracle_llama_cpp_variants", "mimo_v2_flash"),
+    "kimi_linear": ("oracle_llama_cpp_variants", "kimi_linear"),
 }
 
 
-def as_mistral3(folder: Path, out: Path) -> Path:
-    """The checkpoint as llama.cpp's converter takes Mistral 4: it converts ``Mistral3ForConditionalGeneration``
-    only, and a text config of ``model_type`` mistral4 as Mistral 4 (``Mistral3Model.Mistral4Model``)."""
+def as_mistral3(config: dict) -> dict:
+    """Mistral 4 as llama.cpp's converter takes it: it converts ``Mistral3ForConditionalGeneration`` only, and a
+    text config of ``model_type`` mistral4 as Mistral 4 (``Mistral3Model.Mistral4Model``)."""
+    return {**config, "architectures": ["Mistral3ForConditionalGeneration"]}
+
+
+def mimo_hub_keys(config: dict) -> dict:
+    """MiMo-V2-Flash's config.json as the hub's remote-code checkpoint has it (what llama.cpp's MimoV2Model reads:
+    ``hybrid_layer_pattern``, the ``swa_*`` sizes, top-level RoPE keys), from transformers' form."""
+    out = {k: v for k, v in config.items() if k != "rope_parameters"}
+    full, sliding = config["rope_parameters"]["full_attention"], config["rope_parameters"]["sliding_attention"]
+    kv = config["num_key_value_heads"]
+    return {**out, "hybrid_layer_pattern": [int(t == "sliding_attention") for t in config["layer_types"]],
+            "swa_head_dim": config["head_dim"], "swa_v_head_dim": config["v_head_dim"],
+            "swa_num_attention_heads": config["num_attention_heads"], "swa_num_key_value_heads": 2 * kv,
+            "topk_method": "noaux_tc", "layernorm_epsilon": config["rms_norm_eps"], "rope_theta": full["rope_theta"],
+            "swa_rope_theta": sliding["rope_theta"], "partial_rotary_factor": full["partial_rotary_factor"]}
+
+
+def kimi_hub_keys(config: dict) -> dict:
+    """Kimi Linear's config.json as the hub's remote-code checkpoint has it (what llama.cpp's KimiLinearModel reads:
+    ``linear_attn_config`` with 1-based layer lists, ``first_k_dense_replace``), from transformers' form."""
+    full = [i + 1 for i, t in enumerate(config["layer_types"]) if t == "full_attention"]
+    kda = [i + 1 for i, t in enumerate(config["layer_types"]) if t != "full_attention"]
+    sparse = [t == "sparse" for t in config["mlp_layer_types"]]
+    return {**config, "first_k_dense_replace": sparse.index(True), "mla_use_nope": True,
+            "moe_router_activation_func": "sigmoid",
+            "linear_attn_config": {"full_attn_layers": full, "kda_layers": kda, "num_heads": config["linear_num_heads"],
+                                   "head_dim": config["linear_head_dim"],
+                                   "short_conv_kernel_size": config["linear_conv_kernel_dim"]}}
+
+
+def kimi_hub_tensor(name: str, config: dict) -> str:
+    """The hub's name of a Kimi Linear tensor transformers 5.24 saved: its dense layers' MLP is ``mlp.*`` (transformers
+    writes ``block_sparse_moe.*``, which llama.cpp's converter cannot name)."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and parts[3] == "block_sparse_moe" and \
+            config["mlp_layer_types"][int(parts[2])] == "dense":
+        return name.replace(".block_sparse_moe.", ".mlp.", 1)
+    return name
+
+
+# the config.json llama.cpp's converter is given, its tensors' names (else the checkpoint's), and its options
+HUB_FORM = {"mistral4": as_mistral3, "mimo_v2_flash": mimo_hub_keys, "kimi_linear": kimi_hub_keys}
+HUB_TENSORS = {"kimi_linear": kimi_hub_tensor}
+CONVERTER_OPTIONS = {"qwen3_next": ("--no-mtp",),  # it otherwise expects Qwen3-Next's MTP layer
+                     # as from the hub's remote-code config.json
+                     "mimo_v2_flash": ("--no-mtp", "--raw-config"), "kimi_linear": ("--raw-config",)}
+
+
+def for_converter(family: str, folder: Path, out: Path) -> Path:
+    """The checkpoint as llama.cpp's converter reads ``family`` (``HUB_FORM``, ``HUB_TENSORS``)."""
+    if family not in HUB_FORM:
+        return folder
+    from safetensors.numpy import load_file, save_file
+
     out.mkdir()
-    for f in folder.iterdir():
-        (out / f.name).symlink_to(f)
     config = json.loads((folder / "config.json").read_text())
-    (out / "config.json").unlink()
-    (out / "config.json").write_text(json.dumps({**config, "architectures": ["Mistral3ForConditionalGeneration"]}))
+    for f in folder.iterdir():
+        if f.name == "config.json":
+            (out / f.name).write_text(json.dumps(HUB_FORM[family](config)))
+        elif f.suffix == ".safetensors" and family in HUB_TENSORS:
+            tensors = load_file(f)
+            save_file({HUB_TENSORS[family](k, config): v for k, v in tensors.items()}, out / f.name,
+                      metadata={"format": "pt"})
+        else:
+            (out / f.name).symlink_to(f)
     return out
 
 
@@ -77,7 +152,10 @@ def assert_same_weights(ours: Path, theirs: Path) -> None:
     a, b = load_weights(ours), load_weights(theirs)
     assert set(a.tensors) == set(b.tensors)
     for name, x in a.tensors.items():
-        assert np.array_equal(np.asarray(x), np.asarray(b.tensors[name])), name
+        if name.endswith(".attn.A"):  # -exp(A_log): llama.cpp's in torch, ours in numpy (1 ulp apart)
+            assert np.allclose(np.asarray(x), np.asarray(b.tensors[name]), rtol=1e-6, atol=0), name
+        else:
+            assert np.array_equal(np.asarray(x), np.asarray(b.tensors[name])), name
     for L, layer in a.experts.items():
         for e, x in layer.items():
             for part in ("gate", "up", "down"):
@@ -91,8 +169,9 @@ def _value(v):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("family", list(CASES))
 def test_llama_cpp_converter_file(family_oracles, llama_cpp_src: Path, family: str, tmp_path: Path) -> None:
     folder, ref = family_oracles.get(*CASES[family])
-    source = as_mistral3(folder, tmp_path / "mistral3") if family == "mistral4" else folder
-    theirs = llama_cpp_tools.convert(llama_cpp_src, source, tmp_path / "llama.cpp.gguf")
+    source = for_converter(family, folder, tmp_path / "hub-form")
+    theirs = llama_cpp_tools.convert(llama_cpp_src, source, tmp_path / "llama.cpp.gguf", "f32",
+                                     *CONVERTER_OPTIONS.get(family, ()))
 
     expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
     assert np.abs(engine_logits(theirs, ref) - expected).max() <= TOL
@@ -105,18 +184,20 @@ def test_llama_cpp_converter_file(family_oracles, llama_cpp_src: Path, family: s
     assert f.architecture == g.architecture
     if family in ABSORBED_MLA:
         assert_same_weights(ours, theirs)
-        assert "blk.0.attn_k_b.weight" in g.tensors and "blk.0.attn_kv_b.weight" in f.tensors
+        assert any(n.endswith(".attn_k_b.weight") for n in g.tensors) and \
+            any(n.endswith(".attn_kv_b.weight") for n in f.tensors)
         return
     assert set(f.tensors) == set(g.tensors)
     for name, t in g.tensors.items():
         mine = f.tensors[name]
         assert mine.tensor_type == t.tensor_type, name
-        if name == "rope_freqs.weight":  # computed, not copied: llama.cpp in torch, ours in numpy (1 ulp apart)
+        if name == "rope_freqs.weight" or name.endswith(".ssm_a"):  # computed, not copied (ssm_a = -exp(A_log)):
+            # llama.cpp in torch, ours in numpy (1 ulp apart)
             assert np.allclose(np.asarray(mine.data), np.asarray(t.data), rtol=1e-6, atol=0)
         else:
             assert np.array_equal(np.asarray(mine.data), np.asarray(t.data)), name
     for key, value in g.meta.items():
-        if key.startswith(("general.", "tokenizer.", "GGUF.")):
+        if key.startswith(("general.", "tokenizer.", "GGUF.")) or key in KEYS_DIFFER.get(family, ()):
             continue
         assert key in f.meta, key
         assert np.array_equal(_value(f.meta[key]), _value(value)) or np.allclose(_value(f.meta[key]), _value(value)), \

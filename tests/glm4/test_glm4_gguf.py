@@ -1,5 +1,6 @@
 """GLM-4.5 (``glm4_moe``) through GGUF, under the names and keys llama.cpp's ``gguf`` package gives
-its ``glm4moe`` architecture.  GLM-4.7-Flash (``glm4_moe_lite``) has no GGUF form here."""
+its ``glm4moe`` architecture.  GLM-4.7-Flash (``glm4_moe_lite``) is llama.cpp's ``deepseek2``:
+tests/gguf/test_gguf_families.py and test_gguf_llama_cpp_files.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import gguf
 import numpy as np
 import pytest
 
-from moeswarm.errors import ConfigError
 from moeswarm.model import Model, load_model, load_weights
 from moeswarm.model._safetensors import open_folder
 from moeswarm.model.gguf import GGUF_ARCH, NAME_MAP, GGUFFile, convert_to_gguf
@@ -80,10 +80,3 @@ def test_llama_cpp_keys_alone_rebuild_the_config(glm4_checkpoints, tmp_path: Pat
     rebuilt = f.config()
     assert {x.name for x in dataclasses.fields(exact) if getattr(exact, x.name) != getattr(rebuilt, x.name)} == {"raw"}
     assert f.meta[f"glm4moe.{gguf.Keys.Rope.DIMENSION_COUNT.split('.', 1)[1]}"] == 8
-
-
-def test_glm4_moe_lite_has_no_gguf_form_and_says_so(glm4_checkpoints, tmp_path: Path) -> None:
-    folder, _ = glm4_checkpoints.get("glm4_moe_lite")
-    with pytest.raises(ConfigError, match="glm4_moe_lite has no GGUF form"):
-        convert_to_gguf(folder, tmp_path / "lite.gguf", weight_type="F32", sidecar=False)
-    assert not (tmp_path / "lite.gguf").exists()
