@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import llama_cpp_tools
@@ -53,7 +54,8 @@ def family_oracles(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def llama_cpp_src() -> Path:
+def llama_cpp_src() -> Iterator[Path]:
     """llama.cpp's converter (``llama_cpp_tools.converter_source``): MOESWARM_LLAMA_CPP_SRC, or llama-cpp-python
     0.3.36's sdist downloaded from PyPI once into the test cache; a failed download fails the test saying so."""
-    return llama_cpp_tools.converter_source()
+    yield llama_cpp_tools.converter_source()
+    llama_cpp_tools.close_converters()
