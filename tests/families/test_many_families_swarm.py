@@ -1,12 +1,14 @@
 """One swarm serving several models at once, as a public swarm does: one libp2p DHT, two expert
-node processes for each of dots.llm1 (``dots1``), Hunyuan-A13B (``hunyuan_v1_moe``), GLM-4.7-Flash
-(``glm4_moe_lite``) and Granite MoE (``granitemoe``), each pair splitting its model's experts.  The
-first node is the bootstrap peer of all the others, which start together once it is READY.  Then,
-for each model in turn, a backbone in this process (dots1's dense first layer and sliding layers,
-Hunyuan's dynamic-alpha rope and per-head q/k norms, GLM's MLA attention and group-limited router,
-Granite's multipliers) must give the single-process logits (prefill in chunks of 5 over the cache,
-then decode) and transformers' greedy tokens, every node of its own model must have served it, and
-no node of another model may have: each backbone finds its holders under its own model id."""
+node processes for each of dots.llm1 (``dots1``), ERNIE 4.5 MoE (``ernie4_5_moe``), Hunyuan-A13B
+(``hunyuan_v1_moe``), GLM-4.7-Flash (``glm4_moe_lite``) and Granite MoE (``granitemoe``), each pair
+splitting its model's experts.  The first node is the bootstrap peer of all the others, which start
+together once it is READY.  Then, for each model in turn, a backbone in this process (dots1's dense
+first layer and sliding layers; ERNIE's interleaved-rope GQA, dense layers between MoE layers 1 and 3,
+choice-biased routers and tied embeddings; Hunyuan's dynamic-alpha rope and per-head q/k norms; GLM's
+MLA attention and group-limited router; Granite's multipliers) must give the single-process logits
+(prefill in chunks of 5 over the cache, then decode) and transformers' greedy tokens, every node of
+its own model must have served it, and no node of another model may have: each backbone finds its
+holders under its own model id."""
 
 from __future__ import annotations
 
@@ -22,14 +24,14 @@ from moeswarm.protocol import peer_id_from_str
 pytestmark = pytest.mark.slow
 
 # family -> the experts of each of its two node processes
-_RANGES = {"dots1": ("0-7", "8-15"), "hunyuan_v1_moe": ("0-3", "4-7"),
+_RANGES = {"dots1": ("0-7", "8-15"), "ernie4_5_moe": ("0-7", "8-15"), "hunyuan_v1_moe": ("0-3", "4-7"),
            "glm4_moe_lite": ("0-7", "8-15"), "granitemoe": ("0-3", "4-7")}
 
 
-def test_one_swarm_serves_four_models_each_from_its_own_nodes(family_checkpoints: Any, glm4_checkpoints: Any,
+def test_one_swarm_serves_five_models_each_from_its_own_nodes(family_checkpoints: Any, glm4_checkpoints: Any,
                                                               granite_checkpoints: Any) -> None:
-    checkpoints = {"dots1": family_checkpoints, "hunyuan_v1_moe": family_checkpoints,
-                   "glm4_moe_lite": glm4_checkpoints, "granitemoe": granite_checkpoints}
+    checkpoints = {"dots1": family_checkpoints, "ernie4_5_moe": family_checkpoints,
+                   "hunyuan_v1_moe": family_checkpoints, "glm4_moe_lite": glm4_checkpoints, "granitemoe": granite_checkpoints}
     runs = {}
     for arch, ranges in _RANGES.items():
         folder, ref = checkpoints[arch].get(arch, "per_expert")
