@@ -1,7 +1,8 @@
 """``moeswarm plan`` on the published configs of dots.llm1 (``dots1``), ERNIE 4.5 21B-A3B
 (``ernie4_5_moe``), Hunyuan-A13B (``hunyuan_v1_moe``) and GLM-4.7-Flash (``glm4_moe_lite``), shipped in
 moeswarm/model/configs/ (docs/families.md says where each came from): plan's total equals the
-parameters transformers 5.24 builds from the same file on the meta device, the engine reads the file,
+parameters transformers 5.24 builds from the same file on the meta device (and its active count,
+those less the routed experts a token does not use), the engine reads the file,
 and ``moeswarm plan --model NAME`` prints the model card's figures beside its own count."""
 
 from __future__ import annotations
@@ -37,11 +38,22 @@ PUBLISHED = {
 }
 
 
-def _transformers_parameters(raw: dict) -> int:  # type: ignore[type-arg]
+def _transformers_parameters(raw: dict) -> tuple[int, int]:  # type: ignore[type-arg]
+    """(total, active per token) of the model transformers builds from ``raw``: active is the total
+    less the routed experts a token does not use (each MoE layer's experts but its top-k)."""
     config = CONFIG_MAPPING[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())  # a tied LM head once
+    total = sum(p.numel() for p in model.parameters())  # a tied LM head once
+    top_k = config.num_experts_per_tok
+    top_k = top_k[0] if isinstance(top_k, list) else top_k  # Hunyuan's per-layer list
+    idle = 0
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            count = experts.gate_up_proj.shape[0]
+            idle += (count - top_k) * sum(p.numel() for p in experts.parameters()) // count
+    return total, total - idle
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -49,7 +61,7 @@ def test_plan_counts_what_transformers_builds_and_prints_the_card(name: str) -> 
     arch, moe_layers, header, count, card = PUBLISHED[name]
     raw = json.loads((CONFIGS / f"{name}.json").read_text())
     size = model_size(raw)
-    assert size.total == _transformers_parameters(raw)
+    assert (size.total, size.active) == _transformers_parameters(raw)
     assert size.moe_layers == moe_layers
     engine = ModelConfig.from_hf(raw)
     assert engine.arch == arch and sum(engine.moe_layers) == moe_layers
