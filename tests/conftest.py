@@ -109,6 +109,28 @@ def oracle_checkpoints(tmp_path_factory) -> OracleCheckpoints:
     return OracleCheckpoints(tmp_path_factory.mktemp("oracle"))
 
 
+def _family_checkpoints(module: str, root: Path) -> Any:
+    """tests/engine_support.py's ``FamilyCheckpoints`` of oracle module ``module`` (imported lazily:
+    it imports the engine)."""
+    from engine_support import FamilyCheckpoints
+
+    return FamilyCheckpoints(module, root)
+
+
+# Two directories' tests use these (their own and tests/families' swarm of several models), so they live here.
+@pytest.fixture(scope="session")
+def glm4_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Oracle checkpoints of GLM-4.5 (``glm4_moe``) and GLM-4.7-Flash (``glm4_moe_lite``), built once per session."""
+    return _family_checkpoints("oracle_glm4", tmp_path_factory.mktemp("glm4"))
+
+
+@pytest.fixture(scope="session")
+def granite_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Oracle checkpoints of Granite MoE (``granitemoe``) and Granite MoE shared (``granitemoeshared``),
+    built once per session."""
+    return _family_checkpoints("oracle_granite", tmp_path_factory.mktemp("granite"))
+
+
 # ---------------------------------------------------------------- diagnosing a hung test
 # pytest-timeout prints every thread's stack, which for an asyncio test only says "the event
 # loop is idle".  Shortly before it fires, this prints every pending asyncio task's stack too:

@@ -65,6 +65,14 @@ class OracleCheckpoints:
         return self._cache[key]
 
 
+class FamilyCheckpoints(OracleCheckpoints):
+    """``OracleCheckpoints`` of a module whose checkpoints are keyed ``(arch, layout)``, the hub's
+    ``per_expert`` layout unless told."""
+
+    def get(self, arch: str, layout: str = "per_expert") -> tuple[Path, Any]:  # type: ignore[override]
+        return super().get(arch, layout)
+
+
 def copy_with_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
     """A copy of checkpoint ``src`` at ``dst`` whose config.json ``edit`` changed in place."""
     shutil.copytree(src, dst)

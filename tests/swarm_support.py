@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from moeswarm.daemon import SwarmConfig
-from moeswarm.demo.swarm import expert_nodes
+from moeswarm.demo.swarm import Daemon, expert_nodes
 from moeswarm.model import Model, SamplingParams, generate
 from moeswarm.node.backbone import SwarmBackbone
 from moeswarm.node.config import BackboneConfig
@@ -30,24 +30,39 @@ def assert_swarm_gives_single_process_tokens(single: Model, folder: Path, ref: A
                                              chunk: int) -> None:
     """``single`` is ``folder`` loaded in this process; ``ref`` its transformers reference (prompt,
     decode and greedy tokens); ``experts`` one expert range per node process."""
+    expected, single_tokens = single_process_run(single, ref, chunk)
+    with expert_nodes(str(folder), experts) as daemons:
+        assert_backbone_gives(expected, single_tokens, folder, ref, chunk, daemons[0], daemons)
+
+
+def single_process_run(single: Model, ref: Any, chunk: int) -> tuple[np.ndarray, list[int]]:
+    """``single``'s logits (``ref``'s prompt in ``chunk``-token pieces, then its decode tokens) and
+    its greedy tokens, which must be transformers'."""
     expected = run_logits(single, ref.prompt_ids, ref.decode_tokens, chunk=chunk)
     single_tokens = list(generate(single, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
     assert single_tokens == ref.greedy_tokens
+    return expected, single_tokens
 
-    with expert_nodes(str(folder), experts) as daemons:
-        config = BackboneConfig(SwarmConfig(str(folder), bootstrap=(daemons[0].info["multiaddrs"][0],),
-                                            client_mode=True), coverage_timeout_s=60)
 
-        async def main() -> tuple[np.ndarray, list[int], set[bytes]]:
-            async with SwarmBackbone(config) as bb:
-                assert bb.model is not None and bb.executor is not None
-                assert not any(bb.model.weights.experts.get(L) for L in range(single.config.num_layers))
-                logits = await asyncio.to_thread(run_logits, bb.model, ref.prompt_ids, ref.decode_tokens, chunk)
-                params = SamplingParams(max_new_tokens=len(ref.greedy_tokens))
-                tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
-                return logits, tokens, set(bb.executor.served_by)
+def assert_backbone_gives(expected: np.ndarray, single_tokens: list[int], folder: Path, ref: Any, chunk: int,
+                          bootstrap: Daemon, nodes: list[Daemon]) -> set[bytes]:
+    """A backbone of ``folder`` in this process, joining the swarm through ``bootstrap`` (already
+    running), gives ``single_process_run``'s logits and tokens, and exactly ``nodes`` served it;
+    returns the peer ids that served it."""
+    config = BackboneConfig(SwarmConfig(str(folder), bootstrap=(bootstrap.info["multiaddrs"][0],),
+                                        client_mode=True), coverage_timeout_s=60)
 
-        logits, tokens, used = asyncio.run(main())
+    async def main() -> tuple[np.ndarray, list[int], set[bytes]]:
+        async with SwarmBackbone(config) as bb:
+            assert bb.model is not None and bb.executor is not None
+            assert not any(bb.model.weights.experts.get(L) for L in range(bb.model.config.num_layers))
+            logits = await asyncio.to_thread(run_logits, bb.model, ref.prompt_ids, ref.decode_tokens, chunk)
+            params = SamplingParams(max_new_tokens=len(ref.greedy_tokens))
+            tokens = await asyncio.to_thread(lambda: list(generate(bb.model, ref.prompt_ids, params)))  # type: ignore[arg-type]
+            return logits, tokens, set(bb.executor.served_by)
+
+    logits, tokens, used = asyncio.run(main())
     assert np.abs(logits - expected).max() <= 1e-5
     assert tokens == single_tokens
-    assert used == {peer_id_from_str(d.info["peer_id"]) for d in daemons}
+    assert used == {peer_id_from_str(d.info["peer_id"]) for d in nodes}
+    return used

@@ -341,6 +341,9 @@ def model_size(raw: dict[str, Any]) -> ModelSize:
         n_all, dense = int(t["num_hidden_layers"]), int(t.get("first_k_dense_replace", 1))
         t = {**t, "n_shared_experts": t.get("n_shared_experts", 1), "mlp_layer_types": t.get("mlp_layer_types") or (
             ["dense"] * min(dense, n_all) + ["sparse"] * max(n_all - dense, 0))}
+    if t["model_type"] == "hunyuan_v1_moe":  # experts and shared MLP are intermediate_size wide: transformers and
+        # the engine do not read moe_intermediate_size (a per-layer list in Hunyuan-A13B's config.json)
+        t = {key: v for key, v in t.items() if key != "moe_intermediate_size"}
     H, n, V = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
     E = _one(_first(t, "n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts", default=0))
     k = _one(_first(t, "num_experts_per_tok", "moe_topk", "moe_k", "top_k", default=0))
@@ -416,7 +419,11 @@ MODEL_CARDS = {"glm-4.5": ModelCard("355B", "32B", "zai-org/GLM-4.5"),
                "mimo-v2-flash": ModelCard("309B", "15B", "XiaomiMiMo/MiMo-V2-Flash"),
                "mistral-large-4": ModelCard("1T", "52B", "mistralai/Mistral-Large-4-1T-A52B"),
                "kimi-linear-48b-a3b": ModelCard("48B", "3B", "moonshotai/Kimi-Linear-48B-A3B-Instruct"),
-               "minimax-text-01": ModelCard("456B", "45.9B", "MiniMaxAI/MiniMax-Text-01")}
+               "minimax-text-01": ModelCard("456B", "45.9B", "MiniMaxAI/MiniMax-Text-01"),
+               "dots-llm1": ModelCard("142B", "14B", "rednote-hilab/dots.llm1.inst"),
+               "ernie-4.5-21b-a3b": ModelCard("21B", "3B", "baidu/ERNIE-4.5-21B-A3B-PT"),
+               "hunyuan-a13b": ModelCard("80B", "13B", "tencent/Hunyuan-A13B-Instruct"),
+               "glm-4.7-flash": ModelCard("30B", "3B", "zai-org/GLM-4.7-Flash")}
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
