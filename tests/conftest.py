@@ -109,26 +109,26 @@ def oracle_checkpoints(tmp_path_factory) -> OracleCheckpoints:
     return OracleCheckpoints(tmp_path_factory.mktemp("oracle"))
 
 
-def _family_checkpoints(module: str, root: Path) -> Any:
+def _family_checkpoints(module: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """tests/engine_support.py's ``FamilyCheckpoints`` of oracle module ``module`` (imported lazily:
     it imports the engine)."""
     from engine_support import FamilyCheckpoints
 
-    return FamilyCheckpoints(module, root)
+    return FamilyCheckpoints(module, tmp_path_factory)
 
 
 # Two directories' tests use these (their own and tests/families' swarm of several models), so they live here.
 @pytest.fixture(scope="session")
 def glm4_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Oracle checkpoints of GLM-4.5 (``glm4_moe``) and GLM-4.7-Flash (``glm4_moe_lite``), built once per session."""
-    return _family_checkpoints("oracle_glm4", tmp_path_factory.mktemp("glm4"))
+    return _family_checkpoints("oracle_glm4", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def granite_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Oracle checkpoints of Granite MoE (``granitemoe``) and Granite MoE shared (``granitemoeshared``),
     built once per session."""
-    return _family_checkpoints("oracle_granite", tmp_path_factory.mktemp("granite"))
+    return _family_checkpoints("oracle_granite", tmp_path_factory)
 
 
 # ---------------------------------------------------------------- diagnosing a hung test

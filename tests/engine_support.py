@@ -4,9 +4,12 @@ checkpoint with its config changed (a mechanism switched off, for the negative c
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pickle
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,14 +44,38 @@ def variant(folder: Path, edit: Callable[[Weights], None] | None = None, **chang
     return Model(w, backend="eager")
 
 
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created if missing): one pytest-xdist worker at a time."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared_root(tmp_path_factory: Any, name: str) -> Path:
+    """A folder of the run that every pytest-xdist worker sees (under the base temp's parent, which is
+    the run's), so that what one worker builds there the other reads."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "oracle-shared" / name
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 class OracleCheckpoints:
     """The tiny checkpoints a family's ``oracle_*`` module builds (seed 0) and transformers' reference
-    run on each (16-token prefill + 8 greedy decode steps), built once per session and read-only.
+    run on each (16-token prefill + 8 greedy decode steps), read-only, built once per run: the
+    workers and every fixture asking for the same module's checkpoint share one folder
+    (``shared_root``; the reference is pickled beside it, the first to ask builds it under a lock).
     ``get(*key)`` -> ``(folder, Reference)``; ``key`` is ``build_checkpoint``'s leading arguments
     (arch, layout; or none)."""
 
-    def __init__(self, module: str, root: Path) -> None:
-        self.module, self.root = module, root
+    def __init__(self, module: str, tmp_path_factory: Any) -> None:
+        self.module, self.root = module, shared_root(tmp_path_factory, module)
         self._cache: dict[tuple[str, ...], tuple[Path, Any]] = {}
 
     @property
@@ -59,9 +86,19 @@ class OracleCheckpoints:
 
     def get(self, *key: str) -> tuple[Path, Any]:
         if key not in self._cache:
-            o = self.oracle
-            folder = o.build_checkpoint(*key, self.root / "-".join(key or ("checkpoint",)))
-            self._cache[key] = (folder, o.reference_run(folder, o.PROMPT))
+            name = "-".join(key or ("checkpoint",))
+            folder, done = self.root / name, self.root / f"{name}.reference.pickle"
+            with locked(self.root / f"{name}.lock"):
+                if done.exists():
+                    reference = pickle.loads(done.read_bytes())
+                else:
+                    o = self.oracle
+                    shutil.rmtree(folder, ignore_errors=True)  # a build that died half way
+                    folder = o.build_checkpoint(*key, folder)
+                    reference = o.reference_run(folder, o.PROMPT)
+                    done.with_suffix(".part").write_bytes(pickle.dumps(reference))
+                    done.with_suffix(".part").rename(done)
+            self._cache[key] = (folder, reference)
         return self._cache[key]
 
 

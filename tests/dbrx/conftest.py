@@ -16,4 +16,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def dbrx_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_dbrx", tmp_path_factory.mktemp("dbrx"))
+    return _Checkpoints("oracle_dbrx", tmp_path_factory)

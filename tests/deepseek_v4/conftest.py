@@ -8,4 +8,4 @@ from engine_support import OracleCheckpoints
 
 @pytest.fixture(scope="session")
 def dsv4_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> OracleCheckpoints:
-    return OracleCheckpoints("oracle_dsv4", tmp_path_factory.mktemp("deepseek_v4"))
+    return OracleCheckpoints("oracle_dsv4", tmp_path_factory)

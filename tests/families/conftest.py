@@ -17,4 +17,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_families", tmp_path_factory.mktemp("families"))
+    return _Checkpoints("oracle_families", tmp_path_factory)

@@ -38,16 +38,15 @@ def gguf_checkpoints(tmp_path_factory, oracle_checkpoints) -> GGUFCheckpoints:  
 @pytest.fixture(scope="session")
 def family_oracles(tmp_path_factory):  # type: ignore[no-untyped-def]
     """``get(module, *key)`` -> (folder, Reference) of a family's oracle checkpoint (tests/oracle_*.py), each
-    built once per session."""
+    built once per run (the same folders as the family's own tests use)."""
     from engine_support import OracleCheckpoints
 
-    root = tmp_path_factory.mktemp("families")
     oracles: dict[str, OracleCheckpoints] = {}
 
     class _Get:
         def get(self, module: str, *key: str):  # type: ignore[no-untyped-def]
             if module not in oracles:
-                oracles[module] = OracleCheckpoints(module, root / module)
+                oracles[module] = OracleCheckpoints(module, tmp_path_factory)
             return oracles[module].get(*key)
 
     return _Get()

@@ -16,4 +16,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def kimi_linear_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_kimi_linear", tmp_path_factory.mktemp("kimi_linear"))
+    return _Checkpoints("oracle_kimi_linear", tmp_path_factory)

@@ -16,4 +16,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def llama4_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_llama4", tmp_path_factory.mktemp("llama4"))
+    return _Checkpoints("oracle_llama4", tmp_path_factory)

@@ -16,4 +16,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def longcat_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_longcat", tmp_path_factory.mktemp("longcat"))
+    return _Checkpoints("oracle_longcat", tmp_path_factory)

@@ -16,4 +16,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def mimo_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_mimo", tmp_path_factory.mktemp("mimo"))
+    return _Checkpoints("oracle_mimo", tmp_path_factory)

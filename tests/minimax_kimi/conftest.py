@@ -16,4 +16,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_minimax_kimi", tmp_path_factory.mktemp("minimax_kimi"))
+    return _Checkpoints("oracle_minimax_kimi", tmp_path_factory)

@@ -16,4 +16,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def minimax_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_minimax_text01", tmp_path_factory.mktemp("minimax_text01"))
+    return _Checkpoints("oracle_minimax_text01", tmp_path_factory)

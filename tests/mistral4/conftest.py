@@ -16,4 +16,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def mistral4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_mistral4", tmp_path_factory.mktemp("mistral4"))
+    return _Checkpoints("oracle_mistral4", tmp_path_factory)

@@ -8,4 +8,4 @@ from engine_support import OracleCheckpoints
 
 @pytest.fixture(scope="session")
 def ml4_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> OracleCheckpoints:
-    return OracleCheckpoints("oracle_mistral_large4", tmp_path_factory.mktemp("mistral_large4"))
+    return OracleCheckpoints("oracle_mistral_large4", tmp_path_factory)

@@ -16,4 +16,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def phimoe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_phimoe", tmp_path_factory.mktemp("phimoe"))
+    return _Checkpoints("oracle_phimoe", tmp_path_factory)

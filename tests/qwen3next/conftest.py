@@ -16,4 +16,4 @@ class _Checkpoints(OracleCheckpoints):
 
 @pytest.fixture(scope="session")
 def qwen3_next_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> _Checkpoints:
-    return _Checkpoints("oracle_qwen3_next", tmp_path_factory.mktemp("qwen3next"))
+    return _Checkpoints("oracle_qwen3_next", tmp_path_factory)
