@@ -16,11 +16,9 @@ os.environ["OPENBLAS_NUM_THREADS"] = "1"
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 
-import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import pickle  # noqa: E402
 import shutil  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -66,7 +64,9 @@ class OracleCheckpoints:
                 raise ValueError(f"unknown oracle checkpoint {arch!r}/{layout!r}")
             name = f"{arch}-{layout}" + ("-legacy_rope" if legacy_rope else "")
             d, done = self.root / name, self.root / f"{name}.reference.pickle"
-            with _locked(self.root / f"{name}.lock"):  # the other worker may be building it
+            from engine_support import locked  # (it imports the engine)
+
+            with locked(self.root / f"{name}.lock"):  # the other worker may be building it
                 if done.exists():
                     reference = pickle.loads(done.read_bytes())
                 else:
@@ -84,18 +84,6 @@ class OracleCheckpoints:
         return self._cache[key]
 
     __call__ = get
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    import fcntl
-
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

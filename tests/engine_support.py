@@ -127,3 +127,21 @@ def assert_matches_transformers(model: Model, ref: Any, chunk: int | None, tol: 
     assert np.abs(decode - ref.decode_logits).max() <= tol
     tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
     assert tokens == ref.greedy_tokens
+
+
+def run_batched(model: Model, seqs: list[list[list[int] | None]], pool: Any) -> list[np.ndarray]:
+    """``forward_batch`` over ``pool`` (a ``CachePool``): sequence j's chunk i (None: not in that pass) goes
+    into pass i beside the others' -> each sequence's logits at every position it was given."""
+    from moeswarm.model.batch import Step, forward_batch
+
+    caches = [pool.admit(sum(len(c) for c in chunks if c)) for chunks in seqs]
+    out: list[list[np.ndarray]] = [[] for _ in seqs]
+    for i in range(max(len(s) for s in seqs)):
+        batch = [(j, Step(caches[j], chunks[i], all_logits=True))
+                 for j, chunks in enumerate(seqs) if i < len(chunks) and chunks[i]]
+        forward_batch(model, [s for _, s in batch])
+        for j, step in batch:
+            out[j].append(step.logits)
+    for cache in caches:
+        cache.release()
+    return [np.concatenate(o) for o in out]

@@ -6,25 +6,12 @@ chunks, a late joiner, one that leaves early) give transformers' logits and the 
 from __future__ import annotations
 
 import numpy as np
+from engine_support import run_batched
 
 from moeswarm.model import load_model
-from moeswarm.model.batch import CachePool, Step, forward_batch, layer_specs
+from moeswarm.model.batch import CachePool, layer_specs
 
 TOL = 1e-4
-
-
-def _run(model, seqs: list[list[list[int] | None]], pool: CachePool) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
-    caches = [pool.admit(sum(len(c) for c in chunks if c)) for chunks in seqs]
-    out: list[list[np.ndarray]] = [[] for _ in seqs]
-    for i in range(max(len(s) for s in seqs)):
-        batch = [(j, Step(caches[j], chunks[i], all_logits=True))
-                 for j, chunks in enumerate(seqs) if i < len(chunks) and chunks[i]]
-        forward_batch(model, [s for _, s in batch])
-        for j, step in batch:
-            out[j].append(step.logits)
-    for cache in caches:
-        cache.release()  # type: ignore[union-attr]
-    return [np.concatenate(o) for o in out]
 
 
 def test_batched_logits_match_transformers_and_running_alone(dsv4_checkpoints) -> None:
@@ -40,8 +27,8 @@ def test_batched_logits_match_transformers_and_running_alone(dsv4_checkpoints) -
         [None, None, rng.integers(3, V, 20).tolist()] + [rng.integers(3, V, 1).tolist()] * (len(mine) - 3),
         [rng.integers(3, V, 2).tolist()] * len(mine),
     ]
-    batched = _run(model, [mine, *others], pool)[0]
-    alone = _run(model, [mine], pool)[0]
+    batched = run_batched(model, [mine, *others], pool)[0]
+    alone = run_batched(model, [mine], pool)[0]
     assert pool.free == pool.num_blocks
     assert np.abs(batched - alone).max() <= TOL
     assert np.abs(batched - ref.all_logits).max() <= TOL

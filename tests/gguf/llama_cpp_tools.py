@@ -16,7 +16,6 @@ then ``<tN>``), which llama.cpp loads.  Every tensor and hyper-parameter is llam
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import shutil
@@ -24,8 +23,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
+
+from engine_support import locked
 
 VERSION = "0.3.36"
 # what convert_hf_to_gguf.py imports from its tree (conversion/ reads models/templates only for the chat
@@ -40,18 +40,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOESWARM_TEST_CACHE") or Path.home() / ".cache" / "moeswarm-tests")
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    import fcntl
-
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def converter_source() -> Path:
     """The ``vendor/llama.cpp`` folder holding llama.cpp's converter (see the module's docstring); two
     pytest-xdist workers asking at once download it once (a file lock)."""
@@ -62,7 +50,7 @@ def converter_source() -> Path:
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     src = root / f"llama.cpp-{VERSION}"
-    with _locked(root / f"llama.cpp-{VERSION}.lock"):
+    with locked(root / f"llama.cpp-{VERSION}.lock"):
         if not (src / "convert_hf_to_gguf.py").is_file():
             with tempfile.TemporaryDirectory(dir=root) as tmp:
                 # the sdist (no binary of llama-cpp-python), its build backend as wheels: pip prepares the sdist's
