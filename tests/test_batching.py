@@ -5,31 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_support import run_batched
 from scipy import stats
 
 from moeswarm.errors import ConfigError
 from moeswarm.model import SamplingParams, load_model
-from moeswarm.model.batch import CachePool, Step, forward_batch, layer_specs
+from moeswarm.model.batch import CachePool, layer_specs
 from moeswarm.model.generate import probs
 from moeswarm.model.speculative import verify
 
 TOL = 1e-4  # as tests/test_engine_oracle.py
-
-
-def run(model, seqs: list[list[list[int] | None]], pool: CachePool) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
-    """Feed each sequence its chunks, one chunk per step (None: not in that step), all sequences
-    that have one in the same batched pass; -> every sequence's logits at every position fed."""
-    caches = [pool.admit(sum(len(c) for c in chunks if c)) for chunks in seqs]
-    out: list[list[np.ndarray]] = [[] for _ in seqs]
-    for i in range(max(len(s) for s in seqs)):
-        batch = [(j, Step(caches[j], chunks[i], all_logits=True))
-                 for j, chunks in enumerate(seqs) if i < len(chunks) and chunks[i]]
-        forward_batch(model, [s for _, s in batch])
-        for j, step in batch:
-            out[j].append(step.logits)
-    for cache in caches:
-        cache.release()
-    return [np.concatenate(o) for o in out]
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss",
@@ -48,8 +33,8 @@ def test_batched_logits_match_transformers_and_running_alone(oracle_checkpoints,
         [None, None, rng.integers(3, V, 20).tolist()] + [rng.integers(3, V, 1).tolist()] * (len(mine) - 3),
         [rng.integers(3, V, 2).tolist()] * len(mine),
     ]
-    batched = run(model, [mine, *others], pool)[0]
-    alone = run(model, [mine], pool)[0]
+    batched = run_batched(model, [mine, *others], pool)[0]
+    alone = run_batched(model, [mine], pool)[0]
     assert pool.free == pool.num_blocks  # every block came back
     assert np.abs(batched - alone).max() <= TOL
     assert np.abs(batched - ref.all_logits).max() <= TOL
