@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 FIRST_VIEW_PEERS = 3  # peers asked for a first view
 RENDEZVOUS_PEERS = 8  # holders found in the DHT and connected to, so that the topic's mesh forms
+# how long a node that just subscribed waits for its connected peers to say they subscribe too
+# (their pubsub hello, one round trip) before it looks for holders in the DHT: a DHT lookup costs
+# every peer it asks a stream, and it is what made a joining holder slow (below)
+TOPIC_PEERS_WAIT_S = 2.0
 
 
 def has_gossip(node: object) -> bool:
@@ -83,7 +87,7 @@ class ModelGossip:
     async def rendezvous(self) -> list[str]:
         """Peers of the topic: those connected that said so, else holders found in the DHT
         (connected to, so that GossipSub grafts them into the mesh)."""
-        peers = [p for p in await self.node.topic_peers(self.topic) if p != self.node.peer_id]
+        peers = await self._topic_peers()
         if peers:
             return peers
         found: list[str] = []
@@ -104,6 +108,17 @@ class ModelGossip:
 
         connected = await asyncio.gather(*(connect(p) for p in found[:RENDEZVOUS_PEERS]))
         return peers + [p for p in connected if p is not None]
+
+    async def _topic_peers(self) -> list[str]:
+        """Connected peers of the topic, waiting up to ``TOPIC_PEERS_WAIT_S`` for the first."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + TOPIC_PEERS_WAIT_S, 0.05
+        while True:
+            peers = [p for p in await self.node.topic_peers(self.topic) if p != self.node.peer_id]
+            if peers or loop.time() + delay > deadline:
+                return peers
+            await asyncio.sleep(delay)
+            delay = min(0.4, delay * 2)
 
     async def first_view(self, peers: int = FIRST_VIEW_PEERS) -> int:
         """Ask up to ``peers`` peers of the topic for their records; returns how many records
