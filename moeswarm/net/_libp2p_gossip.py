@@ -40,6 +40,12 @@ workarounds for py-libp2p 0.8.1's GossipSub. Importing it imports libp2p.
   ``equivocation_detection`` (to spot a (from, seqno) reused with other data) and never forgets
   one: memory grew by one message per message, forever. It now keeps the newest
   ``EQUIVOCATION_MEMORY`` of them.
+* ``remember_refused``: pubsub marks a message seen only once a validator accepts it, so a
+  message our gate refused was requested again (IWANT) on every IHAVE that named it, fetched and
+  its signature checked again: a joiner that took a record from a first view refused the gossiped
+  copy as stale, and asked for it again each heartbeat of each peer gossiping it. A message refused
+  for what it is (not for a forwarder's budget) is now marked seen; its signature was checked first
+  (strict signing), so nobody can have a stranger's message id refused in advance.
 * ``SYNC_PROTOCOL``: a joiner asks a peer of the topic for every record it keeps of a model,
   in one round trip; each record is then checked like a gossiped one.
 """
@@ -74,7 +80,7 @@ from moeswarm.protocol._limits import MAX_RECORD_BYTES
 __all__ = ["SYNC_PROTOCOL", "fetch_records", "install_equivocation_bound",
            "install_idontwant_threshold", "install_opportunistic_graft_fix", "install_signed_record_cache",
            "install_signed_record_once",
-           "make_pubsub", "make_router",
+           "make_pubsub", "make_router", "remember_refused",
            "serve_records"]
 
 log = logging.getLogger(__name__)
@@ -235,6 +241,18 @@ def install_signed_record_once() -> None:
     Pubsub.write_msg = write_once
     Pubsub._moeswarm_record_once = True
     Pubsub._moeswarm_unlean_write_msg = write_msg  # for the test that shows why
+
+
+# ---------------------------------------------------------------- refused messages
+
+REMEMBER_REFUSED = True  # False: py-libp2p 0.8.1's behaviour (for the test that shows why)
+
+
+def remember_refused(pubsub: Pubsub, msg: Any) -> None:
+    """Mark a message the topic's check refused for good as seen: pubsub then drops its copies
+    and does not ask for it in answer to IHAVE (called by the validator, after the signature check)."""
+    if REMEMBER_REFUSED:
+        pubsub._mark_msg_seen(msg)
 
 
 # ---------------------------------------------------------------- the router

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import SwarmError
 from ..protocol import Announcement, provider_key
-from .gossip_view import GossipLimits, TopicGate, announce_topic
+from .gossip_view import FORWARDER_REFUSALS, GossipLimits, TopicGate, announce_topic
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,12 @@ class ModelGossip:
     async def publish(self, value: bytes) -> None:
         await self.node.publish(self.topic, value)
 
-    def _check(self, forwarder: str, address: str | None, value: bytes, *, budget: bool = True) -> bool:
-        record = self.gate.check(forwarder, address, value, budget=budget)
-        if record is None:
-            return False
+    def _check(self, forwarder: str, address: str | None, value: bytes, *, budget: bool = True) -> bool | None:
+        """True: accepted; False: refused, as every copy of this message would be; None: refused
+        for what the forwarder did (its budget: another peer's copy may be taken)."""
+        record = self.gate.decide(forwarder, address, value, budget=budget)
+        if not isinstance(record, Announcement):
+            return None if record in FORWARDER_REFUSALS else False
         if self.on_record is not None and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self.on_record, record)
@@ -136,7 +138,7 @@ class ModelGossip:
         answers = await asyncio.gather(*(fetch(p) for p in candidates))
         accepted = 0
         for value in itertools.chain.from_iterable(itertools.zip_longest(*answers)):  # interleaved
-            if value is not None and self._check("sync", None, value, budget=False):
+            if value is not None and self._check("sync", None, value, budget=False) is True:
                 accepted += 1
         await asyncio.sleep(0)  # the accepted records reach on_record
         return accepted

@@ -39,6 +39,10 @@ SYNC_MAX_MODEL_ID_BYTES: Final = 128  # a first-view request names a model in at
 # if it expired at most this long ago, so the holder leaves every view instead of staying live
 # until its last refresh expires (10 minutes)
 WITHDRAWAL_GRACE_MS: Final = 60_000
+# Refusals that depend on who forwarded a message, not on the message: another peer's copy of it
+# may be taken. Every other refusal holds for every copy of the message (its bytes are signed), so
+# the message is remembered as seen and not fetched again (``_libp2p_gossip.remember_refused``)
+FORWARDER_REFUSALS: Final = frozenset({"peer rate", "address rate", "new-key rate"})
 
 
 def announce_topic(model_id: str) -> str:
@@ -195,6 +199,11 @@ class TopicGate:
     def check(self, forwarder: str, address: str | None, value: bytes, *, budget: bool = True) -> Announcement | None:
         """The record if accepted, else ``None`` (the reason is counted in ``refused``).
         ``budget=False``: a first-view answer we asked for (bounded by its size, not by rates)."""
+        verdict = self.decide(forwarder, address, value, budget=budget)
+        return verdict if isinstance(verdict, Announcement) else None
+
+    def decide(self, forwarder: str, address: str | None, value: bytes, *, budget: bool = True) -> Announcement | str:
+        """``check``, returning the reason (a key of ``refused``) instead of ``None``."""
         now = self._clock()
         with self._lock:
             if budget and not self._peers.take(forwarder, now):
@@ -232,5 +241,6 @@ class TopicGate:
             self.accepted += 1
         return record
 
-    def _refuse(self, why: str) -> None:
+    def _refuse(self, why: str) -> str:
         self.refused[why] = self.refused.get(why, 0) + 1
+        return why

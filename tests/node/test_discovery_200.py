@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 
 import pytest
-
 from peer_swarm import PeerSwarm
 
 HOLDERS = 200
