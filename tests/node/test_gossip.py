@@ -433,3 +433,53 @@ def test_a_refused_message_is_not_fetched_again(patched: bool, monkeypatch: pyte
                 f"{len(iwants)} IWANT, {len(copies)} copies received, {len(checked)} checks of one message"
 
     asyncio.run(scenario())
+
+
+class _TopicNode:
+    """What an ``Announcer`` needs of a node with gossip, in memory: publications are kept."""
+
+    class config:  # noqa: N801 -- read as node.config.gossip
+        gossip = True
+
+    def __init__(self) -> None:
+        self.published: list[bytes] = []
+
+    async def subscribe(self, topic: str, check: object) -> None:
+        pass
+
+    async def publish(self, topic: str, value: bytes) -> None:
+        self.published.append(value)
+
+
+def test_the_refresh_period_grows_with_the_holders_a_node_observes() -> None:
+    """A topic carries every holder's refresh to every subscriber, so a holder refreshes no more
+    often than its share of ``TOPIC_REFRESH_RATE`` (2/s): every 240 s up to 480 holders, every
+    500 s at 1,000, at most every 8 h; its records live 2.5 periods (600 s per 240 s), the same
+    ratio as before. Counted from the view, or beyond a full view from the records the topic
+    brought in the last period."""
+    import asyncio
+
+    from moeswarm.net.announce import MAX_REFRESH_S, AnnounceConfig, Announcer, refresh_period
+    from moeswarm.protocol import decode
+
+    assert [refresh_period(n, 240.0) for n in (1, 480, 1_000, 10_000)] == [240.0, 240.0, 500.0, 5_000.0]
+    assert refresh_period(10**9, 240.0) == MAX_REFRESH_S
+    node, me = _TopicNode(), Identity.generate()
+    announcer = Announcer(node, me, AnnounceConfig(MODEL, (0, 1), (0, 1), (0, 3), ("tcp+tls://127.0.0.1:1",),
+                                                   1 << 20, dht=False))
+    assert announcer.gossip is not None
+    gate = announcer.gossip.gate
+    for _ in range(1_000):  # a view of 1,000 holders
+        assert gate.check("p", "1.2.3.4", record(Identity.generate()), budget=False) is not None
+    announcer._counted = (gate.accepted, time.monotonic() - 240)  # as after a first view (start), 240 s ago
+    announcer.period_s = refresh_period(announcer.observed_holders(), 240.0)
+    assert announcer.period_s == 500.0 and announcer.ttl_s() == 1_250.0
+    asyncio.run(announcer.publish())
+    expires = decode(node.published[-1]).expires_at_ms / 1000  # type: ignore[union-attr]
+    assert 1_240 < expires - time.time() <= 1_250
+
+    # a full view: the topic brought 2,500 records in the last 250 s at a 500 s period (5/s, 2,500
+    # holders refreshing); the view keeps 1,000 of them
+    announcer._counted = (gate.accepted - 2_500, time.monotonic() - 250)
+    assert announcer.observed_holders() == pytest.approx(5_000, rel=0.01)
+    assert refresh_period(announcer.observed_holders(), 240.0) == 500.0  # nothing since: back to the view's count
