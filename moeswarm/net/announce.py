@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 
 from .._tasks import cancel_and_wait
 from ..errors import SwarmError
-from ..protocol._limits import MAX_RECORD_TTL_MS
 from ..protocol import (
     DHT,
     Announcement,
@@ -31,6 +30,7 @@ from ..protocol import (
     provider_key,
     sign_announcement,
 )
+from ..protocol._limits import MAX_RECORD_TTL_MS
 from .catalogue import (
     CATALOGUE_PROVIDER_KEY,
     CatalogueModel,

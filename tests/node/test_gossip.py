@@ -438,7 +438,7 @@ def test_a_refused_message_is_not_fetched_again(patched: bool, monkeypatch: pyte
 class _TopicNode:
     """What an ``Announcer`` needs of a node with gossip, in memory: publications are kept."""
 
-    class config:  # noqa: N801 -- read as node.config.gossip
+    class config:  # read as node.config.gossip
         gossip = True
 
     def __init__(self) -> None:
@@ -459,7 +459,12 @@ def test_the_refresh_period_grows_with_the_holders_a_node_observes() -> None:
     brought in the last period."""
     import asyncio
 
-    from moeswarm.net.announce import MAX_REFRESH_S, AnnounceConfig, Announcer, refresh_period
+    from moeswarm.net.announce import (
+        MAX_REFRESH_S,
+        AnnounceConfig,
+        Announcer,
+        refresh_period,
+    )
     from moeswarm.protocol import decode
 
     assert [refresh_period(n, 240.0) for n in (1, 480, 1_000, 10_000)] == [240.0, 240.0, 500.0, 5_000.0]
