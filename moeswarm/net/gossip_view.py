@@ -171,8 +171,9 @@ class TopicGate:
     """Decides, in the libp2p thread, whether one message of a model's topic is accepted
     (delivered here and forwarded) and keeps the accepted ones in ``view``.
 
-    In order, cheapest first: the forwarding peer's and address's budgets, the decoding and
-    validation of the record exactly as a DHT value (``validate_record`` under the key of its
+    In order, cheapest first: the forwarding peer's and address's budgets, the decoding (a record
+    whose signer the view keeps at this seq or above is refused as stale before its signature is
+    checked: refusing cannot admit anything), the validation of the record exactly as a DHT value (``validate_record`` under the key of its
     first layer: size, signature, expiry, ranges inside the model; a withdrawal of a signer in
     the view that expired on its way, ``WITHDRAWAL_GRACE_MS`` ago at most, is taken), the
     signer's budget, a new signer's budget per forwarding address, then the view (seq above the
@@ -214,6 +215,9 @@ class TopicGate:
             record = decode(value)
             if not isinstance(record, Announcement) or record.model_id != self.model_id:
                 return self._refuse("not an announcement of this model")
+            known = self.view.seq_of(record.peer_id)
+            if known is not None and known >= record.seq:  # before the signature: copies of what we keep are
+                return self._refuse("stale")  # most of a first view's answers (several peers) and of gossip
             now_ms = self._wall_ms()
             key = announcement_key(record.model_id, record.layers[0], record.peer_id)
             try:
