@@ -3,7 +3,8 @@ py-libp2p 0.8.1 (``spikes/libp2p/FINDINGS.md``); the DHT's part of them lives in
 ``_libp2p_dht``. Importing it imports libp2p (1-2 s); ``p2p`` does so in its trio thread.
 
 * ``make_host``: Noise only (finding 5), Yamux only, one connection per peer so that dials
-  do not wait 250 ms (finding 4), lower connection limits (finding 9), one attempt per dial.
+  do not wait 250 ms (finding 4), lower connection limits (finding 9), one attempt per dial;
+  the resource manager's own cap (256 connections each way) raised to ``max_connections``.
 * ``close_host``: closes connections before leaving ``host.run()`` (finding 2), all at once.
 * ``install_inbound_slot_fix``: an inbound connection used to hold one of the swarm's inbound
   slots until the whole swarm stopped; after ``max_connections`` inbound connections over its
@@ -289,6 +290,13 @@ def make_host(identity: Identity, config: P2PConfig, release_slots: bool) -> IHo
             outbound_upgrade_timeout=config.dial_timeout_s,  # a dial includes the handshake
         ),
     )
+    # py-libp2p's resource manager also caps established connections at 256 each way whatever
+    # max_connections says: a bootstrap node with max_connections 1024 refused its 257th holder
+    limits = getattr(host.get_network(), "_resource_manager", None)
+    limits = getattr(limits, "connection_limits", None)
+    if limits is not None:
+        for name in ("max_established_inbound", "max_established_outbound", "max_established_total"):
+            setattr(limits, name, max(getattr(limits, name) or 0, limit))
     # One attempt per dial: py-libp2p retries 3 times with backoff (0.7 s per refused dial),
     # which every lookup that meets a departed peer pays; callers retry at their own pace.
     host.get_network().retry_config = RetryConfig(max_retries=0)

@@ -488,3 +488,51 @@ def test_the_refresh_period_grows_with_the_holders_a_node_observes() -> None:
     announcer._counted = (gate.accepted - 2_500, time.monotonic() - 250)
     assert announcer.observed_holders() == pytest.approx(5_000, rel=0.01)
     assert refresh_period(announcer.observed_holders(), 240.0) == 500.0  # nothing since: back to the view's count
+
+
+@pytest.mark.parametrize("patched", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="py-libp2p 0.8.1 queues every message for every connected peer not subscribed"))],
+    ids=["with-patch", "without-patch"])
+def test_nothing_is_queued_for_a_peer_that_does_not_subscribe(patched: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two real nodes; the writer subscribes to a topic and publishes 120 messages, the other node
+    (connected, its pubsub stream up: a bootstrap node, say) never subscribes. Once that peer's
+    stream is older than PENDING_GRACE_S (0 here) nothing is queued for it: at most the message
+    being published. The without-patch variant kept 101 messages queued for it (and logged a
+    warning per message past 100)."""
+    import asyncio
+
+    from libp2p.pubsub.gossipsub import GossipSub
+
+    from moeswarm.net import _libp2p_gossip
+    from moeswarm.net.p2p import P2PConfig, P2PNode
+
+    _libp2p_gossip.install_pending_queue_bound()
+    monkeypatch.setattr(_libp2p_gossip, "PENDING_GRACE_S", 0.0)
+    if not patched:
+        monkeypatch.setattr(GossipSub, "_prune_pending_messages", GossipSub._moeswarm_unbounded_prune_pending)
+    topic = "/moeswarm/test/pending"
+
+    async def scenario() -> int:
+        async with contextlib.AsyncExitStack() as stack:
+            bystander = await stack.enter_async_context(P2PNode(Identity.generate()))
+            writer = await stack.enter_async_context(
+                P2PNode(Identity.generate(), P2PConfig(bootstrap=(bystander.multiaddrs[0],))))
+            await writer.subscribe(topic, lambda peer, address, data: True)
+
+            async def queued() -> int | None:  # None until the bystander's pubsub stream is up
+                from libp2p.peer.id import ID
+
+                peer = ID.from_base58(bystander.peer_id)
+                if peer not in writer._pubsub.peers:
+                    return None
+                return len(writer._pubsub.router._pending_messages.get(peer, ()))
+
+            async with asyncio.timeout(30):
+                while await writer._call(queued) is None:
+                    await asyncio.sleep(0.05)
+            for n in range(120):
+                await writer.publish(topic, b"message %d" % n)
+            return await writer._call(queued) or 0
+
+    held = asyncio.run(scenario())
+    assert held <= 1, f"{held} messages queued for a peer that does not subscribe"
