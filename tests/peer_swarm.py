@@ -262,12 +262,18 @@ class PeerSwarm:
             # worker's are also the backbones' bootstrap. Not the first worker's for every worker:
             # a holder keeps at most max_connections (pruned above 3/4 of it), and with 20 workers
             # on its three holders the cross-process links, hence the topic, were thinned there
+            # workers start in waves (1, 1, 2, 4, ...: as many as have printed their seeds), so
+            # that no worker waits for every one before it
             rng = random.Random(self.holders)
             seeds: list[tuple[str, ...]] = []
-            for k, first in enumerate(range(0, self.holders, self.per_process)):
-                self._spawn(first, self.bootstrap[:1] + (rng.choice(seeds) if seeds else ()))
-                seeds.append(tuple((await self._read(self.workers[-1], timeout_s=self.start_timeout_s))["seeds"]))
-                if k == 0:
+            firsts = list(range(0, self.holders, self.per_process))
+            while len(self.workers) < len(firsts):
+                wave = firsts[len(self.workers):len(self.workers) + max(1, len(seeds))]
+                for first in wave:
+                    self._spawn(first, self.bootstrap[:1] + (rng.choice(seeds) if seeds else ()))
+                for worker in self.workers[-len(wave):]:
+                    seeds.append(tuple((await self._read(worker, timeout_s=self.start_timeout_s))["seeds"]))
+                if len(self.bootstrap) == 1:  # the first worker's: the backbones' bootstrap too
                     self.bootstrap += seeds[0]
             for worker in self.workers:
                 await self._ready(worker)
