@@ -59,7 +59,7 @@ async def _until(condition: Any, timeout_s: float) -> float:
 
 
 async def run(peers: int, args: argparse.Namespace) -> dict[str, Any]:
-    async with PeerSwarm(peers, per_process=args.per_process) as swarm:
+    async with PeerSwarm(peers, per_process=args.per_process, start_timeout_s=args.start_timeout) as swarm:
         load_started = os.getloadavg()[0]
         coverage: list[float] = []
         uncovered: list[int] = []
@@ -134,6 +134,8 @@ def main() -> None:
     parser.add_argument("--backbones", type=int, default=3)
     parser.add_argument("--window", type=float, default=60.0)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--start-timeout", type=float, default=600.0,
+                        help="seconds each worker process may take to start its holders")
     parser.add_argument("--spread", type=float, default=30.0, help="seconds over which holders publish once more")
     parser.add_argument("--announcements", type=int, default=60, help="how many holders publish once more")
     args = parser.parse_args()

@@ -68,6 +68,7 @@ import numpy as np  # noqa: E402
 import _swarm_model as sm  # noqa: E402
 from moeswarm import market as mk  # noqa: E402
 from moeswarm.market._grid import paint, prefix_sum, rect_sums  # noqa: E402
+from moeswarm.net.announce import refresh_period  # noqa: E402
 
 UTILIZATION = 0.7
 HEADLINE = "M3 1.5x"  # issue 17's acceptance scenario: run on every seed
@@ -430,7 +431,8 @@ def seed_table(label: str, runs: dict[int, list[dict]], warmup: int) -> tuple[st
 
 
 # measured elsewhere in this repository (the figures the limits below are computed from)
-ANNOUNCE_EVERY_S = 240.0  # AnnounceConfig.interval_s: each node re-publishes its record (topic, then DHT)
+ANNOUNCE_EVERY_S = 240.0  # AnnounceConfig.interval_s: each node re-publishes its record (topic, then DHT), more
+# seldom on a topic of more than 480 holders (refresh_period: the topic carries 2 refreshes per second at most)
 # benchmarks/discovery.py (issue 31) and its per-message probe, real libp2p peers on loopback, one 2-core machine
 # shared by ~8 agents (load 37-56), 2026-12-05 (protocol_spec/discovery.md, "Measured"):
 FIRST_VIEW_S = 0.05  # a first view's round trip to 3 peers of the topic (3 holders, one process)
@@ -462,23 +464,25 @@ def limits(rows: list[dict], shape: sm.Shape, sizes: tuple[int, ...] = (1_000, 1
     calls = np.array(last["calls_by_tier"])
     phone_share = calls[2] / max(calls.sum(), 1e-9)
     lines = ["| volunteers | records in a backbone's first view | first view (one round trip, then each record "
-             "checked) | announcements per node per minute (topic, refresh every 240 s) | discovery traffic per node "
+             "checked) | refresh period (240 s, longer past 480 holders: refresh_period) "
+             "| announcements per node per minute (topic) | discovery traffic per node "
              "| discovery CPU per node | a departure reaching every backbone | announcement: DHT writes per node per "
              "hour (messages) | relay traffic (phones' calls, both directions) | relays at 269 MB/s (shipped defaults, "
              "both directions) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in sizes:
         scale = n / max(last["nodes"], 1)
         records = n  # one record per node process, whatever its blocks (``Announcement.more_blocks``)
         hops = math.log2(max(n, 2))
-        writes = 3600 / ANNOUNCE_EVERY_S * (blocks + layers)  # put the record(s), provide every MoE layer held
+        period = refresh_period(n, ANNOUNCE_EVERY_S)  # a holder's refresh period on a topic of n holders
+        writes = 3600 / period * (blocks + layers)  # put the record(s), provide every MoE layer held
         msgs = writes * (KADEMLIA_ALPHA * hops + KADEMLIA_K)
-        per_s = n / ANNOUNCE_EVERY_S  # announcements on a model's topic, every node receives each
+        per_s = n / period  # announcements on a model's topic, every node receives each
         traffic = GOSSIP_IDLE_BPS + per_s * GOSSIP_BYTES_PER_MESSAGE
         departure = DEPARTURE_S * hops / math.log2(DEPARTURE_PEERS)
         relay = calls[2] * scale * 2 * shape.call_bytes  # hidden state in and out per call: both directions
         lines.append(f"| {n:,} | {records:,.0f} | {FIRST_VIEW_S + records * FIRST_VIEW_S_PER_RECORD:,.1f} s "
-                     f"| {60 * per_s:,.0f} | {traffic / 1e3:,.1f} KB/s "
+                     f"| {period:,.0f} s | {60 * per_s:,.0f} | {traffic / 1e3:,.1f} KB/s "
                      f"| {GOSSIP_IDLE_CPU + per_s * GOSSIP_CPU_S_PER_MESSAGE:.1%} of a core "
                      f"| {departure:.2f} s | {writes:,.0f} ({msgs:,.0f}) "
                      f"| {relay / 1e6:,.0f} MB/s ({phone_share:.1%} of calls) | {math.ceil(relay / RELAY_BPS)} |")

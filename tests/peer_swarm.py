@@ -155,8 +155,8 @@ async def _worker(args: argparse.Namespace) -> None:
 
     async def start(i: int) -> None:
         async with gate:
-            # two local peers and the seed; the first two also the bootstrap holders of the first
-            # worker (one topic). Never those holders for everyone: once a holder has max_connections,
+            # two local peers and the seed; the first two also the three holders of an earlier
+            # worker the coordinator gave (one topic). Never those holders for everyone: once a holder has max_connections,
             # a dial to it hangs until dial_timeout_s (60 s a start, seen with 1 in 4 holders doing so)
             local = [n.multiaddrs[0] for n in nodes if n.multiaddrs]
             boot = seeds if len(local) < 2 else (*rng.sample(local, 2), seeds[0])
@@ -235,8 +235,10 @@ class PeerSwarm:
     here; ``backbone()`` adds a backbone (P2PNode + Discovery) in this process."""
 
     def __init__(self, holders: int, per_process: int = 50, *, layers: int = 1, ttl_s: float = 600.0,
-                 concurrency: int = 4, max_connections: int = 64, dht: bool = False) -> None:
+                 concurrency: int = 4, max_connections: int = 64, dht: bool = False,
+                 start_timeout_s: float = 600.0) -> None:
         self.holders, self.per_process, self.layers, self.ttl_s = holders, per_process, layers, ttl_s
+        self.start_timeout_s = start_timeout_s  # bound on each worker's seeds and ready lines
         self.dht = dht
         self.concurrency, self.max_connections = concurrency, max_connections
         self.workers: list[subprocess.Popen[str]] = []
@@ -254,15 +256,26 @@ class PeerSwarm:
         t0 = time.monotonic()
         self.seed = await self._stack.enter_async_context(P2PNode(Identity.generate(), P2PConfig(max_connections=1024)))  # every holder dials it
         self.bootstrap = (self.seed.multiaddrs[0],)
-        try:  # the first worker's holders are every later worker's bootstrap too: one connected topic
+        try:
+            # each worker's first holders dial the seed node and the first three holders of one
+            # earlier worker, chosen at random (a tree of workers, one connected topic); the first
+            # worker's are also the backbones' bootstrap. Not the first worker's for every worker:
+            # a holder keeps at most max_connections (pruned above 3/4 of it), and with 20 workers
+            # on its three holders the cross-process links, hence the topic, were thinned there
+            # workers start in waves (1, 1, 2, 4, ...: as many as have printed their seeds), so
+            # that no worker waits for every one before it
+            rng = random.Random(self.holders)
+            seeds: list[tuple[str, ...]] = []
             firsts = list(range(0, self.holders, self.per_process))
-            self._spawn(firsts[0])
-            self.bootstrap += tuple((await self._read(self.workers[0], timeout_s=600))["seeds"])
-            for first in firsts[1:]:
-                self._spawn(first)
+            while len(self.workers) < len(firsts):
+                wave = firsts[len(self.workers):len(self.workers) + max(1, len(seeds))]
+                for first in wave:
+                    self._spawn(first, self.bootstrap[:1] + (rng.choice(seeds) if seeds else ()))
+                for worker in self.workers[-len(wave):]:
+                    seeds.append(tuple((await self._read(worker, timeout_s=self.start_timeout_s))["seeds"]))
+                if len(self.bootstrap) == 1:  # the first worker's: the backbones' bootstrap too
+                    self.bootstrap += seeds[0]
             for worker in self.workers:
-                if worker is not self.workers[0]:
-                    await self._read(worker, timeout_s=600)  # its seeds line
                 await self._ready(worker)
         except BaseException:
             await self.__aexit__(None, None, None)
@@ -270,16 +283,16 @@ class PeerSwarm:
         self.startup_s = time.monotonic() - t0
         return self
 
-    def _spawn(self, first: int) -> None:
+    def _spawn(self, first: int, bootstrap: tuple[str, ...]) -> None:
         count = min(self.per_process, self.holders - first)
         self.workers.append(subprocess.Popen(
             [sys.executable, __file__, "--first", str(first), "--count", str(count), "--layers",
              str(self.layers), "--ttl", str(self.ttl_s), "--concurrency", str(self.concurrency),
-             "--max-connections", str(self.max_connections), *(["--dht"] if self.dht else []), *self.bootstrap],
+             "--max-connections", str(self.max_connections), *(["--dht"] if self.dht else []), *bootstrap],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}))
 
     async def _ready(self, worker: subprocess.Popen[str]) -> None:
-        ready = await self._read(worker, timeout_s=600)
+        ready = await self._read(worker, timeout_s=self.start_timeout_s)
         self.started.append(ready)
         for i in ready["ready"]:
             self.owner[i] = worker

@@ -40,6 +40,21 @@ workarounds for py-libp2p 0.8.1's GossipSub. Importing it imports libp2p.
   ``equivocation_detection`` (to spot a (from, seqno) reused with other data) and never forgets
   one: memory grew by one message per message, forever. It now keeps the newest
   ``EQUIVOCATION_MEMORY`` of them.
+* ``install_pending_queue_bound``: GossipSub queued every message it published or forwarded for
+  every connected peer not (yet) subscribed to the topic, up to 100 per peer, in case that
+  peer's subscription was still on its way: a peer connected for a while that does not subscribe
+  (a bootstrap node, another model's node, a DHT-only peer) had each message queued, the queue
+  filtered again on every message, and a warning logged per message once it held 100 (4,534
+  warnings in the first minutes of a 300-peer harness, from holders connected to its seed node).
+  A peer whose pubsub stream has been up for ``PENDING_GRACE_S`` has said what it subscribes to:
+  nothing is queued for it any more (a later subscription still gets the recent messages pubsub
+  replays to a new subscriber).
+* ``remember_refused``: pubsub marks a message seen only once a validator accepts it, so a
+  message our gate refused was requested again (IWANT) on every IHAVE that named it, fetched and
+  its signature checked again: a joiner that took a record from a first view refused the gossiped
+  copy as stale, and asked for it again each heartbeat of each peer gossiping it. A message refused
+  for what it is (not for a forwarder's budget) is now marked seen; its signature was checked first
+  (strict signing), so nobody can have a stranger's message id refused in advance.
 * ``SYNC_PROTOCOL``: a joiner asks a peer of the topic for every record it keeps of a model,
   in one round trip; each record is then checked like a gossiped one.
 """
@@ -72,9 +87,9 @@ from moeswarm.net.gossip_view import SYNC_MAX_MODEL_ID_BYTES, sync_answer, sync_
 from moeswarm.protocol._limits import MAX_RECORD_BYTES
 
 __all__ = ["SYNC_PROTOCOL", "fetch_records", "install_equivocation_bound",
-           "install_idontwant_threshold", "install_opportunistic_graft_fix", "install_signed_record_cache",
-           "install_signed_record_once",
-           "make_pubsub", "make_router",
+           "install_idontwant_threshold", "install_opportunistic_graft_fix", "install_pending_queue_bound",
+           "install_signed_record_cache", "install_signed_record_once",
+           "make_pubsub", "make_router", "remember_refused",
            "serve_records"]
 
 log = logging.getLogger(__name__)
@@ -237,6 +252,50 @@ def install_signed_record_once() -> None:
     Pubsub._moeswarm_unlean_write_msg = write_msg  # for the test that shows why
 
 
+# ---------------------------------------------------------------- pending messages
+
+PENDING_GRACE_S = 5.0  # a peer whose pubsub stream is this old has told us its subscriptions
+
+
+def install_pending_queue_bound() -> None:
+    """Queue nothing for peers past ``PENDING_GRACE_S`` (idempotent; on the class)."""
+    cls = _gossipsub_module.GossipSub
+    if getattr(cls, "_moeswarm_pending_bound", False):
+        return
+    add_peer, remove_peer, prune = cls.add_peer, cls.remove_peer, cls._prune_pending_messages
+
+    def noting_add(self: Any, peer_id: ID, protocol_id: Any) -> None:
+        add_peer(self, peer_id, protocol_id)
+        self.__dict__.setdefault("_moeswarm_added", {})[peer_id] = time.monotonic()
+
+    def forgetting_remove(self: Any, peer_id: ID) -> None:
+        remove_peer(self, peer_id)
+        self.__dict__.get("_moeswarm_added", {}).pop(peer_id, None)
+
+    def settled_prune(self: Any, peer_id: ID) -> None:
+        added = self.__dict__.get("_moeswarm_added", {}).get(peer_id)
+        if added is not None and time.monotonic() - added > PENDING_GRACE_S:
+            self._pending_messages.pop(peer_id, None)  # the caller then queues one message at most
+            return
+        prune(self, peer_id)
+
+    cls.add_peer, cls.remove_peer, cls._prune_pending_messages = noting_add, forgetting_remove, settled_prune
+    cls._moeswarm_pending_bound = True
+    cls._moeswarm_unbounded_prune_pending = prune  # for the test that shows why
+
+
+# ---------------------------------------------------------------- refused messages
+
+REMEMBER_REFUSED = True  # False: py-libp2p 0.8.1's behaviour (for the test that shows why)
+
+
+def remember_refused(pubsub: Pubsub, msg: Any) -> None:
+    """Mark a message the topic's check refused for good as seen: pubsub then drops its copies
+    and does not ask for it in answer to IHAVE (called by the validator, after the signature check)."""
+    if REMEMBER_REFUSED:
+        pubsub._mark_msg_seen(msg)
+
+
 # ---------------------------------------------------------------- the router
 
 
@@ -247,6 +306,7 @@ def make_router(degree: int, heartbeat_s: int) -> GossipSub:
     install_idontwant_threshold()
     install_signed_record_cache()
     install_signed_record_once()
+    install_pending_queue_bound()
     return GossipSub(
         protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11, PROTOCOL_ID],
         degree=degree, degree_low=max(2, degree * 2 // 3), degree_high=degree * 2,

@@ -3,7 +3,8 @@ py-libp2p 0.8.1 (``spikes/libp2p/FINDINGS.md``); the DHT's part of them lives in
 ``_libp2p_dht``. Importing it imports libp2p (1-2 s); ``p2p`` does so in its trio thread.
 
 * ``make_host``: Noise only (finding 5), Yamux only, one connection per peer so that dials
-  do not wait 250 ms (finding 4), lower connection limits (finding 9), one attempt per dial.
+  do not wait 250 ms (finding 4), lower connection limits (finding 9), one attempt per dial;
+  the resource manager's own cap (256 connections each way) raised to ``max_connections``.
 * ``close_host``: closes connections before leaving ``host.run()`` (finding 2), all at once.
 * ``install_inbound_slot_fix``: an inbound connection used to hold one of the swarm's inbound
   slots until the whole swarm stopped; after ``max_connections`` inbound connections over its
@@ -20,7 +21,9 @@ py-libp2p 0.8.1 (``spikes/libp2p/FINDINGS.md``); the DHT's part of them lives in
   (``PY_YAMUX_RELEASE_ON_READ`` defaults on), so every small message (a gossip RPC, a DHT reply)
   cost a second encrypted frame back; now updates batch to half the window, as go-yamux does.
   Half of a holder's start-up CPU went there (tests/peer_swarm.py: 20 holders, 20.5 s of CPU
-  before, 10.7 s after).
+  before, 10.7 s after). Its auto-tuning kept a "partial slack" rule that still sent one after
+  nearly every read of a small message (38,342 WINDOW_UPDATEs for 25,091 data frames while 100
+  holders started); now only go-yamux's rule: once half the window is consumed.
 * ``install_socket_tracking`` + ``close_sockets_left``: a connection whose graceful close did not
   finish within the stop budget (a loaded machine, a close cancelled half way) kept its socket
   open after the node stopped, until the collector found it (an intermittent "unclosed socket"
@@ -193,6 +196,28 @@ def install_window_update_batching() -> None:
 
     _yamux._moeswarm_release_on_read = original
     _yamux._yamux_release_on_read = release_on_read
+    stream = _yamux.YamuxStream
+    auto_tune = stream._auto_tune_and_send_window_update
+
+    async def half_window(self: Any, *, bytes_read: int = 0) -> None:
+        # go-yamux's sendWindowUpdate: the window consumed (what the peer sent, less what is still
+        # buffered) goes back in one update once it reaches the threshold (half the window), never
+        # before. py-libp2p's "partial slack" branch sent one after every read of a small message
+        if _yamux._py_yamux_env_set("RELEASE_ON_READ") or _yamux._yamux_disable_hysteresis():
+            await auto_tune(self, bytes_read=bytes_read)
+            return
+        increment = 0
+        async with self.window_lock:
+            buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+            consumed = self.target_recv_window - (self.recv_window + buffered)
+            if consumed > 0 and consumed >= self._grow_threshold():
+                increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+                self._pending_recv_release = 0
+        if increment > 0:
+            await self.send_window_update(increment, skip_lock=True)
+
+    stream._auto_tune_and_send_window_update = half_window
+    stream._moeswarm_unbatched_auto_tune = auto_tune  # for the test that shows why
 
 
 # ---------------------------------------------------------------- sockets left open at stop
@@ -265,6 +290,13 @@ def make_host(identity: Identity, config: P2PConfig, release_slots: bool) -> IHo
             outbound_upgrade_timeout=config.dial_timeout_s,  # a dial includes the handshake
         ),
     )
+    # py-libp2p's resource manager also caps established connections at 256 each way whatever
+    # max_connections says: a bootstrap node with max_connections 1024 refused its 257th holder
+    limits = getattr(host.get_network(), "_resource_manager", None)
+    limits = getattr(limits, "connection_limits", None)
+    if limits is not None:
+        for name in ("max_established_inbound", "max_established_outbound", "max_established_total"):
+            setattr(limits, name, max(getattr(limits, name) or 0, limit))
     # One attempt per dial: py-libp2p retries 3 times with backoff (0.7 s per refused dial),
     # which every lookup that meets a departed peer pays; callers retry at their own pace.
     host.get_network().retry_config = RetryConfig(max_retries=0)

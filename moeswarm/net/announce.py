@@ -30,6 +30,7 @@ from ..protocol import (
     provider_key,
     sign_announcement,
 )
+from ..protocol._limits import MAX_RECORD_TTL_MS
 from .catalogue import (
     CATALOGUE_PROVIDER_KEY,
     CatalogueModel,
@@ -40,6 +41,21 @@ from .gossip import ModelGossip, has_gossip
 
 log = logging.getLogger(__name__)
 SOFTWARE = "moeswarm/0.1.0"
+# A model's topic carries every holder's refresh to every subscriber: with a fixed period, traffic per
+# node grows with the swarm (1,000 holders every 240 s: 4.2 announcements/s, 14.6 KB/s per node at the
+# measured 3.5 KB per announcement). So a holder on a topic refreshes no more often than its share of
+# this rate, given how many holders it observes (``refresh_period``), and its records live as much
+# longer (``AnnounceConfig.ttl_s`` per ``interval_s``); moves and withdrawals still go at once
+TOPIC_REFRESH_RATE = 2.0  # refreshes per second a model's topic carries, all holders together
+MAX_REFRESH_S = 8 * 3600.0  # the period's ceiling: a record then lives 20 h, inside the 24 h a reader accepts
+MAX_TTL_S = MAX_RECORD_TTL_MS / 1000 - 3600.0  # records never claim more than 23 h (clock skew, hops)
+
+
+def refresh_period(holders: float, interval_s: float, rate: float = TOPIC_REFRESH_RATE) -> float:
+    """Seconds between refreshes for a holder observing ``holders`` holders on its model's topic:
+    ``interval_s`` while they refresh below ``rate`` per second together, longer above, at most
+    ``MAX_REFRESH_S`` (``protocol_spec/discovery.md``, "Refresh period")."""
+    return max(interval_s, min(holders / rate, MAX_REFRESH_S))
 
 
 @dataclass(frozen=True)
@@ -50,8 +66,8 @@ class AnnounceConfig:
     experts: tuple[int, int]  # inclusive range held per layer
     endpoints: tuple[str, ...]  # data-plane URLs
     capacity_bytes: int  # memory given to expert weights, bytes
-    interval_s: float = 240.0  # refresh period (protocol_spec: every 4 minutes)
-    ttl_s: float = 600.0  # records expire this long after each refresh
+    interval_s: float = 240.0  # refresh period (protocol_spec: every 4 minutes; longer on a big topic, refresh_period)
+    ttl_s: float = 600.0  # records expire this long after each refresh (scaled with the period)
     more_blocks: BlockRanges = ()  # (layers, experts) beside the first
     catalogue: tuple[CatalogueModel, ...] = ()  # what the swarm catalogue says this node serves (none: no entry)
     dht: bool = True  # also store the record under each layer's DHT key and provide the layers (DHT readers,
@@ -72,6 +88,30 @@ class Announcer:
         self._task: asyncio.Task[None] | None = None
         self.last: Announcement | None = None
         self.gossip = ModelGossip(dht, config.model_id, config.moe_layers) if has_gossip(dht) else None
+        self.period_s = config.interval_s  # the current refresh period (refresh_period)
+        self._counted = (0, time.monotonic())  # topic records counted (observed_holders), and when
+
+    def observed_holders(self) -> float:
+        """How many holders this node counts on its model's topic (``refresh_period`` divides it by
+        the topic's rate): the records it keeps, or more if the topic brought more records since the
+        last call (accepted, or refused for want of room in the bounded view) than one current
+        period at ``TOPIC_REFRESH_RATE`` allows. With every holder doing so the topic's rate
+        settles at ``TOPIC_REFRESH_RATE``: a rate twice that doubles every period."""
+        if self.gossip is None:
+            return 0.0
+        count, now = self._topic_records(), time.monotonic()
+        (before, since), self._counted = self._counted, (count, now)
+        rate = (count - before) / max(now - since, 1.0)
+        return max(float(len(self.gossip.gate.view)), rate * self.period_s)
+
+    def _topic_records(self) -> int:
+        gate = self.gossip.gate if self.gossip is not None else None
+        return 0 if gate is None else gate.accepted + gate.refused.get("view full", 0)
+
+    def ttl_s(self) -> float:
+        """Records live ``config.ttl_s`` per ``config.interval_s`` of the current period."""
+        c = self.config
+        return min(c.ttl_s * self.period_s / c.interval_s, max(c.ttl_s, MAX_TTL_S))
 
     def record(self, ttl_s: float, config: AnnounceConfig | None = None, seq: int | None = None) -> Announcement:
         """A signed record of ``config`` (default: the current one) with the next ``seq`` (or ``seq``)."""
@@ -87,7 +127,7 @@ class Announcer:
         )
 
     async def publish(self, ttl_s: float | None = None, *, provide: bool = True) -> None:
-        record = self.record(self.config.ttl_s if ttl_s is None else ttl_s)
+        record = self.record(self.ttl_s() if ttl_s is None else ttl_s)
         value = encode(record)
         if self.gossip is not None:
             try:
@@ -139,12 +179,16 @@ class Announcer:
         if self.gossip is not None:
             await self.gossip.start()
             await self.gossip.first_view()  # the mesh forms; our view answers joiners in full
+            self.period_s = refresh_period(len(self.gossip.view), self.config.interval_s)
+            self._counted = (self._topic_records(), time.monotonic())  # gossip from here on, not the first view
         await self.publish()
         self._task = asyncio.create_task(self._refresh())
 
     async def _refresh(self) -> None:
         while True:
-            await asyncio.sleep(self.config.interval_s)
+            await asyncio.sleep(self.period_s)
+            if self.gossip is not None:  # the period for the next record, and this one's lifetime
+                self.period_s = refresh_period(self.observed_holders(), self.config.interval_s)
             try:
                 await self.publish()
             except SwarmError as e:  # the DHT may be briefly unreachable: keep trying

@@ -20,12 +20,16 @@ from typing import Any
 
 from ..errors import SwarmError
 from ..protocol import Announcement, provider_key
-from .gossip_view import GossipLimits, TopicGate, announce_topic
+from .gossip_view import FORWARDER_REFUSALS, GossipLimits, TopicGate, announce_topic
 
 log = logging.getLogger(__name__)
 
 FIRST_VIEW_PEERS = 3  # peers asked for a first view
 RENDEZVOUS_PEERS = 8  # holders found in the DHT and connected to, so that the topic's mesh forms
+# how long a node that just subscribed waits for its connected peers to say they subscribe too
+# (their pubsub hello, one round trip) before it looks for holders in the DHT: a DHT lookup costs
+# every peer it asks a stream, and it is what made a joining holder slow (below)
+TOPIC_PEERS_WAIT_S = 2.0
 
 
 def has_gossip(node: object) -> bool:
@@ -69,10 +73,12 @@ class ModelGossip:
     async def publish(self, value: bytes) -> None:
         await self.node.publish(self.topic, value)
 
-    def _check(self, forwarder: str, address: str | None, value: bytes, *, budget: bool = True) -> bool:
-        record = self.gate.check(forwarder, address, value, budget=budget)
-        if record is None:
-            return False
+    def _check(self, forwarder: str, address: str | None, value: bytes, *, budget: bool = True) -> bool | None:
+        """True: accepted; False: refused, as every copy of this message would be; None: refused
+        for what the forwarder did (its budget: another peer's copy may be taken)."""
+        record = self.gate.decide(forwarder, address, value, budget=budget)
+        if not isinstance(record, Announcement):
+            return None if record in FORWARDER_REFUSALS else False
         if self.on_record is not None and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self.on_record, record)
@@ -83,7 +89,7 @@ class ModelGossip:
     async def rendezvous(self) -> list[str]:
         """Peers of the topic: those connected that said so, else holders found in the DHT
         (connected to, so that GossipSub grafts them into the mesh)."""
-        peers = [p for p in await self.node.topic_peers(self.topic) if p != self.node.peer_id]
+        peers = await self._topic_peers()
         if peers:
             return peers
         found: list[str] = []
@@ -105,6 +111,17 @@ class ModelGossip:
         connected = await asyncio.gather(*(connect(p) for p in found[:RENDEZVOUS_PEERS]))
         return peers + [p for p in connected if p is not None]
 
+    async def _topic_peers(self) -> list[str]:
+        """Connected peers of the topic, waiting up to ``TOPIC_PEERS_WAIT_S`` for the first."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + TOPIC_PEERS_WAIT_S, 0.05
+        while True:
+            peers = [p for p in await self.node.topic_peers(self.topic) if p != self.node.peer_id]
+            if peers or loop.time() + delay > deadline:
+                return peers
+            await asyncio.sleep(delay)
+            delay = min(0.4, delay * 2)
+
     async def first_view(self, peers: int = FIRST_VIEW_PEERS) -> int:
         """Ask up to ``peers`` peers of the topic for their records; returns how many records
         were accepted (0: nobody answered, or nobody knew more than we do)."""
@@ -121,7 +138,7 @@ class ModelGossip:
         answers = await asyncio.gather(*(fetch(p) for p in candidates))
         accepted = 0
         for value in itertools.chain.from_iterable(itertools.zip_longest(*answers)):  # interleaved
-            if value is not None and self._check("sync", None, value, budget=False):
+            if value is not None and self._check("sync", None, value, budget=False) is True:
                 accepted += 1
         await asyncio.sleep(0)  # the accepted records reach on_record
         return accepted

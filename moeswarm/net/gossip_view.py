@@ -39,6 +39,10 @@ SYNC_MAX_MODEL_ID_BYTES: Final = 128  # a first-view request names a model in at
 # if it expired at most this long ago, so the holder leaves every view instead of staying live
 # until its last refresh expires (10 minutes)
 WITHDRAWAL_GRACE_MS: Final = 60_000
+# Refusals that depend on who forwarded a message, not on the message: another peer's copy of it
+# may be taken. Every other refusal holds for every copy of the message (its bytes are signed), so
+# the message is remembered as seen and not fetched again (``_libp2p_gossip.remember_refused``)
+FORWARDER_REFUSALS: Final = frozenset({"peer rate", "address rate", "new-key rate"})
 
 
 def announce_topic(model_id: str) -> str:
@@ -167,8 +171,9 @@ class TopicGate:
     """Decides, in the libp2p thread, whether one message of a model's topic is accepted
     (delivered here and forwarded) and keeps the accepted ones in ``view``.
 
-    In order, cheapest first: the forwarding peer's and address's budgets, the decoding and
-    validation of the record exactly as a DHT value (``validate_record`` under the key of its
+    In order, cheapest first: the forwarding peer's and address's budgets, the decoding (a record
+    whose signer the view keeps at this seq or above is refused as stale before its signature is
+    checked: refusing cannot admit anything), the validation of the record exactly as a DHT value (``validate_record`` under the key of its
     first layer: size, signature, expiry, ranges inside the model; a withdrawal of a signer in
     the view that expired on its way, ``WITHDRAWAL_GRACE_MS`` ago at most, is taken), the
     signer's budget, a new signer's budget per forwarding address, then the view (seq above the
@@ -195,6 +200,11 @@ class TopicGate:
     def check(self, forwarder: str, address: str | None, value: bytes, *, budget: bool = True) -> Announcement | None:
         """The record if accepted, else ``None`` (the reason is counted in ``refused``).
         ``budget=False``: a first-view answer we asked for (bounded by its size, not by rates)."""
+        verdict = self.decide(forwarder, address, value, budget=budget)
+        return verdict if isinstance(verdict, Announcement) else None
+
+    def decide(self, forwarder: str, address: str | None, value: bytes, *, budget: bool = True) -> Announcement | str:
+        """``check``, returning the reason (a key of ``refused``) instead of ``None``."""
         now = self._clock()
         with self._lock:
             if budget and not self._peers.take(forwarder, now):
@@ -205,6 +215,9 @@ class TopicGate:
             record = decode(value)
             if not isinstance(record, Announcement) or record.model_id != self.model_id:
                 return self._refuse("not an announcement of this model")
+            known = self.view.seq_of(record.peer_id)
+            if known is not None and known >= record.seq:  # before the signature: copies of what we keep are
+                return self._refuse("stale")  # most of a first view's answers (several peers) and of gossip
             now_ms = self._wall_ms()
             key = announcement_key(record.model_id, record.layers[0], record.peer_id)
             try:
@@ -232,5 +245,6 @@ class TopicGate:
             self.accepted += 1
         return record
 
-    def _refuse(self, why: str) -> None:
+    def _refuse(self, why: str) -> str:
         self.refused[why] = self.refused.get(why, 0) + 1
+        return why

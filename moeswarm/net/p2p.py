@@ -238,11 +238,13 @@ class P2PNode:
 
     # ------------------------------------------------------------------ gossip (config.gossip)
 
-    async def subscribe(self, topic: str, check: Callable[[str, str | None, bytes], bool]) -> None:
+    async def subscribe(self, topic: str, check: Callable[[str, str | None, bytes], bool | None]) -> None:
         """Join ``topic``'s mesh. ``check(forwarder, address, data)`` runs in the libp2p thread for
         every message not seen before: ``forwarder`` is the peer ID that sent it to us ("self" for
         our own), ``address`` the counting key of its address (``None`` for ours); a message is
-        delivered and forwarded only if it returns ``True``. It must be quick and must not block."""
+        delivered and forwarded only if it returns ``True``; ``False`` refuses it for good (it is
+        then remembered as seen: gossip does not fetch it again), ``None`` refuses this copy only.
+        It must be quick and must not block."""
         gossip = self._require_gossip()
 
         async def subscribe() -> None:
@@ -254,10 +256,13 @@ class P2PNode:
                 else:
                     peer, address = str(forwarder), gossip.forwarder_address(self._host, forwarder)
                 try:
-                    return bool(check(peer, address, bytes(msg.data)))
+                    verdict = check(peer, address, bytes(msg.data))
                 except Exception:
                     log.exception("checking a message of %s", topic)
                     return False
+                if verdict is False:
+                    gossip.remember_refused(self._pubsub, msg)
+                return bool(verdict)
 
             self._pubsub.set_topic_validator(topic, validator, False)
             subscription = await self._pubsub.subscribe(topic)

@@ -592,3 +592,22 @@ def test_stop_closes_the_sockets_a_stuck_close_left(workarounds: frozenset[str],
         gc.collect()
     unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
     assert unclosed == [], unclosed
+
+
+def test_max_connections_is_not_capped_by_the_resource_manager() -> None:
+    """py-libp2p's resource manager caps established connections at 256 each way whatever the
+    swarm's max_connections: the 300-peer harness's bootstrap node (max_connections 1024) logged
+    'Established inbound limit exceeded: 256 >= 256' for every holder past the 256th. The caps
+    now follow max_connections (never below the resource manager's own)."""
+    from moeswarm.net.p2p import P2PConfig, P2PNode
+
+    async def scenario() -> tuple[int, int, int]:
+        async with P2PNode(Identity.generate(), P2PConfig(max_connections=1024)) as node:
+            async def caps() -> tuple[int, int, int]:
+                limits = node._host.get_network()._resource_manager.connection_limits
+                return (limits.max_established_inbound, limits.max_established_outbound,
+                        limits.max_established_total)
+
+            return await node._call(caps)
+
+    assert asyncio.run(scenario()) == (1024, 1024, 1024)
