@@ -536,3 +536,17 @@ def test_nothing_is_queued_for_a_peer_that_does_not_subscribe(patched: bool, mon
 
     held = asyncio.run(scenario())
     assert held <= 1, f"{held} messages queued for a peer that does not subscribe"
+
+
+def test_a_backbone_resyncs_no_more_often_than_the_holders_refresh() -> None:
+    """A backbone on a topic takes a first view again every 120 s at most, and no more often than
+    the topic's holders refresh (``refresh_period``): a view of 1,000 records every 500 s (a first
+    view of 1,000 records from 3 peers every 120 s was 8.7 KB/s, more than the topic's gossip)."""
+    from moeswarm.net.discovery import Discovery
+    from moeswarm.net.routing_table import SwarmTable
+
+    discovery = Discovery(_TopicNode(), SwarmTable(MODEL), range(2), num_layers=2, num_experts=4)
+    assert discovery.gossip is not None and discovery.resync_s() == 120.0
+    for _ in range(1_000):
+        assert discovery.gossip.gate.check("p", None, record(Identity.generate()), budget=False) is not None
+    assert discovery.resync_s() == 500.0
