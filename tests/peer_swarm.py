@@ -12,6 +12,9 @@ record was seen. Holders announce on the model's topic only (``AnnounceConfig.dh
 that write, and the lookup of itself that fills a node's routing table at start, are each
 holder's own cost, 1-2 s of CPU per holder at start-up here, and no backbone reads the record
 when the topic answers; without ``dht`` holders skip both, ``P2PConfig.bootstrap_lookup=False``).
+Every holder here connects from 127.0.0.1, one address, so the holders' budget of new keys per
+forwarding address (``GossipLimits``, meant for one machine) is raised to the swarm's size; the
+backbones keep the defaults.
 Worker processes (``python tests/peer_swarm.py``) start their share of holders (a ``seeds`` line
 once their first three holders run, on which the coordinator starts the next workers; ``ready``
 once all run) and answer JSON commands on stdin, one line each: ``withdraw``, ``move``, ``stats``
@@ -140,7 +143,10 @@ def _profile(seconds: float, interval_s: float = 0.005, top: int = 30) -> dict[s
 
 
 async def _worker(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
     from moeswarm.net.announce import AnnounceConfig, Announcer
+    from moeswarm.net.gossip_view import TopicGate
     from moeswarm.net.p2p import P2PConfig, P2PNode
     from moeswarm.protocol import Identity
 
@@ -168,6 +174,11 @@ async def _worker(args: argparse.Namespace) -> None:
             nodes.append(node)
             announcer = Announcer(node, node._identity, AnnounceConfig(
                 MODEL, (0, args.layers - 1), moe, (i, i), (ENDPOINT,), 1 << 20, ttl_s=args.ttl, dht=args.dht))
+            if announcer.gossip is not None and args.new_keys_burst:  # every holder here is 127.0.0.1: one
+                # address whose budget of new keys (meant for one machine) the whole swarm would share
+                limits = replace(announcer.gossip.limits, new_keys_per_address_burst=args.new_keys_burst)
+                announcer.gossip.limits = limits
+                announcer.gossip.gate = TopicGate(MODEL, limits)
             await announcer.start()
             announcers[i] = announcer
 
@@ -289,7 +300,8 @@ class PeerSwarm:
         self.workers.append(subprocess.Popen(
             [sys.executable, __file__, "--first", str(first), "--count", str(count), "--layers",
              str(self.layers), "--ttl", str(self.ttl_s), "--concurrency", str(self.concurrency),
-             "--max-connections", str(self.max_connections), *(["--dht"] if self.dht else []), *bootstrap],
+             "--max-connections", str(self.max_connections), *(["--dht"] if self.dht else []),
+             "--new-keys-burst", str(max(self.holders, 200)), *bootstrap],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}))
 
     async def _ready(self, worker: subprocess.Popen[str]) -> None:
@@ -381,6 +393,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-connections", type=int, default=64)
     parser.add_argument("--dht", action="store_true", help="also store each record in the DHT")
+    parser.add_argument("--new-keys-burst", type=float, default=0.0,
+                        help="holders' budget of new keys per forwarding address (0: the default)")
     asyncio.run(_worker(parser.parse_args()))
 
 
