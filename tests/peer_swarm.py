@@ -21,7 +21,8 @@ once all run) and answer JSON commands on stdin, one line each: ``withdraw``, ``
 (resident memory, CPU seconds, bytes read from libp2p connections, counted in RawConnection.read: every
 control-plane byte, DHT and gossip; GossipSub control messages handled, routers whose heartbeat
 has not run for 5 s, topic messages the holders' gates refused, by reason), ``refresh`` (holders
-publish once more), ``profile`` (where the process's threads are, sampled), ``stop``.
+publish once more), ``peers`` (one holder's connections and topic peers), ``profile`` (where the
+process's threads are, sampled), ``stop``.
 """
 
 from __future__ import annotations
@@ -211,6 +212,11 @@ async def _worker(args: argparse.Namespace) -> None:
                     await a.publish()
                     await asyncio.sleep(cmd["seconds"] / max(len(chosen), 1))
                 reply = {"ok": True, "published": len(chosen)}
+            elif cmd["op"] == "peers":  # one holder's connections and its mesh on the topic (diagnostics)
+                a = announcers.get(cmd["holder"])
+                node = a.dht if a is not None else None
+                reply = {"connected": len(await node.connected_peers()) if node else None,
+                         "topic": len(await node.topic_peers(a.gossip.topic)) if node and a.gossip else None}
             elif cmd["op"] == "profile":
                 reply = await asyncio.to_thread(_profile, cmd["seconds"])
             else:
