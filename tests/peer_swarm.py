@@ -146,6 +146,7 @@ def _profile(seconds: float, interval_s: float = 0.005, top: int = 30) -> dict[s
 async def _worker(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
+    from moeswarm.errors import SwarmError
     from moeswarm.net.announce import AnnounceConfig, Announcer
     from moeswarm.net.gossip_view import TopicGate
     from moeswarm.net.p2p import P2PConfig, P2PNode
@@ -161,13 +162,21 @@ async def _worker(args: argparse.Namespace) -> None:
     rng = random.Random(args.first)
 
     async def start(i: int) -> None:
+        try:
+            await start_once(i)
+        except SwarmError as e:  # its bootstrap peers were busy (a loaded machine): once more, on the seeds
+            print(f"holder {i}: {e}; again on the seeds", file=sys.stderr, flush=True)
+            await start_once(i, seeds)
+
+    async def start_once(i: int, boot: tuple[str, ...] | None = None) -> None:
         async with gate:
             # two local peers; the first two the seed node and the three holders of an earlier
             # worker the coordinator gave (one topic). Never those holders for everyone: once a holder has max_connections,
             # a dial to it hangs until dial_timeout_s (60 s a start, seen with 1 in 4 holders doing so);
             # nor the seed node (a connection, handshake and pubsub stream each, to a node not on the topic)
             local = [n.multiaddrs[0] for n in nodes if n.multiaddrs]
-            boot = seeds if len(local) < 2 else tuple(rng.sample(local, 2))
+            if boot is None:
+                boot = seeds if len(local) < 2 else tuple(rng.sample(local, 2))
             node = P2PNode(Identity.generate(), P2PConfig(bootstrap=boot, max_connections=args.max_connections,
                                                           dial_timeout_s=60.0, op_timeout_s=60.0,
                                                           bootstrap_lookup=args.dht))
@@ -330,7 +339,8 @@ class PeerSwarm:
                 await asyncio.to_thread(worker.wait)
             for pipe in (worker.stdin, worker.stdout):
                 if pipe is not None:
-                    pipe.close()
+                    with contextlib.suppress(OSError):  # a worker that died: its stdin is a broken pipe
+                        pipe.close()
         await self._stack.aclose()
 
     async def _read(self, worker: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
