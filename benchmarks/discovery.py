@@ -111,8 +111,13 @@ async def run(peers: int, args: argparse.Namespace) -> dict[str, Any]:
             return round(sum(b["control"].get(kind, 0) - a["control"].get(kind, 0) for a, b in zip(s0, s1))
                          / peers / window, 3)
 
+        refused: dict[str, int] = {}  # topic messages the holders' gates refused, by reason (whole run)
+        for worker in r1:
+            for why, n in worker["refused"].items():
+                refused[why] = refused.get(why, 0) + n
         return {
             "peers": peers, "processes": len(swarm.workers), "startup_s": round(swarm.startup_s, 1),
+            "refused": refused,
             "uncovered_each": uncovered, "graft_per_node_s": control("handle_graft"),
             "prune_per_node_s": control("handle_prune"), "ihave_per_node_s": control("handle_ihave"),
             "load_at_start": round(load_started, 1), "load_at_end": round(os.getloadavg()[0], 1),

@@ -437,15 +437,16 @@ ANNOUNCE_EVERY_S = 240.0  # AnnounceConfig.interval_s: each node re-publishes it
 # shared by ~8 agents (load 37-56), 2026-12-05 (protocol_spec/discovery.md, "Measured"):
 FIRST_VIEW_S = 0.05  # a first view's round trip to 3 peers of the topic (3 holders, one process)
 FIRST_VIEW_S_PER_RECORD = 0.15e-3  # checking one record of it: decode, validate, Ed25519 (TopicGate.check, CPU)
-# session 30 (GossipSub patched: heartbeat kept at 1 s, no mesh churn, no IDONTWANT for small messages, the
-# signed peer record once per stream and checked once), benchmarks/discovery.py at 100 peers, load 12-19:
-GOSSIP_IDLE_BPS = 78.6  # bytes/s a holder reads with no announcement in flight (Yamux pings; was 312 at 40 peers)
-GOSSIP_IDLE_CPU = 0.00162  # cores a holder spends then (GossipSub heartbeat every second, pings)
-GOSSIP_BYTES_PER_MESSAGE = 3_487.0  # bytes each node reads per announcement on its topic (60 announcements among
-# 100 holders: every copy through the mesh, IHAVE/IWANT; was 5,530 at 20 nodes)
-GOSSIP_CPU_S_PER_MESSAGE = 8.3e-3  # CPU each node spends per announcement (same burst; 50 holders share a process)
-DEPARTURE_S, DEPARTURE_PEERS = 4.31, 100  # a withdrawal reaching both backbones, at 100 peers and load 13-19
-# (50 holders to a process and GIL; was 0.068 s at 40 peers on a quieter machine; grows with gossip hops)
+# session 31 (the session-30 patches, plus: refused messages remembered as seen, Yamux window updates at half
+# the window, nothing queued for peers off the topic, a joiner waiting for topic peers before the DHT),
+# benchmarks/discovery.py at 300 peers (6 processes of 50), nice 10 at load 21-37:
+GOSSIP_IDLE_BPS = 14.1  # bytes/s a holder reads with no announcement in flight (Yamux pings; 78.6 in session 30)
+GOSSIP_IDLE_CPU = 0.00047  # cores a holder spends then (GossipSub heartbeat every second, pings; 0.00162 before)
+GOSSIP_BYTES_PER_MESSAGE = 1_965.0  # bytes each node reads per announcement on its topic (30 announcements among
+# 300 holders: every copy through the mesh, IHAVE/IWANT; 3,487 at 100 peers in session 30)
+GOSSIP_CPU_S_PER_MESSAGE = 2.9e-3  # CPU each node spends per announcement (same burst; 50 holders share a process)
+DEPARTURE_S, DEPARTURE_PEERS = 0.195, 300  # a withdrawal reaching both backbones, at 300 peers and load 21-37
+# (4.31 s at 100 peers in session 30; grows with gossip hops)
 # one relay with its shipped defaults (100 MB/s per device and per client address) forwards 269 MB/s,
 # both directions counted: benchmarks/relay.py's "relay forwarded MB/s" at 16 devices, 2026-12-01
 # run on the idle machine (README, relay.py); 209 / 279 at 1 / 4 devices

@@ -12,13 +12,17 @@ record was seen. Holders announce on the model's topic only (``AnnounceConfig.dh
 that write, and the lookup of itself that fills a node's routing table at start, are each
 holder's own cost, 1-2 s of CPU per holder at start-up here, and no backbone reads the record
 when the topic answers; without ``dht`` holders skip both, ``P2PConfig.bootstrap_lookup=False``).
+Every holder here connects from 127.0.0.1, one address, so the holders' budget of new keys per
+forwarding address (``GossipLimits``, meant for one machine) is raised to the swarm's size; the
+backbones keep the defaults.
 Worker processes (``python tests/peer_swarm.py``) start their share of holders (a ``seeds`` line
 once their first three holders run, on which the coordinator starts the next workers; ``ready``
 once all run) and answer JSON commands on stdin, one line each: ``withdraw``, ``move``, ``stats``
 (resident memory, CPU seconds, bytes read from libp2p connections, counted in RawConnection.read: every
 control-plane byte, DHT and gossip; GossipSub control messages handled, routers whose heartbeat
 has not run for 5 s, topic messages the holders' gates refused, by reason), ``refresh`` (holders
-publish once more), ``profile`` (where the process's threads are, sampled), ``stop``.
+publish once more), ``peers`` (one holder's connections and topic peers), ``profile`` (where the
+process's threads are, sampled), ``stop``.
 """
 
 from __future__ import annotations
@@ -140,7 +144,11 @@ def _profile(seconds: float, interval_s: float = 0.005, top: int = 30) -> dict[s
 
 
 async def _worker(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from moeswarm.errors import SwarmError
     from moeswarm.net.announce import AnnounceConfig, Announcer
+    from moeswarm.net.gossip_view import TopicGate
     from moeswarm.net.p2p import P2PConfig, P2PNode
     from moeswarm.protocol import Identity
 
@@ -154,12 +162,21 @@ async def _worker(args: argparse.Namespace) -> None:
     rng = random.Random(args.first)
 
     async def start(i: int) -> None:
+        try:
+            await start_once(i)
+        except SwarmError as e:  # its bootstrap peers were busy (a loaded machine): once more, on the seeds
+            print(f"holder {i}: {e}; again on the seeds", file=sys.stderr, flush=True)
+            await start_once(i, seeds)
+
+    async def start_once(i: int, boot: tuple[str, ...] | None = None) -> None:
         async with gate:
-            # two local peers and the seed; the first two also the three holders of an earlier
+            # two local peers; the first two the seed node and the three holders of an earlier
             # worker the coordinator gave (one topic). Never those holders for everyone: once a holder has max_connections,
-            # a dial to it hangs until dial_timeout_s (60 s a start, seen with 1 in 4 holders doing so)
+            # a dial to it hangs until dial_timeout_s (60 s a start, seen with 1 in 4 holders doing so);
+            # nor the seed node (a connection, handshake and pubsub stream each, to a node not on the topic)
             local = [n.multiaddrs[0] for n in nodes if n.multiaddrs]
-            boot = seeds if len(local) < 2 else (*rng.sample(local, 2), seeds[0])
+            if boot is None:
+                boot = seeds if len(local) < 2 else tuple(rng.sample(local, 2))
             node = P2PNode(Identity.generate(), P2PConfig(bootstrap=boot, max_connections=args.max_connections,
                                                           dial_timeout_s=60.0, op_timeout_s=60.0,
                                                           bootstrap_lookup=args.dht))
@@ -167,6 +184,11 @@ async def _worker(args: argparse.Namespace) -> None:
             nodes.append(node)
             announcer = Announcer(node, node._identity, AnnounceConfig(
                 MODEL, (0, args.layers - 1), moe, (i, i), (ENDPOINT,), 1 << 20, ttl_s=args.ttl, dht=args.dht))
+            if announcer.gossip is not None and args.new_keys_burst:  # every holder here is 127.0.0.1: one
+                # address whose budget of new keys (meant for one machine) the whole swarm would share
+                limits = replace(announcer.gossip.limits, new_keys_per_address_burst=args.new_keys_burst)
+                announcer.gossip.limits = limits
+                announcer.gossip.gate = TopicGate(MODEL, limits)
             await announcer.start()
             announcers[i] = announcer
 
@@ -199,6 +221,11 @@ async def _worker(args: argparse.Namespace) -> None:
                     await a.publish()
                     await asyncio.sleep(cmd["seconds"] / max(len(chosen), 1))
                 reply = {"ok": True, "published": len(chosen)}
+            elif cmd["op"] == "peers":  # one holder's connections and its mesh on the topic (diagnostics)
+                a = announcers.get(cmd["holder"])
+                node = a.dht if a is not None else None
+                reply = {"connected": len(await node.connected_peers()) if node else None,
+                         "topic": len(await node.topic_peers(a.gossip.topic)) if node and a.gossip else None}
             elif cmd["op"] == "profile":
                 reply = await asyncio.to_thread(_profile, cmd["seconds"])
             else:
@@ -288,7 +315,8 @@ class PeerSwarm:
         self.workers.append(subprocess.Popen(
             [sys.executable, __file__, "--first", str(first), "--count", str(count), "--layers",
              str(self.layers), "--ttl", str(self.ttl_s), "--concurrency", str(self.concurrency),
-             "--max-connections", str(self.max_connections), *(["--dht"] if self.dht else []), *bootstrap],
+             "--max-connections", str(self.max_connections), *(["--dht"] if self.dht else []),
+             "--new-keys-burst", str(max(self.holders, 200)), *bootstrap],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}))
 
     async def _ready(self, worker: subprocess.Popen[str]) -> None:
@@ -311,7 +339,8 @@ class PeerSwarm:
                 await asyncio.to_thread(worker.wait)
             for pipe in (worker.stdin, worker.stdout):
                 if pipe is not None:
-                    pipe.close()
+                    with contextlib.suppress(OSError):  # a worker that died: its stdin is a broken pipe
+                        pipe.close()
         await self._stack.aclose()
 
     async def _read(self, worker: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
@@ -380,6 +409,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-connections", type=int, default=64)
     parser.add_argument("--dht", action="store_true", help="also store each record in the DHT")
+    parser.add_argument("--new-keys-burst", type=float, default=0.0,
+                        help="holders' budget of new keys per forwarding address (0: the default)")
     asyncio.run(_worker(parser.parse_args()))
 
 

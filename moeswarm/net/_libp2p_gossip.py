@@ -49,6 +49,13 @@ workarounds for py-libp2p 0.8.1's GossipSub. Importing it imports libp2p.
   A peer whose pubsub stream has been up for ``PENDING_GRACE_S`` has said what it subscribes to:
   nothing is queued for it any more (a later subscription still gets the recent messages pubsub
   replays to a new subscriber).
+* ``install_gossip_to_backed_off_peers``: IHAVE gossip went only to peers of the topic that were
+  not in GRAFT backoff; a peer pruned from a full mesh (and the one pruning it) backs off for a
+  minute, and then neither gossiped to the other: a few holders whose mesh links to busier peers
+  were all pruned formed an island no announcement left (a block move of a holder in a
+  10-holder worker of a 200-peer harness reached no backbone in 25 s). Backoff is for GRAFT
+  only (GossipSub v1.1; go-libp2p's emitGossip skips only mesh and fanout peers): IHAVE now goes
+  to backed-off peers too.
 * ``remember_refused``: pubsub marks a message seen only once a validator accepts it, so a
   message our gate refused was requested again (IWANT) on every IHAVE that named it, fetched and
   its signature checked again: a joiner that took a record from a first view refused the gossiped
@@ -87,7 +94,8 @@ from moeswarm.net.gossip_view import SYNC_MAX_MODEL_ID_BYTES, sync_answer, sync_
 from moeswarm.protocol._limits import MAX_RECORD_BYTES
 
 __all__ = ["SYNC_PROTOCOL", "fetch_records", "install_equivocation_bound",
-           "install_idontwant_threshold", "install_opportunistic_graft_fix", "install_pending_queue_bound",
+           "install_gossip_to_backed_off_peers", "install_idontwant_threshold", "install_opportunistic_graft_fix",
+           "install_pending_queue_bound",
            "install_signed_record_cache", "install_signed_record_once",
            "make_pubsub", "make_router", "remember_refused",
            "serve_records"]
@@ -284,6 +292,40 @@ def install_pending_queue_bound() -> None:
     cls._moeswarm_unbounded_prune_pending = prune  # for the test that shows why
 
 
+# ---------------------------------------------------------------- gossip targets
+
+
+def install_gossip_to_backed_off_peers() -> None:
+    """IHAVE gossip chooses among every non-mesh peer of the topic, backoff or not (idempotent)."""
+    cls = _gossipsub_module.GossipSub
+    if getattr(cls, "_moeswarm_gossip_backoff", False):
+        return
+    original = cls.gossip_heartbeat
+
+    def gossip_heartbeat(self: Any) -> Any:
+        from collections import defaultdict
+
+        peers_to_gossip: Any = defaultdict(dict)
+        if self.pubsub is None:
+            return peers_to_gossip
+        topics = [*self.mesh.items(), *((t, p) for t, p in self.fanout.items() if t not in self.mesh)]
+        for topic, current in topics:
+            if topic not in self.pubsub.peer_topics:
+                continue
+            msg_ids = self.mcache.window(topic)
+            if not msg_ids:
+                continue
+            count = self._get_adaptive_gossip_peers_count(
+                topic, len(self.pubsub.peer_topics.get(topic, set())) - len(current))
+            for peer in self._get_in_topic_gossipsub_peers_from_minus(topic, count, current, False):
+                peers_to_gossip[peer][topic] = list(msg_ids)
+        return peers_to_gossip
+
+    cls.gossip_heartbeat = gossip_heartbeat
+    cls._moeswarm_gossip_backoff = True
+    cls._moeswarm_backoff_gossip_heartbeat = original  # for the test that shows why
+
+
 # ---------------------------------------------------------------- refused messages
 
 REMEMBER_REFUSED = True  # False: py-libp2p 0.8.1's behaviour (for the test that shows why)
@@ -307,6 +349,7 @@ def make_router(degree: int, heartbeat_s: int) -> GossipSub:
     install_signed_record_cache()
     install_signed_record_once()
     install_pending_queue_bound()
+    install_gossip_to_backed_off_peers()
     return GossipSub(
         protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11, PROTOCOL_ID],
         degree=degree, degree_low=max(2, degree * 2 // 3), degree_high=degree * 2,

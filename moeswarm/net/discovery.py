@@ -17,13 +17,16 @@ from collections.abc import Sequence
 from .._tasks import cancel_and_wait
 from ..errors import SwarmError
 from ..protocol import DHT, Announcement, peer_id_to_str, read_announcements
-from .gossip import ModelGossip, has_gossip
+from .announce import refresh_period
+from .gossip import FIRST_VIEW_PEERS, ModelGossip, has_gossip
 from .gossip_view import GossipLimits, fits_model
 from .routing_table import SwarmTable
 
 __all__ = ["Discovery", "fits_model"]
 log = logging.getLogger(__name__)
-GOSSIP_RESYNC_S = 120.0  # with gossip, a first view again this often at most (missed messages)
+GOSSIP_RESYNC_S = 120.0  # with gossip, a first view again this often at most (missed messages), and
+# from one peer, no more often than holders refresh on a big topic (refresh_period): a first view of
+# 1,000 records from 3 peers every 120 s was 8.7 KB/s per backbone, more than the topic's gossip
 # A joiner whose first view from the topic holds fewer records than this also reads the DHT once:
 # in a young swarm the peers it asked may not know every holder yet (their mesh is still forming),
 # and a few dozen DHT gets cost less than a missed replica (the trust checks need every one)
@@ -47,6 +50,7 @@ class Discovery:
             self.gossip = ModelGossip(dht, table.model_id, self.moe_layers, limits=gossip_limits,
                                       num_layers=num_layers, num_experts=num_experts, on_record=self._apply)
         self._joined = False
+        self._joined_view = False  # a first view was taken (from FIRST_VIEW_PEERS peers; resyncs from one)
 
     def _apply(self, record: Announcement) -> None:
         """A record the topic's gate accepted: into the table, which stays as bounded as the view."""
@@ -62,15 +66,16 @@ class Discovery:
         gossiped = self.gossip.gate.refused.get("outside the model", 0) if self.gossip is not None else 0
         return self._rejected + gossiped
 
-    async def refresh(self) -> None:
-        """With gossip: join the topic (once) and take a first view from a few of its peers;
+    async def refresh(self, *, peers: int = FIRST_VIEW_PEERS) -> None:
+        """With gossip: join the topic (once) and take a first view from ``peers`` of its peers;
         when none answers, when the view still leaves an expert without a holder, when a joiner's
         first view is small (``SMALL_VIEW``), or without gossip, one DHT pass (``read_announcements``)."""
         if self.gossip is not None:
             if not self._joined:
                 await self.gossip.start()
                 self._joined = True
-            answered = await self.gossip.first_view()
+            answered = await self.gossip.first_view(peers if self._joined_view else FIRST_VIEW_PEERS)
+            self._joined_view = True
             joining_small = self.refreshes == 0 and len(self.gossip.view) < SMALL_VIEW
             if (answered or len(self.gossip.view)) and not self._uncovered() and not joining_small:
                 self.refreshes += 1
@@ -109,15 +114,22 @@ class Discovery:
             await asyncio.sleep(delay)
             delay = min(2.0, delay * 1.5)
 
+    def resync_s(self) -> float:
+        """Seconds until the next background refresh: ``interval_s`` without gossip; with it, a
+        first view (from one peer) every ``GOSSIP_RESYNC_S`` at most, and no more often than the
+        holders of the topic refresh (``refresh_period`` of the records the view keeps)."""
+        if self.gossip is None:
+            return self.interval_s
+        return max(self.interval_s, refresh_period(len(self.gossip.view), GOSSIP_RESYNC_S))
+
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
-        period = self.interval_s if self.gossip is None else max(self.interval_s, GOSSIP_RESYNC_S)
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(self.resync_s())
             try:
-                await self.refresh()
+                await self.refresh(peers=1)
             except SwarmError as e:
                 log.warning("discovery refresh failed: %s", e)
 

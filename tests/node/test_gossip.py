@@ -536,3 +536,48 @@ def test_nothing_is_queued_for_a_peer_that_does_not_subscribe(patched: bool, mon
 
     held = asyncio.run(scenario())
     assert held <= 1, f"{held} messages queued for a peer that does not subscribe"
+
+
+def test_a_backbone_resyncs_no_more_often_than_the_holders_refresh() -> None:
+    """A backbone on a topic takes a first view again every 120 s at most, and no more often than
+    the topic's holders refresh (``refresh_period``): a view of 1,000 records every 500 s (a first
+    view of 1,000 records from 3 peers every 120 s was 8.7 KB/s, more than the topic's gossip)."""
+    from moeswarm.net.discovery import Discovery
+    from moeswarm.net.routing_table import SwarmTable
+
+    discovery = Discovery(_TopicNode(), SwarmTable(MODEL), range(2), num_layers=2, num_experts=4)
+    assert discovery.gossip is not None and discovery.resync_s() == 120.0
+    for _ in range(1_000):
+        assert discovery.gossip.gate.check("p", None, record(Identity.generate()), budget=False) is not None
+    assert discovery.resync_s() == 500.0
+
+
+@pytest.mark.parametrize("patched", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="py-libp2p 0.8.1 gossips IHAVE only to peers not in GRAFT backoff"))],
+    ids=["with-patch", "without-patch"])
+def test_ihave_gossip_reaches_peers_in_graft_backoff(patched: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router with a message in its cache, an empty mesh, and 4 more peers of the topic, all in
+    GRAFT backoff (each pruned it from a full mesh, or was pruned: backoff on both sides): its
+    heartbeat's IHAVE gossip must still reach them, or a few peers pruned everywhere form an
+    island no message leaves. The without-patch variant gossiped to none of them."""
+    from types import SimpleNamespace
+
+    from libp2p.peer.id import ID
+    from libp2p.pubsub.gossipsub import GossipSub
+    from libp2p.pubsub.pb import rpc_pb2
+
+    from moeswarm.net._libp2p_gossip import make_router
+
+    router = make_router(degree=6, heartbeat_s=1)
+    if not patched:
+        monkeypatch.setattr(GossipSub, "gossip_heartbeat", GossipSub._moeswarm_backoff_gossip_heartbeat)
+    topic = "/moeswarm/v1/m/announce"
+    peers = [ID(Identity.generate().peer_id) for _ in range(4)]
+    router.pubsub = SimpleNamespace(peer_topics={topic: set(peers)}, _msg_id_constructor=lambda m: m.from_id + m.seqno)
+    for peer in peers:
+        router.peer_protocol[peer] = router.protocols[0]
+        router._add_back_off(peer, topic, False)
+    router.mesh[topic] = set()
+    router.mcache.put(rpc_pb2.Message(from_id=b"origin", seqno=b"\\x00\\x01", data=b"x", topicIDs=[topic]))
+    gossiped = router.gossip_heartbeat()
+    assert set(gossiped) == set(peers), f"IHAVE to {len(gossiped)} of 4 peers in backoff"
