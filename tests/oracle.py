@@ -646,17 +646,19 @@ def load_model(model_dir: Path, **config_overrides):
             )
             model.load_state_dict(pack_gpt_oss_experts(read_tensors(model_dir)), strict=True)
         else:
-            model, info = _model_class(config).from_pretrained(
-                model_dir,
-                config=config,
-                attn_implementation="eager",
-                experts_implementation="eager",
-                dtype=torch.float32,
-                output_loading_info=True,
-            )
-            bad = {k: v for k, v in info.items() if v and k in _LOAD_PROBLEMS}
-            if bad:
-                raise AssertionError(f"{model_dir}: incomplete load: {bad}")
+            model = load_complete(_model_class(config), model_dir, config=config, experts_implementation="eager")
+    return model.eval()
+
+
+def load_complete(cls: Any, folder: Path, **kwargs: Any) -> Any:
+    """``cls.from_pretrained(folder)`` in float32 with eager attention (``kwargs``: more of its options),
+    refusing a load that left a weight missing, unexpected or mismatched."""
+    with _quiet():
+        model, info = cls.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32,
+                                          output_loading_info=True, **kwargs)
+    bad = {k: v for k, v in info.items() if v and k in _LOAD_PROBLEMS}
+    if bad:
+        raise AssertionError(f"{folder}: incomplete load: {bad}")
     return model.eval()
 
 

@@ -83,14 +83,8 @@ def build_checkpoint(layout: str, out_dir: Path, seed: int = 0) -> Path:
 
 def load(folder: Path) -> Any:
     """The checkpoint as transformers loads it (fp32, eager), refusing an incomplete load."""
-    with _quiet():
-        cls = AutoModelForImageTextToText if '"llama4"' in (Path(folder) / "config.json").read_text() else AutoModelForCausalLM
-        model, info = cls.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32,
-                                          output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if bad:
-        raise AssertionError(f"{folder}: incomplete load: {bad}")
-    return model.eval()
+    cls = AutoModelForImageTextToText if '"llama4"' in (Path(folder) / "config.json").read_text() else AutoModelForCausalLM
+    return oracle.load_complete(cls, folder)
 
 
 def reference_run(folder: Path, prompt: list[int], n_decode: int = 8) -> Reference:

@@ -155,13 +155,7 @@ def load_model(model_dir: Path) -> Any:
     model_dir = Path(model_dir)
     with _quiet():
         config = AutoConfig.from_pretrained(model_dir)
-        model, info = _auto(config.model_type).from_pretrained(
-            model_dir, config=config, attn_implementation="eager", experts_implementation="eager",
-            dtype=torch.float32, output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if bad:
-        raise AssertionError(f"{model_dir}: incomplete load: {bad}")
-    return model.eval()
+    return oracle.load_complete(_auto(config.model_type), model_dir, config=config, experts_implementation="eager")
 
 
 @torch.inference_mode()

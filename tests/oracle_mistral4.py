@@ -62,10 +62,4 @@ def build_checkpoint(out_dir: Path, seed: int = 0) -> Path:
 
 def reference_run(folder: Path, prompt: list[int], n_decode: int = 8) -> Reference:
     """Load ``folder`` with transformers (fp32, eager, refusing an incomplete load) and run the reference."""
-    with _quiet():
-        model, info = Mistral4ForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32,
-                                                          experts_implementation="eager", output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if bad:
-        raise AssertionError(f"{folder}: incomplete load: {bad}")
-    return run_model(model.eval(), prompt, n_decode)
+    return run_model(oracle.load_complete(Mistral4ForCausalLM, folder, experts_implementation="eager"), prompt, n_decode)

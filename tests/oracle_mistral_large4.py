@@ -106,14 +106,7 @@ def build_checkpoint(layout: str, out_dir: Path, seed: int = 0) -> Path:
 
 def load(folder: Path) -> Any:
     """The checkpoint as transformers loads it (fp32, eager), refusing an incomplete load."""
-    with _quiet():
-        model, info = MistralLarge4ForConditionalGeneration.from_pretrained(
-            folder, attn_implementation="eager", dtype=torch.float32, experts_implementation="eager",
-            output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if bad:
-        raise AssertionError(f"{folder}: incomplete load: {bad}")
-    return model.eval()
+    return oracle.load_complete(MistralLarge4ForConditionalGeneration, folder, experts_implementation="eager")
 
 
 def reference_run(folder: Path, prompt: list[int], n_decode: int = 8) -> Reference:
