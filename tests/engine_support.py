@@ -145,3 +145,16 @@ def run_batched(model: Model, seqs: list[list[list[int] | None]], pool: Any) -> 
     for cache in caches:
         cache.release()
     return [np.concatenate(o) for o in out]
+
+
+def assert_same_weights(source: Weights, exact: Weights) -> None:
+    """``exact`` (a lossless conversion of ``source``) holds the same tensors and experts, bit for bit:
+    every backbone tensor, and every expert's matrices and biases (where the source has biases)."""
+    assert set(exact.tensors) == set(source.tensors)
+    for name, a in source.tensors.items():
+        assert np.array_equal(np.asarray(exact.tensors[name]), a), name
+    for L, layer in source.experts.items():
+        for e, x in layer.items():
+            for part in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
+                if getattr(x, part) is not None:
+                    assert np.array_equal(getattr(exact.experts[L][e], part), getattr(x, part)), (L, e, part)

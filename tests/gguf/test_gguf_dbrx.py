@@ -12,6 +12,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from engine_support import assert_same_weights
 from gguf_reference import LOGIT_TOL, dequantised
 
 from moeswarm.model import Model, load_weights
@@ -46,13 +47,7 @@ def test_convert_gguf_round_trips_dbrx(family_oracles, tmp_path: Path) -> None:
     assert tuple(reversed(f.tensors["blk.0.attn_qkv.weight"].shape)) == (H + 2 * kv, H)
     assert not any(".attn_q." in name or ".attn_k." in name for name in f.tensors)
     source, exact = load_weights(folder), load_weights(path)
-    assert set(exact.tensors) == set(source.tensors)
-    for name, a in source.tensors.items():
-        assert np.array_equal(np.asarray(exact.tensors[name]), a), name
-    for L, layer in source.experts.items():
-        for e, x in layer.items():
-            for part in ("gate", "up", "down"):
-                assert np.array_equal(getattr(exact.experts[L][e], part), getattr(x, part)), (L, e, part)
+    assert_same_weights(source, exact)
     expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
     assert np.abs(run_logits(Model(exact), ref) - expected).max() <= 1e-4
 

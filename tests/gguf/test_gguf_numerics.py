@@ -7,15 +7,20 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from engine_support import assert_same_weights
+from gguf_reference import LOGIT_TOL, dequantised
 
-from moeswarm.model import ARCHITECTURES, SamplingParams, generate, load_model
+from moeswarm.model import (
+    ARCHITECTURES,
+    SamplingParams,
+    generate,
+    load_model,
+    load_weights,
+)
 from moeswarm.model._qkernels import packable
 from moeswarm.model.gguf import GGUF_ARCH, QuantizedTensor
-from moeswarm.model import load_weights
-from moeswarm.model.weights import Weights
 from moeswarm.model.transformer import Model
-
-from gguf_reference import LOGIT_TOL, dequantised
+from moeswarm.model.weights import Weights
 
 FP16_EPS = 2.0**-11  # largest relative rounding error of one weight stored as fp16
 # Each weight rounds by at most FP16_EPS relative; through the few matmuls of these 2-3 layer models
@@ -216,14 +221,7 @@ def test_every_architecture_round_trips(oracle_checkpoints, gguf_checkpoints, ar
     folder, ref = oracle_checkpoints.get(arch, "per_expert")
     source = load_weights(folder)
     exact = load_weights(gguf_checkpoints.get(arch, "F32"))
-    assert set(exact.tensors) == set(source.tensors)
-    for name, a in source.tensors.items():
-        assert np.array_equal(np.asarray(exact.tensors[name]), a), name
-    for L, layer in source.experts.items():
-        for e, x in layer.items():
-            for part in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
-                if getattr(x, part) is not None:
-                    assert np.array_equal(getattr(exact.experts[L][e], part), getattr(x, part)), (L, e, part)
+    assert_same_weights(source, exact)
     expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
     assert np.abs(run_logits(Model(exact), ref) - expected).max() <= 1e-4
     # Q8_0 experts: the engine on the file (MatMulNBits, int8 activations) against the same file decoded by

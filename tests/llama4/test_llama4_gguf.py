@@ -13,6 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from engine_support import assert_same_weights
 
 from moeswarm.model import Model, ModelConfig, load_model, load_weights
 from moeswarm.model.gguf import GGUF_ARCH, NAME_MAP, GGUFFile, convert_to_gguf
@@ -39,13 +40,7 @@ def test_convert_and_load_round_trips(llama4_checkpoints, layout: str, tmp_path:
     assert f.meta["llama4.interleave_moe_layer_step"] == 2
     source, exact = load_weights(folder), load_weights(path)
     assert exact.config.arch == source.config.arch
-    assert set(exact.tensors) == set(source.tensors)
-    for name, a in source.tensors.items():
-        assert np.array_equal(np.asarray(exact.tensors[name]), a), name
-    for L, layer in source.experts.items():
-        for e, x in layer.items():
-            for part in ("gate", "up", "down"):
-                assert np.array_equal(getattr(exact.experts[L][e], part), getattr(x, part)), (L, e, part)
+    assert_same_weights(source, exact)
     expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
     assert np.abs(run_logits(Model(exact), ref) - expected).max() <= 1e-4
     q8 = tmp_path / "llama4-q8.gguf"

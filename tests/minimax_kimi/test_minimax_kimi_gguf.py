@@ -10,6 +10,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from engine_support import assert_same_weights
 
 from moeswarm.model import Model, load_model, load_weights
 from moeswarm.model._safetensors import open_folder
@@ -39,13 +40,7 @@ def test_convert_and_load_round_trips(family_checkpoints, arch: str, tmp_path: P
     assert f.architecture == GGUF_ARCH[arch] == gguf.MODEL_ARCH_NAMES[LLAMA_CPP[arch]]
     source, exact = load_weights(folder), load_weights(path)
     assert exact.config.arch == arch
-    assert set(exact.tensors) == set(source.tensors)
-    for name, a in source.tensors.items():
-        assert np.array_equal(np.asarray(exact.tensors[name]), a), name
-    for L, layer in source.experts.items():
-        for e, x in layer.items():
-            for part in ("gate", "up", "down"):
-                assert np.array_equal(getattr(exact.experts[L][e], part), getattr(x, part)), (L, e, part)
+    assert_same_weights(source, exact)
     expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
     assert np.abs(run_logits(Model(exact), ref) - expected).max() <= 1e-4
     q8 = run_logits(load_model(_convert(folder, tmp_path / f"{arch}-q8.gguf", "F16", "Q8_0")), ref)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from engine_support import assert_same_weights
 
 from moeswarm.model import Model, load_model, load_weights
 from moeswarm.model.gguf import GGUF_ARCH, NAME_MAP, GGUFFile, convert_to_gguf
@@ -31,13 +32,7 @@ def test_convert_and_load_round_trips(mistral4_checkpoint, tmp_path: Path) -> No
     assert f.meta["mistral4.expert_gating_func"] == gguf.ExpertGatingFuncType.SOFTMAX
     assert (f.meta["mistral4.attention.temperature_scale"], f.meta["mistral4.attention.temperature_length"]) == (0.5, 4)
     source, exact = load_weights(folder), load_weights(path)
-    assert set(exact.tensors) == set(source.tensors)
-    for name, a in source.tensors.items():
-        assert np.array_equal(np.asarray(exact.tensors[name]), a), name
-    for L, layer in source.experts.items():
-        for e, x in layer.items():
-            for part in ("gate", "up", "down"):
-                assert np.array_equal(getattr(exact.experts[L][e], part), getattr(x, part)), (L, e, part)
+    assert_same_weights(source, exact)
     expected = np.concatenate([ref.prefill_logits, ref.decode_logits])
     assert np.abs(run_logits(Model(exact), ref) - expected).max() <= 1e-4
     f.meta = {k: v for k, v in f.meta.items() if not k.startswith("moeswarm.")}  # as from another converter
