@@ -6,11 +6,25 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 import pytest
 
 from moeswarm.net.gossip_view import GossipLimits, RecordView, TokenBuckets, TopicGate
 from moeswarm.protocol import Identity, encode, sign_announcement
+
+
+async def reader_and_writer(stack: contextlib.AsyncExitStack, topic: str, validate: Any) -> tuple[Any, Any]:
+    """Two P2P nodes in ``stack``, the writer bootstrapped on the reader, both on ``topic``: the reader
+    validating with ``validate``, the writer accepting everything."""
+    from moeswarm.net.p2p import P2PConfig, P2PNode
+
+    reader = await stack.enter_async_context(P2PNode(Identity.generate()))
+    writer = await stack.enter_async_context(P2PNode(Identity.generate(), P2PConfig(bootstrap=(reader.multiaddrs[0],))))
+    await reader.subscribe(topic, validate)
+    await writer.subscribe(topic, lambda peer, address, data: True)
+    return reader, writer
+
 
 MODEL = "m/gossip"
 
@@ -150,7 +164,6 @@ def test_yamux_readers_batch_window_updates(patched: bool, monkeypatch: pytest.M
     from libp2p.stream_muxer.yamux import yamux
 
     from moeswarm.net import _libp2p_patches
-    from moeswarm.net.p2p import P2PConfig, P2PNode
 
     _libp2p_patches.install_window_update_batching()
     if not patched:
@@ -171,11 +184,7 @@ def test_yamux_readers_batch_window_updates(patched: bool, monkeypatch: pytest.M
 
     async def scenario() -> None:
         async with contextlib.AsyncExitStack() as stack:
-            reader = await stack.enter_async_context(P2PNode(Identity.generate()))
-            writer = await stack.enter_async_context(
-                P2PNode(Identity.generate(), P2PConfig(bootstrap=(reader.multiaddrs[0],))))
-            await reader.subscribe(topic, lambda peer, address, data: got.append(data) is None)
-            await writer.subscribe(topic, lambda peer, address, data: True)
+            reader, writer = await reader_and_writer(stack, topic, lambda peer, address, data: got.append(data) is None)
 
             async def grafted() -> bool:  # in the writer's mesh: publish reaches the reader
                 return reader.peer_id in {str(p) for p in writer._pubsub.router.mesh.get(topic, ())}
@@ -285,7 +294,6 @@ def test_gossipsub_per_message_work(disabled: str, monkeypatch: pytest.MonkeyPat
     from libp2p.pubsub.pubsub import Pubsub
 
     from moeswarm.net import _libp2p_gossip
-    from moeswarm.net.p2p import P2PConfig, P2PNode
 
     _libp2p_gossip.install_idontwant_threshold()
     _libp2p_gossip.install_signed_record_cache()
@@ -328,11 +336,7 @@ def test_gossipsub_per_message_work(disabled: str, monkeypatch: pytest.MonkeyPat
 
     async def scenario() -> None:
         async with contextlib.AsyncExitStack() as stack:
-            reader = await stack.enter_async_context(P2PNode(Identity.generate()))
-            writer = await stack.enter_async_context(
-                P2PNode(Identity.generate(), P2PConfig(bootstrap=(reader.multiaddrs[0],))))
-            await reader.subscribe(topic, lambda peer, address, data: got.append(data) is None)
-            await writer.subscribe(topic, lambda peer, address, data: True)
+            reader, writer = await reader_and_writer(stack, topic, lambda peer, address, data: got.append(data) is None)
 
             async def meshed() -> bool:  # each in the other's mesh: messages go both ways through it
                 return (reader.peer_id in {str(p) for p in writer._pubsub.router.mesh.get(topic, ())}
@@ -372,7 +376,6 @@ def test_a_refused_message_is_not_fetched_again(patched: bool, monkeypatch: pyte
     from libp2p.pubsub.pubsub import Pubsub
 
     from moeswarm.net import _libp2p_gossip
-    from moeswarm.net.p2p import P2PConfig, P2PNode
 
     monkeypatch.setattr(_libp2p_gossip, "REMEMBER_REFUSED", patched)
     topic, checked, ids, iwants = "/moeswarm/test/refused", [], [], []
@@ -403,12 +406,9 @@ def test_a_refused_message_is_not_fetched_again(patched: bool, monkeypatch: pyte
 
     async def scenario() -> None:
         async with contextlib.AsyncExitStack() as stack:
-            reader = await stack.enter_async_context(P2PNode(Identity.generate()))
+            reader, writer = await reader_and_writer(stack, topic,
+                                                     lambda peer, address, data: checked.append(data) is not None)
             reader_pubsub.append(reader._pubsub)
-            writer = await stack.enter_async_context(
-                P2PNode(Identity.generate(), P2PConfig(bootstrap=(reader.multiaddrs[0],))))
-            await reader.subscribe(topic, lambda peer, address, data: checked.append(data) is not None)
-            await writer.subscribe(topic, lambda peer, address, data: True)
 
             async def meshed() -> bool:
                 return reader.peer_id in {str(p) for p in writer._pubsub.router.mesh.get(topic, ())}
