@@ -15,7 +15,8 @@ they differ only in how they group the work:
 
 Quantized experts (GGUF Q8_0, Q4_K, IQ4_XS...) are not converted to float32: ``F32Cache`` turns
 them into ``KernelExpert``s (repacked once, kept in the same byte-bounded LRU) and ``expert_ffn``
-runs them in one onnxruntime call.
+runs them in one onnxruntime call.  F16/BF16 experts (GGUF or safetensors) are not converted either where
+the F16 kernel is built (``_f16``): their cache entry computes from the stored bytes and counts them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ._ort_session import release_mapped
+from ._f16 import StoredLinear, stored_linear
 from ._pages import release_pages
 from ._qkernels import Activation, KernelExpert, packable
 from ._qmoe import QLayerMoE, fits, kernel_nbytes
@@ -59,14 +61,16 @@ def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 class DecodedOnce:
-    """A fp16/bf16 backbone matrix converted to float32 at its first product and kept (each token would
-    otherwise convert it again).  Row lookups read the stored rows."""
+    """A fp16/bf16 backbone matrix: its products computed from the stored bytes by the F16 kernel (``_f16``) where
+    it is built, else converted to float32 at its first product and kept (each token would otherwise convert it
+    again).  Row lookups read the stored rows."""
 
-    __slots__ = ("stored", "_value")
+    __slots__ = ("stored", "_value", "kernel")
 
     def __init__(self, stored: np.ndarray) -> None:
         self.stored = stored
         self._value: np.ndarray | None = None
+        self.kernel = stored_linear(stored)  # None: the float32 copy computes
 
     shape = property(lambda self: self.stored.shape)
     ndim = property(lambda self: self.stored.ndim)
@@ -82,6 +86,8 @@ class DecodedOnce:
         return self._value
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
+        if self.kernel is not None:
+            return self.kernel.matmul(x)
         return mm(x, self.value())
 
     def astype(self, dtype: object, copy: bool = True) -> np.ndarray:
@@ -217,6 +223,13 @@ class F32Cache:
             kernel = KernelExpert(w)
             self._copies.put(key, kernel)
             return kernel
+        stored = [_stored(a) for a in (w.gate, w.up, w.down)]
+        if all(k is not None for k in stored):  # F16/BF16 as stored: the entry reads (and counts) the mapped bytes
+            as_stored = replace(w, gate=stored[0], up=stored[1], down=stored[2],
+                                **{k: f32(getattr(w, k)) for k in ("gate_bias", "up_bias", "down_bias")
+                                   if getattr(w, k) is not None})
+            self._copies.put(key, as_stored)
+            return as_stored
         converted = replace(w, **{k: f32(getattr(w, k)) for k in ("gate", "up", "down", "gate_bias", "up_bias",
                                                                      "down_bias") if getattr(w, k) is not None})
         if self._copies.put(key, converted):  # kept: RSS counts the copy, not the stored pages too
@@ -227,6 +240,12 @@ class F32Cache:
     def layer(self, layer: int, experts: Mapping[int, ExpertWeights],
               on_access: Callable[[int, int], None] | None = None) -> F32Experts:
         return F32Experts(layer, experts, self, on_access)
+
+
+def _stored(a: object) -> StoredLinear | None:
+    """``a`` (a stored fp16/bf16 matrix, or a GGUF F16/BF16 tensor) computed as stored, or None."""
+    own = getattr(a, "stored_linear", None)
+    return own() if own is not None else stored_linear(a)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
