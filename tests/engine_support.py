@@ -176,7 +176,8 @@ def f16_matrices(model: Model) -> tuple[int, int]:
             as_stored += a.kernel is not None
             copies += a.kernel_nbytes > 0
     cache = getattr(model.experts, "cache", None)  # its entries: float32 copies, kernels, or computed as stored
-    for w in (cache._copies._items.values() if cache is not None else ()):
+    entries = [*cache._copies._items.values(), *cache._as_stored.values()] if cache is not None else []
+    for w in entries:
         for m in (getattr(w, p, None) for p in ("gate", "up", "down")):
             as_stored += isinstance(m, StoredLinear)
             copies += isinstance(m, np.ndarray) and m.dtype == np.float32

@@ -6,13 +6,16 @@
  * Blocks of 4 weight rows x up to 4 (AVX-512) or 2 (AVX2) rows of x keep 16 / 8 independent accumulators.
  *
  * The instruction set is picked at run time (``isa()``): AVX-512F, else AVX2 + FMA + F16C, else none (the caller
- * keeps its float32 path).  ``matmul`` releases the GIL; with ``threads`` > 1 it splits the rows over that many
- * threads (started per call: fork-safe, no pool to keep).  Built by ``pip install`` (setup.py) as
+ * keeps its float32 path).  ``matmul`` releases the GIL; with ``threads`` > 1, helper threads started for the call
+ * (fork-safe, no pool to keep) take blocks of rows beside the caller, which never waits for them to start.  Built by ``pip install`` (setup.py) as
  * ``moeswarm.model._f16c``; ``moeswarm/model/_f16.py`` is its Python side. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -118,7 +121,52 @@ static void run(const job *j) {
         f(j->x, j->w, j->y, j->n, j->ldy, m0, j->r0, j->r1);
     }
 }
-static void *run_thread(void *arg) { run((const job *)arg); return NULL; }
+
+/* A product shared by the calling thread and helpers: blocks of rows handed out by an atomic counter, so the caller
+ * never waits for a helper to be scheduled (on a busy machine it computes every block itself); it waits only for
+ * blocks a helper has taken.  Heap-allocated and reference-counted: a helper that starts late finds no block left
+ * and frees its reference. */
+#define BLOCK_ROWS 32
+typedef struct {
+    job j;
+    Py_ssize_t blocks;
+    atomic_long next, done;
+    atomic_int refs;
+} shared;
+
+static void take_blocks(shared *s) {
+    for (;;) {
+        long b = atomic_fetch_add(&s->next, 1);
+        if (b >= s->blocks) return;
+        job part = s->j;
+        part.r0 = s->j.r0 + b * BLOCK_ROWS;
+        part.r1 = part.r0 + BLOCK_ROWS < s->j.r1 ? part.r0 + BLOCK_ROWS : s->j.r1;
+        run(&part);
+        atomic_fetch_add(&s->done, 1);
+    }
+}
+static void release(shared *s) { if (atomic_fetch_sub(&s->refs, 1) == 1) free(s); }
+static void *helper(void *arg) { take_blocks((shared *)arg); release((shared *)arg); return NULL; }
+
+static void run_shared(const job *j, int threads) {
+    shared *s = malloc(sizeof(shared));
+    if (s == NULL) { run(j); return; }
+    s->j = *j;
+    s->blocks = (j->r1 - j->r0 + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    atomic_init(&s->next, 0); atomic_init(&s->done, 0); atomic_init(&s->refs, 1);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    for (int t = 1; t < threads; t++) {
+        pthread_t tid;
+        atomic_fetch_add(&s->refs, 1);
+        if (pthread_create(&tid, &attr, helper, s) != 0) atomic_fetch_sub(&s->refs, 1); /* none to be had */
+    }
+    pthread_attr_destroy(&attr);
+    take_blocks(s);
+    while (atomic_load(&s->done) < s->blocks) sched_yield(); /* a helper finishing the block it took */
+    release(s);
+}
 
 #define MAX_THREADS 64
 
@@ -132,23 +180,11 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     } else if (isa < ISA_AVX2 || isa > (isa_ < 0 ? (isa_ = detect()) : isa_)) {
         PyErr_SetString(PyExc_ValueError, "this CPU does not run that instruction set"); result = NULL;
     } else {
-        job jobs[MAX_THREADS]; pthread_t tids[MAX_THREADS]; int started[MAX_THREADS] = {0};
-        if (threads < 1) threads = 1;
+        job j = {(const float *)bx.buf, (const uint16_t *)bw.buf, (float *)by.buf, m, n, out, 0, out, bf16, isa};
         if (threads > MAX_THREADS) threads = MAX_THREADS;
-        Py_ssize_t per = ((out + threads - 1) / threads + R - 1) / R * R; /* whole blocks of R rows a thread */
         Py_BEGIN_ALLOW_THREADS
-        for (int t = 0; t < threads; t++) {
-            Py_ssize_t a = t * per, b = a + per < out ? a + per : out;
-            jobs[t] = (job){(const float *)bx.buf, (const uint16_t *)bw.buf, (float *)by.buf, m, n, out,
-                            a < out ? a : out, b, bf16, isa};
-            if (t > 0 && jobs[t].r0 < jobs[t].r1)
-                started[t] = pthread_create(&tids[t], NULL, run_thread, &jobs[t]) == 0;
-        }
-        run(&jobs[0]);
-        for (int t = 1; t < threads; t++) {
-            if (started[t]) pthread_join(tids[t], NULL);
-            else if (jobs[t].r0 < jobs[t].r1) run(&jobs[t]); /* no thread to be had: this one does it */
-        }
+        if (threads > 1 && out > BLOCK_ROWS) run_shared(&j, threads);
+        else run(&j);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&bx); PyBuffer_Release(&bw); PyBuffer_Release(&by);

@@ -173,10 +173,14 @@ class ExpertLRU:
 
 class F32Cache:
     """LRU of float32 copies of experts (or, for quantized ones, their repacked kernels), bounded in
-    bytes (0 disables it)."""
+    bytes (0 disables it).  F16/BF16 experts are computed from their stored bytes where the F16 kernel is built:
+    nothing is copied, so nothing enters the LRU."""
 
     def __init__(self, max_bytes: int = 512 << 20) -> None:
         self._copies = ExpertLRU(max_bytes)
+        # F16/BF16 experts computed as stored (``_f16``), by key: views of the mapped weights, holding no bytes of
+        # their own (the stored pages are the weights' and the memory budget's to count), so outside the LRU
+        self._as_stored: dict[tuple[int, int], ExpertWeights] = {}
         self._layer_kernels: set[tuple[int, int]] = set()  # keys of the layer kernels built so far
         self.layer_kernels_fit = True  # False once one was evicted: per-expert kernels from then on (no thrash)
 
@@ -223,12 +227,15 @@ class F32Cache:
             kernel = KernelExpert(w)
             self._copies.put(key, kernel)
             return kernel
+        as_stored = self._as_stored.get(key)
+        if as_stored is not None:
+            return as_stored
         stored = [_stored(a) for a in (w.gate, w.up, w.down)]
-        if all(k is not None for k in stored):  # F16/BF16 as stored: the entry reads (and counts) the mapped bytes
+        if all(k is not None for k in stored):  # F16/BF16 computed from the mapped bytes: nothing built to count
             as_stored = replace(w, gate=stored[0], up=stored[1], down=stored[2],
                                 **{k: f32(getattr(w, k)) for k in ("gate_bias", "up_bias", "down_bias")
                                    if getattr(w, k) is not None})
-            self._copies.put(key, as_stored)
+            self._as_stored[key] = as_stored
             return as_stored
         converted = replace(w, **{k: f32(getattr(w, k)) for k in ("gate", "up", "down", "gate_bias", "up_bias",
                                                                      "down_bias") if getattr(w, k) is not None})

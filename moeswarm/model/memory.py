@@ -105,7 +105,8 @@ def footprint(model) -> str:  # type: ignore[no-untyped-def]
     """What RSS should be made of: the weights' stored bytes, and the copies built from them (quantized
     kernels, as ``_qkernels.kernel_nbytes`` counts them, and float32 conversions of the backbone; the
     expert cache of kernels / float32 experts).  A stored tensor's mapped pages leave RSS once its kernel
-    holds its values, so a quantized model decodes in about its kernels' bytes (~1.3x a Q8_0 file).
+    holds its values, so a quantized model decodes in about its kernels' bytes (~1.3x a Q8_0 file); F16/BF16
+    matrices computed as stored (``_f16``) build nothing: an F16 file decodes in its stored bytes.
     ``generate --stats`` prints it beside VmRSS."""
     w = model.weights
     seen: set[int] = set()
