@@ -162,13 +162,15 @@ def assert_same_weights(source: Weights, exact: Weights) -> None:
 
 def f16_matrices(model: Model) -> tuple[int, int]:
     """After a run: (F16/BF16 matrices computed from their stored bytes by ``_f16.StoredLinear``, float32 copies
-    held of 2-byte matrices), over the backbone and the expert cache's entries."""
+    held of 2-byte matrices), over the backbone (but its routers) and the expert cache's entries."""
     from moeswarm.model._f16 import StoredLinear
     from moeswarm.model.experts import DecodedOnce
     from moeswarm.model.gguf import QuantizedTensor
 
     as_stored = copies = 0
-    for a in {id(a): a for a in model.weights.tensors.values()}.values():
+    # not the routers: routing.router_logits multiplies by a float32 copy of the (experts x hidden) matrix, a few KiB
+    backbone = {id(a): a for n, a in model.weights.tensors.items() if not n.endswith((".router", ".shared_gate"))}
+    for a in backbone.values():
         if isinstance(a, QuantizedTensor) and a.qtype.name in ("F16", "BF16"):
             as_stored += isinstance(a._kernel, StoredLinear)
             copies += isinstance(a._kernel, np.ndarray)
