@@ -23,7 +23,8 @@ import numpy as np
 from ._ort_session import threads
 
 try:
-    from ._f16c import isa as _isa, matmul as kernel_matmul  # type: ignore[import-not-found]
+    from ._f16c import isa as _isa  # type: ignore[import-not-found]
+    from ._f16c import matmul as kernel_matmul
 except ImportError:  # not compiled (no C compiler at install): float32 copies, as before
     _isa = kernel_matmul = None
 
@@ -48,7 +49,7 @@ class StoredLinear:
 
     ``nbytes`` is the stored bytes: all this holds (a view), and what a product reads."""
 
-    __slots__ = ("w", "bf16", "rows", "isa")
+    __slots__ = ("bf16", "isa", "rows", "w")
 
     def __init__(self, w: np.ndarray, bf16: bool, rows: np.ndarray | None = None, isa: int | None = None) -> None:
         if w.ndim != 2 or w.itemsize != 2 or not w.flags.c_contiguous:

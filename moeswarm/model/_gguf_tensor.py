@@ -28,7 +28,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from ._f16 import StoredLinear, available as f16_kernel_available
+from ._f16 import StoredLinear
+from ._f16 import available as f16_kernel_available
 from ._pages import release_pages
 from ._qkernels import REPACKERS, Packed, QLinear, repack
 

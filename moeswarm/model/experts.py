@@ -28,8 +28,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import ConfigError
-from ._ort_session import release_mapped
 from ._f16 import StoredLinear, stored_linear
+from ._ort_session import release_mapped
 from ._pages import release_pages
 from ._qkernels import Activation, KernelExpert, packable
 from ._qmoe import QLayerMoE, fits, kernel_nbytes
