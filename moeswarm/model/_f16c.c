@@ -3,7 +3,8 @@
  * Each 16 (AVX-512) or 8 (AVX2) weights are converted to float32 in a register (F16C's vcvtph2ps; bfloat16 is the
  * top half of a float32, a shift) and multiplied there: no float32 copy of the matrix exists, and a product streams
  * the stored 2 bytes per weight.  Sums are float32 (fused multiply-add), as numpy's sgemv on a float32 copy.
- * Blocks of 4 weight rows x up to 4 (AVX-512) or 2 (AVX2) rows of x keep 16 / 8 independent accumulators.
+ * Blocks of 4 weight rows x up to 4 (AVX-512) or 2 (AVX2) rows of x keep 16 / 8 independent accumulators; each
+ * weight row is prefetched 1 KiB ahead (measured 5-10% faster single-threaded on 16 cycled 2816 x 1024 matrices).
  *
  * The instruction set is picked at run time (``isa()``): AVX-512F, else AVX2 + FMA + F16C, else none (the caller
  * keeps its float32 path).  ``matmul`` releases the GIL; with ``threads`` > 1, helper threads started for the call
@@ -66,6 +67,7 @@ TARGET static void NAME(const float *x, const uint16_t *w, float *y, Py_ssize_t 
             VEC xv[MB]; \
             for (int j = 0; j < MB; j++) xv[j] = LOADX(x + (m0 + j) * n + k); \
             for (int i = 0; i < R; i++) { \
+                _mm_prefetch((const char *)(w + (r + i) * n + k) + 1024, _MM_HINT_T0); /* a hint: never faults */ \
                 VEC wv = LOAD(w + (r + i) * n + k, bf16); \
                 for (int j = 0; j < MB; j++) acc[i][j] = FMA(wv, xv[j], acc[i][j]); \
             } \
