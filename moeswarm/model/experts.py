@@ -16,7 +16,8 @@ they differ only in how they group the work:
 Quantized experts (GGUF Q8_0, Q4_K, IQ4_XS...) are not converted to float32: ``F32Cache`` turns
 them into ``KernelExpert``s (repacked once, kept in the same byte-bounded LRU) and ``expert_ffn``
 runs them in one onnxruntime call.  F16/BF16 experts (GGUF or safetensors) are not converted either where
-the F16 kernel is built (``_f16``): their cache entry computes from the stored bytes and counts them.
+the F16 kernel is built (``_f16``): their entry computes from the stored bytes, builds nothing, and is held
+outside the byte-bounded LRU.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import numpy as np
 from ._attn_deltanet import DeltaNetState, deltanet, gated_attention
 from ._attn_dsa import DsaLayerCache, dsa_attention
 from ._attn_lightning import lightning, new_layer_cache
-from ._f16 import available as f16_available
 from .attention import KVCache, LayerCache, Rope, gqa, mla, rms_norm
 from .config import ModelConfig
 from .experts import DecodedOnce, F32Cache, dense_ffn, f32, get_backend, mm, oai_dense_ffn, sigmoid
@@ -151,8 +150,7 @@ def _prepare_backbone(weights: Weights) -> None:
 
 def _cache_size(experts: Mapping[int, Mapping[int, ExpertWeights]]) -> int:
     """Default expert cache: 512 MiB, or all float32 copies of fp16/bf16 experts if up to DECODE_AT_LOAD_MAX."""
-    need = sum(sum(a.nbytes if f16_available() else a.size * 4 for a in w.arrays())  # as stored, or float32 copies
-               for layer in experts.values() for w in layer.values()
+    need = sum(sum(a.size * 4 for a in w.arrays()) for layer in experts.values() for w in layer.values()
                if w.gate.dtype != np.float32 and not hasattr(w.gate, "kernel_format"))
     return max(512 << 20, need) if need <= DECODE_AT_LOAD_MAX else 512 << 20
 
