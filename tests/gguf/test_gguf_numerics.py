@@ -143,6 +143,8 @@ def test_f16_matches_safetensors_within_fp16_rounding(oracle_checkpoints, gguf_c
     bound = F16_TOL_FACTOR * FP16_EPS * np.abs(expected).max()
     print(f"{arch} F16: max |logit diff| vs transformers fp32 {diff:.2e} (bound {bound:.2e})")
     assert 0 < diff <= bound  # > 0: the weights really are fp16
+    as_stored, copies = f16_matrices(model)  # computed from the F16 bytes (``_f16``), llama.cpp's q/k row order too
+    assert copies == 0 and as_stored > 3, (as_stored, copies)
     tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
     assert tokens == ref.greedy_tokens
 
