@@ -24,7 +24,7 @@ from ._ort_session import threads
 
 try:
     from ._f16c import isa as _isa  # type: ignore[import-not-found]
-    from ._f16c import matmul as kernel_matmul
+    from ._f16c import matmul as kernel_matmul  # type: ignore[import-not-found]
 except ImportError:  # not compiled (no C compiler at install): float32 copies, as before
     _isa = kernel_matmul = None
 
