@@ -7,9 +7,8 @@
  * weight row is prefetched 1 KiB ahead (measured 5-10% faster single-threaded on 16 cycled 2816 x 1024 matrices).
  *
  * The instruction set is picked at run time (``isa()``): AVX-512F, else AVX2 + FMA + F16C, else none (the caller
- * keeps its float32 path).  ``matmul`` releases the GIL; with ``threads`` > 1, helper threads (started once, asleep
- * between products, restarted after a fork) take blocks of rows beside the caller, which never waits for one to
- * be scheduled.  Built by ``pip install`` (setup.py) as
+ * keeps its float32 path).  ``matmul`` releases the GIL; with ``threads`` > 1, helper threads started for the call
+ * (fork-safe, no pool to keep) take blocks of rows beside the caller, which never waits for them to start.  Built by ``pip install`` (setup.py) as
  * ``moeswarm.model._f16c``; ``moeswarm/model/_f16.py`` is its Python side. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -127,8 +126,8 @@ static void run(const job *j) {
 
 /* A product shared by the calling thread and helpers: blocks of rows handed out by an atomic counter, so the caller
  * never waits for a helper to be scheduled (on a busy machine it computes every block itself); it waits only for
- * blocks a helper has taken.  Heap-allocated and reference-counted: a helper that joins late finds no block left
- * and drops its reference. */
+ * blocks a helper has taken.  Heap-allocated and reference-counted: a helper that starts late finds no block left
+ * and frees its reference. */
 #define BLOCK_ROWS 32
 typedef struct {
     job j;
@@ -149,39 +148,7 @@ static void take_blocks(shared *s) {
     }
 }
 static void release(shared *s) { if (atomic_fetch_sub(&s->refs, 1) == 1) free(s); }
-
-/* Helper threads: started at first need and kept, asleep on a condition variable between products (they never spin).
- * The product on offer is one pointer; a helper takes a reference to it under the lock, and the caller withdraws it
- * once it runs out of blocks, so a helper that wakes late finds nothing or only finished work. */
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
-static shared *offered = NULL; /* the product helpers may join, or NULL */
-static unsigned long offers = 0; /* products offered so far: a helper joins each at most once */
-static int helpers = 0; /* helper threads running in this process */
-
-static void *helper(void *unused) {
-    (void)unused;
-    unsigned long seen = 0;
-    pthread_mutex_lock(&pool_lock);
-    for (;;) {
-        while (offered == NULL || offers == seen) pthread_cond_wait(&pool_wake, &pool_lock);
-        seen = offers;
-        shared *s = offered;
-        atomic_fetch_add(&s->refs, 1);
-        pthread_mutex_unlock(&pool_lock);
-        take_blocks(s);
-        release(s);
-        pthread_mutex_lock(&pool_lock);
-    }
-    return NULL;
-}
-
-/* In a forked child only the forking thread exists: no helpers, and the lock may have been held by one. */
-static void after_fork_in_child(void) {
-    pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-    pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-    pool_lock = lock; pool_wake = wake; offered = NULL; helpers = 0;
-}
+static void *helper(void *arg) { take_blocks((shared *)arg); release((shared *)arg); return NULL; }
 
 static void run_shared(const job *j, int threads) {
     shared *s = malloc(sizeof(shared));
@@ -189,23 +156,16 @@ static void run_shared(const job *j, int threads) {
     s->j = *j;
     s->blocks = (j->r1 - j->r0 + BLOCK_ROWS - 1) / BLOCK_ROWS;
     atomic_init(&s->next, 0); atomic_init(&s->done, 0); atomic_init(&s->refs, 1);
-    pthread_mutex_lock(&pool_lock);
-    while (helpers < threads - 1) {
-        pthread_t tid; pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int failed = pthread_create(&tid, &attr, helper, NULL);
-        pthread_attr_destroy(&attr);
-        if (failed) break; /* none to be had: fewer helpers */
-        helpers++;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    for (int t = 1; t < threads; t++) {
+        pthread_t tid;
+        atomic_fetch_add(&s->refs, 1);
+        if (pthread_create(&tid, &attr, helper, s) != 0) atomic_fetch_sub(&s->refs, 1); /* none to be had */
     }
-    offered = s; offers++;
-    for (int t = 1; t < threads; t++) pthread_cond_signal(&pool_wake);
-    pthread_mutex_unlock(&pool_lock);
+    pthread_attr_destroy(&attr);
     take_blocks(s);
-    pthread_mutex_lock(&pool_lock);
-    if (offered == s) offered = NULL;
-    pthread_mutex_unlock(&pool_lock);
     while (atomic_load(&s->done) < s->blocks) sched_yield(); /* a helper finishing the block it took */
     release(s);
 }
@@ -245,7 +205,4 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_f16c", "F16 / BF16 matrix products from the stored bytes",
                                     -1, methods};
-PyMODINIT_FUNC PyInit__f16c(void) {
-    pthread_atfork(NULL, NULL, after_fork_in_child);
-    return PyModule_Create(&module);
-}
+PyMODINIT_FUNC PyInit__f16c(void) { return PyModule_Create(&module); }
