@@ -158,3 +158,29 @@ def assert_same_weights(source: Weights, exact: Weights) -> None:
             for part in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"):
                 if getattr(x, part) is not None:
                     assert np.array_equal(getattr(exact.experts[L][e], part), getattr(x, part)), (L, e, part)
+
+
+def f16_matrices(model: Model) -> tuple[int, int]:
+    """After a run: (F16/BF16 matrices computed from their stored bytes by ``_f16.StoredLinear``, float32 copies
+    held of 2-byte matrices), over the backbone (but its routers) and the expert cache's entries."""
+    from moeswarm.model._f16 import StoredLinear
+    from moeswarm.model.experts import DecodedOnce
+    from moeswarm.model.gguf import QuantizedTensor
+
+    as_stored = copies = 0
+    # not the routers: routing.router_logits multiplies by a float32 copy of the (experts x hidden) matrix, a few KiB
+    backbone = {id(a): a for n, a in model.weights.tensors.items() if not n.endswith((".router", ".shared_gate"))}
+    for a in backbone.values():
+        if isinstance(a, QuantizedTensor) and a.qtype.name in ("F16", "BF16"):
+            as_stored += isinstance(a._kernel, StoredLinear)
+            copies += isinstance(a._kernel, np.ndarray)
+        elif isinstance(a, DecodedOnce):
+            as_stored += a.kernel is not None
+            copies += a.kernel_nbytes > 0
+    cache = getattr(model.experts, "cache", None)  # its entries: float32 copies, kernels, or computed as stored
+    entries = [*cache._copies._items.values(), *cache._as_stored.values()] if cache is not None else []
+    for w in entries:
+        for m in (getattr(w, p, None) for p in ("gate", "up", "down")):
+            as_stored += isinstance(m, StoredLinear)
+            copies += isinstance(m, np.ndarray) and m.dtype == np.float32
+    return as_stored, copies

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import torch
+from engine_support import f16_matrices
 from transformers import AutoModelForCausalLM
 
 from moeswarm.demo import CHECKPOINT, DEFAULT_PROMPT
@@ -26,6 +27,8 @@ def test_demo_checkpoint_matches_transformers() -> None:
     assert ours == out[0, len(ids) :].tolist()
     mine = model.forward(np.asarray([ids + ours]), model.new_cache())[0]
     assert np.abs(mine - logits).max() <= 1e-3  # fp16 weights, fp32 math on both sides
+    as_stored, copies = f16_matrices(model)  # computed from the fp16 bytes (``_f16``), no float32 copy kept
+    assert copies == 0 and as_stored > 3, (as_stored, copies)
 
 
 def test_cli_generates_readable_text_from_the_demo() -> None:

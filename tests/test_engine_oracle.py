@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_support import f16_matrices
 
 from moeswarm.model import ARCHITECTURES, BACKENDS, SamplingParams, generate, get_backend, load_model
 from moeswarm.model.routing import route
@@ -103,5 +104,7 @@ def test_a_bf16_checkpoint_matches_transformers_on_the_same_file(oracle_checkpoi
     assert np.abs(prefill - ref.prefill_logits).max() <= TOL
     assert np.abs(decode - ref.decode_logits).max() <= TOL
     assert np.abs(prefill - ref32.prefill_logits).max() > TOL  # the rounding is real: bf16 is not fp32
+    as_stored, copies = f16_matrices(model)  # computed from the bf16 bytes (``_f16``), no float32 copy kept
+    assert copies == 0 and as_stored > 3, (as_stored, copies)
     tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
     assert tokens == ref.greedy_tokens

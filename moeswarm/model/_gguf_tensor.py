@@ -14,8 +14,10 @@ It also carries llama.cpp's rotary row permutation of ``attn_q`` / ``attn_k`` (`
 after dequantising; that is why an F16/F32 tensor can be a ``QuantizedTensor`` too.
 
 Computing: ``matmul(x)`` (what ``experts.mm`` calls) runs the repacked kernel of ``_qkernels`` for the
-types it has (``kernel_format``), built once on first use; other types (F16/F32 with a row order,
-K-quants without a kernel) are decoded to float32 once and kept.  ``packed()`` is the repacked form.
+types it has (``kernel_format``), built once on first use; F16/BF16 matrices are computed from their stored bytes by
+``_f16.StoredLinear`` (no copy; the row order is applied to the output); other types (F32 with a row order, K-quants
+without a kernel, F16 where the F16 kernel is not built or a column order applies) are decoded to float32 once and
+kept.  ``packed()`` is the repacked form.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from ._f16 import StoredLinear
+from ._f16 import available as f16_kernel_available
 from ._pages import release_pages
 from ._qkernels import REPACKERS, Packed, QLinear, repack
 
@@ -69,10 +73,21 @@ class QuantizedTensor:
         self._kernel_file, self._key = kernel_file, key
 
     def prepare(self) -> None:
-        """Build what ``matmul`` computes with (the repacked kernel, else a float32 copy), once."""
+        """Build what ``matmul`` computes with (the repacked kernel, the F16 kernel over the stored bytes, else a
+        float32 copy), once."""
         if self._kernel is None:
+            self._kernel = self.stored_linear()
+            if self._kernel is not None:
+                return  # it reads the mapped bytes: they stay
             self._kernel = QLinear(self.packed()) if self.kernel_format else self.astype(np.float32)
             self.release_pages()
+
+    def stored_linear(self) -> StoredLinear | None:
+        """This F16/BF16 matrix computed from its stored bytes (``_f16``), or None (another type, a column order,
+        or no F16 kernel in this process)."""
+        if self.qtype.name not in ("F16", "BF16") or self.ndim != 2 or self.cols is not None or not f16_kernel_available():
+            return None
+        return StoredLinear(self.raw.view(np.uint16).reshape(self.shape), self.qtype.name == "BF16", self.rows)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """``x (M, in) @ self.T -> (M, out)`` float32 (the weight in ``nn.Linear`` orientation)."""
@@ -115,8 +130,8 @@ class QuantizedTensor:
 
     @property
     def kernel_nbytes(self) -> int:
-        """Bytes of the kernel (or float32 copy) built by ``matmul``; 0 before."""
-        return 0 if self._kernel is None else int(self._kernel.nbytes)
+        """Bytes of the kernel (or float32 copy) built by ``matmul``; 0 before, and for the F16 kernel (no copy)."""
+        return 0 if self._kernel is None or isinstance(self._kernel, StoredLinear) else int(self._kernel.nbytes)
 
     def release_pages(self) -> None:
         """Drop this tensor's mapped pages from the process once a kernel holds its values (``_pages``)."""

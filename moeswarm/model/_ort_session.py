@@ -40,6 +40,15 @@ def set_threads(n: int) -> None:
     _THREADS["intra"] = max(0, int(n))
 
 
+def threads() -> int:
+    """The kernels' threads: as set, else one per physical core (onnxruntime's default; the F16 kernel's too)."""
+    if _THREADS["intra"]:
+        return _THREADS["intra"]
+    import psutil
+
+    return int(psutil.cpu_count(logical=False) or 1)
+
+
 def global_pool_active() -> bool:
     """Whether this process's onnxruntime runs on the kernels' global thread pool: once it does,
     every other session in the process (e.g. a bridge's ONNX shards) must use it too."""

@@ -15,7 +15,9 @@ they differ only in how they group the work:
 
 Quantized experts (GGUF Q8_0, Q4_K, IQ4_XS...) are not converted to float32: ``F32Cache`` turns
 them into ``KernelExpert``s (repacked once, kept in the same byte-bounded LRU) and ``expert_ffn``
-runs them in one onnxruntime call.
+runs them in one onnxruntime call.  F16/BF16 experts (GGUF or safetensors) are not converted either where
+the F16 kernel is built (``_f16``): their entry computes from the stored bytes, builds nothing, and is held
+outside the byte-bounded LRU.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import ConfigError
+from ._f16 import StoredLinear, stored_linear
 from ._ort_session import release_mapped
 from ._pages import release_pages
 from ._qkernels import Activation, KernelExpert, packable
@@ -59,14 +62,16 @@ def mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 class DecodedOnce:
-    """A fp16/bf16 backbone matrix converted to float32 at its first product and kept (each token would
-    otherwise convert it again).  Row lookups read the stored rows."""
+    """A fp16/bf16 backbone matrix: its products computed from the stored bytes by the F16 kernel (``_f16``) where
+    it is built, else converted to float32 at its first product and kept (each token would otherwise convert it
+    again).  Row lookups read the stored rows."""
 
-    __slots__ = ("stored", "_value")
+    __slots__ = ("stored", "_value", "kernel")
 
     def __init__(self, stored: np.ndarray) -> None:
         self.stored = stored
         self._value: np.ndarray | None = None
+        self.kernel = stored_linear(stored)  # None: the float32 copy computes
 
     shape = property(lambda self: self.stored.shape)
     ndim = property(lambda self: self.stored.ndim)
@@ -82,6 +87,8 @@ class DecodedOnce:
         return self._value
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
+        if self.kernel is not None:
+            return self.kernel.matmul(x)
         return mm(x, self.value())
 
     def astype(self, dtype: object, copy: bool = True) -> np.ndarray:
@@ -167,10 +174,14 @@ class ExpertLRU:
 
 class F32Cache:
     """LRU of float32 copies of experts (or, for quantized ones, their repacked kernels), bounded in
-    bytes (0 disables it)."""
+    bytes (0 disables it).  F16/BF16 experts are computed from their stored bytes where the F16 kernel is built:
+    nothing is copied, so nothing enters the LRU."""
 
     def __init__(self, max_bytes: int = 512 << 20) -> None:
         self._copies = ExpertLRU(max_bytes)
+        # F16/BF16 experts computed as stored (``_f16``), by key: views of the mapped weights, holding no bytes of
+        # their own (the stored pages are the weights' and the memory budget's to count), so outside the LRU
+        self._as_stored: dict[tuple[int, int], ExpertWeights] = {}
         self._layer_kernels: set[tuple[int, int]] = set()  # keys of the layer kernels built so far
         self.layer_kernels_fit = True  # False once one was evicted: per-expert kernels from then on (no thrash)
 
@@ -217,6 +228,16 @@ class F32Cache:
             kernel = KernelExpert(w)
             self._copies.put(key, kernel)
             return kernel
+        as_stored = self._as_stored.get(key)
+        if as_stored is not None:
+            return as_stored
+        stored = [_stored(a) for a in (w.gate, w.up, w.down)]
+        if all(k is not None for k in stored):  # F16/BF16 computed from the mapped bytes: nothing built to count
+            as_stored = replace(w, gate=stored[0], up=stored[1], down=stored[2],
+                                **{k: f32(getattr(w, k)) for k in ("gate_bias", "up_bias", "down_bias")
+                                   if getattr(w, k) is not None})
+            self._as_stored[key] = as_stored
+            return as_stored
         converted = replace(w, **{k: f32(getattr(w, k)) for k in ("gate", "up", "down", "gate_bias", "up_bias",
                                                                      "down_bias") if getattr(w, k) is not None})
         if self._copies.put(key, converted):  # kept: RSS counts the copy, not the stored pages too
@@ -227,6 +248,12 @@ class F32Cache:
     def layer(self, layer: int, experts: Mapping[int, ExpertWeights],
               on_access: Callable[[int, int], None] | None = None) -> F32Experts:
         return F32Experts(layer, experts, self, on_access)
+
+
+def _stored(a: object) -> StoredLinear | None:
+    """``a`` (a stored fp16/bf16 matrix, or a GGUF F16/BF16 tensor) computed as stored, or None."""
+    own = getattr(a, "stored_linear", None)
+    return own() if own is not None else stored_linear(a)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:

@@ -105,7 +105,8 @@ def footprint(model) -> str:  # type: ignore[no-untyped-def]
     """What RSS should be made of: the weights' stored bytes, and the copies built from them (quantized
     kernels, as ``_qkernels.kernel_nbytes`` counts them, and float32 conversions of the backbone; the
     expert cache of kernels / float32 experts).  A stored tensor's mapped pages leave RSS once its kernel
-    holds its values, so a quantized model decodes in about its kernels' bytes (~1.3x a Q8_0 file).
+    holds its values, so a quantized model decodes in about its kernels' bytes (~1.3x a Q8_0 file); F16/BF16
+    matrices computed as stored (``_f16``) build nothing: an F16 file decodes in its stored bytes.
     ``generate --stats`` prints it beside VmRSS."""
     w = model.weights
     seen: set[int] = set()
@@ -117,10 +118,13 @@ def footprint(model) -> str:  # type: ignore[no-untyped-def]
         stored += int(a.nbytes)
         backbone += int(getattr(a, "kernel_nbytes", 0))
     stored += sum(x.nbytes for layer in w.experts.values() for x in layer.values())
-    cache = getattr(getattr(model.experts, "cache", None), "_copies", None)
+    owner = getattr(model.experts, "cache", None)
+    cache = getattr(owner, "_copies", None)
     experts = cache.bytes if cache is not None else 0
+    as_stored = len(getattr(owner, "_as_stored", ()))
     return (f"weights stored {stored / 2**20:.0f} MiB; built from them: backbone kernels/copies "
-            f"{backbone / 2**20:.0f} MiB, expert cache {experts / 2**20:.0f} MiB ({cache.experts if cache else 0} experts)")
+            f"{backbone / 2**20:.0f} MiB, expert cache {experts / 2**20:.0f} MiB ({cache.experts if cache else 0} experts)"
+            + (f"; {as_stored} F16/BF16 experts computed as stored" if as_stored else ""))
 
 
 @dataclass(frozen=True)

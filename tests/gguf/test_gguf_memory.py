@@ -117,24 +117,63 @@ def test_decoding_a_quantized_gguf_stays_within_its_stored_size_plus_caches(tmp_
     assert big.file - small.file <= 0.05 * stored
 
 
-def _rss_file() -> int:
+def _rss(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssFile:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise KeyError("RssFile")
+    raise KeyError(field)
 
 
-def test_fp16_weights_leave_the_resident_set_once_their_float32_copy_is_kept(tmp_path: Path) -> None:
-    """An F16 file's experts and backbone matrices are computed as float32 copies (no fp16 GEMV here): once a
-    copy is kept, the stored pages go back to the file instead of staying resident beside it."""
+def _rss_file() -> int:
+    return _rss("RssFile")
+
+
+def _fp16_file(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """An expert (gate, up, down) and a backbone matrix, 9 MiB each as fp16, mapped from a file."""
+    rng = np.random.default_rng(0)
+    shape = (3, 1536, 1024)
+    source = rng.standard_normal((2, *shape)).astype(np.float16)
+    (tmp_path / "w.bin").write_bytes(source.tobytes())
+    return source, np.memmap(tmp_path / "w.bin", np.float16, "r", shape=(2, *shape))
+
+
+def test_fp16_weights_are_computed_from_their_mapped_pages(tmp_path: Path) -> None:
+    """With the F16 kernel (``_f16``): an fp16 expert's cache entry and a backbone matrix compute from the mapped
+    fp16 pages: no private (anonymous) memory beyond a product's output, the expert cache and the backbone count no
+    bytes built from them, and the products are the float32 copy's within float32 summation."""
+    from moeswarm.model._f16 import StoredLinear
+    from moeswarm.model.experts import DecodedOnce, F32Cache, mm
+    from moeswarm.model.weights import ExpertWeights
+
+    source, mapped = _fp16_file(tmp_path)
+    stored = mapped[0].nbytes
+    x = np.random.default_rng(1).standard_normal((2, 1024)).astype(np.float32)
+    cache = F32Cache(64 << 20)
+    anon = _rss("RssAnon")
+    kept = cache.get((0, 0), ExpertWeights(mapped[0, 0], mapped[0, 1], mapped[0, 2]))
+    backbone = DecodedOnce(mapped[1].reshape(-1, 1024))
+    outputs = [mm(x, getattr(kept, p)) for p in ("gate", "up")] + [mm(x, backbone)]
+    grown = _rss("RssAnon") - anon
+    print(f"anonymous RSS grew {grown / 2**20:.1f} MiB for {2 * stored / 2**20:.0f} MiB of fp16 weights computed on")
+    assert all(isinstance(getattr(kept, p), StoredLinear) for p in ("gate", "up", "down"))
+    assert cache._copies.bytes == 0 and backbone.kernel_nbytes == 0  # nothing built: the stored pages compute
+    assert grown < 0.1 * stored  # a float32 copy of either would be 2x stored
+    for y, w in zip(outputs, [source[0, 0], source[0, 1], source[1].reshape(-1, 1024)]):
+        w32 = w.astype(np.float32)
+        assert np.abs(y - x @ w32.T).max() <= 1024 * 2.0**-24 * (np.abs(x) @ np.abs(w32).T).max()
+
+
+def test_without_the_f16_kernel_fp16_weights_leave_the_resident_set_once_their_float32_copy_is_kept(
+        tmp_path: Path, monkeypatch) -> None:
+    """Where the F16 kernel is not built (or the CPU lacks F16C), an F16 file's experts and backbone matrices are
+    computed as float32 copies: once a copy is kept, the stored pages go back to the file instead of staying
+    resident beside it."""
+    from moeswarm.model import _f16
     from moeswarm.model.experts import DecodedOnce, F32Cache
     from moeswarm.model.weights import ExpertWeights
 
-    rng = np.random.default_rng(0)
-    shape = (3, 1536, 1024)  # gate, up, down of one expert, 9 MiB as fp16; and a 9 MiB backbone matrix
-    source = rng.standard_normal((2, *shape)).astype(np.float16)
-    (tmp_path / "w.bin").write_bytes(source.tobytes())
-    mapped = np.memmap(tmp_path / "w.bin", np.float16, "r", shape=(2, *shape))
+    monkeypatch.setattr(_f16, "ISA", 0)
+    source, mapped = _fp16_file(tmp_path)
     expected = [source[0, i].astype(np.float32) for i in range(3)] + [source[1].astype(np.float32)]
     stored = mapped[0].nbytes
 
@@ -148,6 +187,7 @@ def test_fp16_weights_leave_the_resident_set_once_their_float32_copy_is_kept(tmp
     assert read - _rss_file() >= 0.9 * stored
 
     backbone = DecodedOnce(mapped[1].reshape(-1, 1024))
+    assert backbone.kernel is None
     float(mapped[1].astype(np.float32).sum())
     read = _rss_file()
     assert np.array_equal(backbone.value(), expected[3].reshape(-1, 1024))

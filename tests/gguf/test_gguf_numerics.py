@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from engine_support import assert_same_weights
+from engine_support import assert_same_weights, f16_matrices
 from gguf_reference import LOGIT_TOL, dequantised
 
 from moeswarm.model import (
@@ -17,6 +17,7 @@ from moeswarm.model import (
     load_model,
     load_weights,
 )
+from moeswarm.model._f16 import StoredLinear
 from moeswarm.model._qkernels import packable
 from moeswarm.model.gguf import GGUF_ARCH, QuantizedTensor
 from moeswarm.model.transformer import Model
@@ -142,6 +143,8 @@ def test_f16_matches_safetensors_within_fp16_rounding(oracle_checkpoints, gguf_c
     bound = F16_TOL_FACTOR * FP16_EPS * np.abs(expected).max()
     print(f"{arch} F16: max |logit diff| vs transformers fp32 {diff:.2e} (bound {bound:.2e})")
     assert 0 < diff <= bound  # > 0: the weights really are fp16
+    as_stored, copies = f16_matrices(model)  # computed from the F16 bytes (``_f16``), llama.cpp's q/k row order too
+    assert copies == 0 and as_stored > 3, (as_stored, copies)
     tokens = list(generate(model, ref.prompt_ids, SamplingParams(max_new_tokens=len(ref.greedy_tokens))))
     assert tokens == ref.greedy_tokens
 
@@ -249,7 +252,8 @@ def test_every_writable_type_loads_and_runs(oracle_checkpoints, gguf_checkpoints
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["blk.1.ffn_up_exps.weight"] == types["blk.1.attn_v.weight"] == weight_type
     assert types["blk.1.ffn_gate_inp.weight"] == types["blk.1.attn_norm.weight"] == "F32"
-    logits = run_logits(load_model(path), ref)
+    model = load_model(path)
+    logits = run_logits(model, ref)
     diff = assert_within_precision(logits, ref, weight_type, f"qwen3_moe all-{weight_type} ({path.stat().st_size} bytes)")
     assert (diff > 1e-4) == (weight_type != "F32")  # every matrix really is stored as weight_type
     if weight_type.startswith("Q"):  # the bound above is loose at 4-5 bits (1.06 x max|logit| for Q4_0)
@@ -258,3 +262,27 @@ def test_every_writable_type_loads_and_runs(oracle_checkpoints, gguf_checkpoints
     if weight_type in ("F16", "BF16"):  # and nothing but that rounding: the file decoded by gguf-py, in float32
         # (block-quantized files against their decoding: test_gguf_kernels.py, through the int8 kernels)
         assert np.abs(logits - run_logits(dequantised(load_weights(path)), ref)).max() <= FP32_NOISE
+        # ... computed from the stored 2-byte weights (``_f16``): every matrix that ran, no float32 copy kept
+        as_stored, copies = f16_matrices(model)
+        print(f"{weight_type}: {as_stored} matrices computed as stored, {copies} float32 copies")
+        assert copies == 0 and as_stored > 3  # the backbone's and at least one expert's three
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="negative control: the F16 kernel fed each matrix's stored rows shifted by one")
+def test_f16_kernel_fed_the_wrong_bytes_is_caught(oracle_checkpoints, gguf_checkpoints, monkeypatch) -> None:
+    """The check above with the kernel reading the wrong bytes (row i computed from stored row i - 1): the
+    logits leave the F16 bound against transformers."""
+    right = StoredLinear.__init__
+
+    def shifted(self: StoredLinear, w: np.ndarray, bf16: bool, rows: np.ndarray | None = None,
+                isa: int | None = None) -> None:
+        right(self, np.roll(w, 1, axis=0), bf16, rows, isa)
+
+    monkeypatch.setattr(StoredLinear, "__init__", shifted)
+    _, ref = oracle_checkpoints.get("qwen3_moe", "per_expert")
+    model = load_model(gguf_checkpoints.get("qwen3_moe", "F16"))
+    logits = run_logits(model, ref)
+    if f16_matrices(model)[0] < 4:  # not an AssertionError: the xfail must come from the bound alone
+        raise RuntimeError("the shifted kernel did not run")
+    assert_within_precision(logits, ref, "F16", "qwen3_moe all-F16, kernel fed shifted rows")
