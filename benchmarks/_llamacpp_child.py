@@ -11,7 +11,8 @@ everything a person waits for.  COLD_IDS and PROMPT_IDS are comma-separated toke
    engine's package imported, ``load_s`` to the model loaded.
 2. steady: a fresh context/KV cache, prefill PROMPT_IDS (timed), DECODE greedy tokens (timed).  The cold
    run has already touched the weights, compiled graphs and filled caches.
-3. peak RSS: ``ru_maxrss`` and /proc/self/status ``VmHWM`` of this process.
+3. peak RSS: /proc/self/status ``VmHWM`` of this process (and ``ru_maxrss``, which Linux carries over from the
+   parent across fork + exec: not this process's own peak).
 4. with PROFILE_STEPS > 0, that many more decode steps profiled: llama.cpp's own perf context
    (``llama_perf_context``: load, prompt and eval ms), moeswarm's under cProfile (functions by own time).
 """

@@ -21,7 +21,8 @@ moeswarm, same file, prompt ids and threads, greedy; medians over ``--rounds``. 
   interpreter, imports, load and the first tokens, everything a person waits for (the file is in the page
   cache: both engines read it through the same mmap'd pages);
 * steady: in the same process afterwards, prefill of ``--prefill`` ids and ``--decode`` greedy tokens;
-* peak RSS of the process (``ru_maxrss``);
+* peak RSS of the process (``VmHWM``: ``ru_maxrss`` carries the parent's peak across fork + exec, so after the
+  parent built a model every run read 1,405 MiB);
 * in the first round, ``--profile-steps`` more decode steps profiled: llama.cpp's perf context, moeswarm
   under cProfile (functions by own time, ms per token).
 Then interop the other way (4-layer model): ``moeswarm convert-gguf`` writes F32/F16/Q8_0 files and llama.cpp
@@ -165,7 +166,7 @@ def compare(name: str, path: Path, cold: list[int], prompt: list[int]) -> dict: 
                 print(f"  round {r + 1} {engine}: cold {result['cold_s']:.2f} s (imports {result['imported_s']:.2f} s, "
                       f"imports + load {result['load_s']:.2f} s), "
                       f"decode {result['decode_tok_s']:.2f} tok/s, prefill {result['prefill_tok_s']:.1f} tok/s, "
-                      f"peak RSS {result['maxrss_mib']:.0f} MiB", flush=True)
+                      f"peak RSS {result['vmhwm_mib']:.0f} MiB", flush=True)
                 print(f"  run {json.dumps(result)}", flush=True)  # everything, should a later run not finish
     return {"file": name, "MiB": path.stat().st_size / 2**20, "runs": runs}
 
@@ -181,7 +182,7 @@ def row(r: dict) -> str:  # type: ignore[type-arg]
     c = {e: 32 / med(v, "cold_s") for e, v in r["runs"].items()}
     d = {e: med(v, "decode_tok_s") for e, v in r["runs"].items()}
     p = {e: med(v, "prefill_tok_s") for e, v in r["runs"].items()}
-    m = {e: med(v, "maxrss_mib") for e, v in r["runs"].items()}
+    m = {e: med(v, "vmhwm_mib") for e, v in r["runs"].items()}
     a, b = lr[-1]["tokens"], our[-1]["tokens"]
     same = sum(x == y for x, y in zip(a, b))
     prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
