@@ -31,13 +31,14 @@ int8 per block of ``block`` values, as llama.cpp quantizes them to Q8 for its do
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import CheckpointError
-from ._ort_session import SESSION_NBYTES, Lazy, Session, global_pool_active, placeholder, set_threads
+from ._ort_session import (SESSION_NBYTES, Lazy, Session, global_pool_active, placeholder, release_mapped,
+                           set_threads)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,30 @@ def kernel_nbytes(n: int, k: int, bits: int, block: int, bias: bool) -> int:
     (``_ort_session``), so this is all a kernel costs besides its session's ``SESSION_NBYTES``."""
     blocks = n * (k // block)
     return n * k * bits // 8 + 3 * 4 * blocks + (4 * (k // block) * -(-n // 16) * 16 if bias else 0)
+
+
+def same_layout(ps: Sequence[Packed]) -> bool:
+    """Whether these matrices can be one MatMulNBits over their rows stacked: the same inputs, code width,
+    block and bias form (a per-block minimum or none)."""
+    return len({(p.k, p.bits, p.block, p.bias is None) for p in ps}) == 1
+
+
+def _stacked(parts: Sequence[np.ndarray], axis: int) -> Lazy:
+    """``np.concatenate(parts, axis)`` written straight into the session's buffer (``_ort_session.Lazy``); a
+    part that is a kernel-file view leaves this process's memory once copied."""
+    shape = list(parts[0].shape)
+    shape[axis] = sum(a.shape[axis] for a in parts)
+
+    def fill(out: np.ndarray) -> None:
+        at = 0
+        for a in parts:
+            index = [slice(None)] * out.ndim
+            index[axis] = slice(at, at + a.shape[axis])
+            out[tuple(index)] = a
+            at += a.shape[axis]
+            release_mapped(a)
+
+    return Lazy(tuple(shape), parts[0].dtype, fill)
 
 
 def pack(u: np.ndarray, scales: np.ndarray, bias: np.ndarray | None, bits: int, block: int) -> Packed:
@@ -300,15 +325,44 @@ class _Graph:
         self.nodes.append(helper.make_node(kind, inputs, [out], domain=domain, **attrs))
         return out
 
-    def linear(self, x: str, p: Packed) -> str:
-        """``x (M, K) @ W.T``: MatMulNBits, plus ``blocksum(x) @ bias.T`` when ``p`` has a bias."""
-        y = self.op("MatMulNBits", [x, self.weight(p.data, "b"), self.weight(p.scales.reshape(-1), "s")],
-                    domain="com.microsoft", K=p.k, N=p.n, bits=p.bits, block_size=p.block, accuracy_level=4)
-        if p.bias is None:
+    def linear(self, x: str, p: Packed | Sequence[Packed]) -> str:
+        """``x (M, K) @ W.T``: MatMulNBits, plus ``blocksum(x) @ bias.T`` when ``p`` has a bias.  Several
+        matrices of one layout (``same_layout``) are one MatMulNBits over their rows stacked, in order: the
+        output is theirs side by side (written into the session's buffer, no stacked copy beside it)."""
+        ps = [p] if isinstance(p, Packed) else list(p)
+        first, n = ps[0], sum(q.n for q in ps)
+        if len(ps) > 1 and not same_layout(ps):
+            raise ValueError("matrices of different layouts cannot share one MatMulNBits")
+        data = first.data if len(ps) == 1 else _stacked([q.data for q in ps], axis=0)
+        scales = first.scales.reshape(-1) if len(ps) == 1 else _stacked([q.scales.reshape(-1) for q in ps], axis=0)
+        y = self.op("MatMulNBits", [x, self.weight(data, "b"), self.weight(scales, "s")],
+                    domain="com.microsoft", K=first.k, N=n, bits=first.bits, block_size=first.block, accuracy_level=4)
+        if first.bias is None:
             return y
-        blocks = self.op("Reshape", [x, self.const(np.array([-1, p.k // p.block, p.block], np.int64))])
+        bias = first.bias.T if len(ps) == 1 else _stacked([q.bias.T for q in ps], axis=1)  # type: ignore[union-attr]
+        blocks = self.op("Reshape", [x, self.const(np.array([-1, first.k // first.block, first.block], np.int64))])
         sums = self.op("ReduceSum", [blocks, self.const(np.array([-1], np.int64))], keepdims=0)  # (M, K/block)
-        return self.op("Add", [y, self.op("MatMul", [sums, self.weight(p.bias.T, "m")])])
+        return self.op("Add", [y, self.op("MatMul", [sums, self.weight(bias, "m")])])
+
+    def rows(self, x: str, ps: Sequence[Packed]) -> str:
+        """``x @ [W1; W2; ...].T``: every matrix's output side by side, one MatMulNBits per run of consecutive
+        matrices of one layout (a layer's q/k/v of one format: one), joined by a Concat where there are several."""
+        runs: list[list[Packed]] = []
+        for p in ps:
+            if runs and same_layout([runs[-1][0], p]):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        outs = [self.linear(x, run) for run in runs]
+        return outs[0] if len(outs) == 1 else self.op("Concat", outs, axis=-1)
+
+    def split(self, y: str, sizes: Sequence[int]) -> list[str]:
+        """``y``'s last axis cut into parts of ``sizes``."""
+        from onnx import helper
+
+        outs = [self.name("part") for _ in sizes]
+        self.nodes.append(helper.make_node("Split", [y, self.const(np.array(sizes, np.int64))], outs, axis=-1))
+        return outs
 
     def build(self, inputs: dict[str, int], output: str, width: int) -> Session:
         from onnx import TensorProto, helper
@@ -336,6 +390,26 @@ class QLinear:
         return self.session.run(x)
 
 
+class QLinears:
+    """``matmul(x (M, K)) -> x @ [W1; W2; ...].T (M, n1 + n2 + ...)`` float32 (plus ``bias``, if given): several
+    matrices on one input in one onnxruntime call, e.g. a layer's q, k and v projections (``Graph.rows``: one
+    MatMulNBits for matrices of one layout).  ``widths``: each matrix's share of the output."""
+
+    def __init__(self, ps: Sequence[Packed], bias: np.ndarray | None = None) -> None:
+        self.widths = [p.n for p in ps]
+        self.n, self.k = sum(self.widths), ps[0].k
+        g = _Graph()
+        y = g.rows("X", ps)
+        if bias is not None:
+            y = g.op("Add", [y, g.const(np.asarray(bias, np.float32))])
+        self.matmuls = sum(node.op_type == "MatMulNBits" for node in g.nodes)  # one per run of equal layouts
+        self.session = g.build({"X": self.k}, y, self.n)
+        self.nbytes = sum(p.kernel_nbytes for p in ps) + SESSION_NBYTES + self.session.weights.nbytes
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        return self.session.run(x)
+
+
 @dataclass(frozen=True)
 class Activation:
     """The expert's gated activation: SiLU(gate) * up, or gpt-oss's clamped SwiGLU."""
@@ -353,7 +427,10 @@ class QExpertFFN:
                  biases: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] = (None, None, None)) -> None:
         g = _Graph()
         gb, ub, db = (None if b is None else np.asarray(b, np.float32) for b in biases)
-        gx, ux = g.linear("X", gate), g.linear("X", up)
+        if same_layout([gate, up]):  # one MatMulNBits over gate's and up's rows
+            gx, ux = g.split(g.linear("X", [gate, up]), [gate.n, up.n])
+        else:  # e.g. different formats
+            gx, ux = g.linear("X", gate), g.linear("X", up)
         if gb is not None:
             gx = g.op("Add", [gx, g.const(gb)])
         if ub is not None:
@@ -414,5 +491,5 @@ class KernelExpert:
                     release()
         return self._ffn(x)
 
-__all__ = ["Activation", "IQ4_VALUES", "KernelExpert", "Packed", "QExpertFFN", "QLinear", "REPACKERS", "pack", "packable",
-           "global_pool_active", "kernel_nbytes", "repack", "repacker", "set_threads"]
+__all__ = ["Activation", "IQ4_VALUES", "KernelExpert", "Packed", "QExpertFFN", "QLinear", "QLinears", "REPACKERS", "pack",
+           "packable", "global_pool_active", "kernel_nbytes", "repack", "repacker", "same_layout", "set_threads"]

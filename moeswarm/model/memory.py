@@ -116,6 +116,7 @@ def footprint(model) -> str:  # type: ignore[no-untyped-def]
         seen.add(id(a))
         stored += int(a.nbytes)
         backbone += int(getattr(a, "kernel_nbytes", 0))
+    backbone += sum(int(k.nbytes) for k in getattr(model, "fused", {}).values())  # q/k/v, MLPs in one call each
     stored += sum(x.nbytes for layer in w.experts.values() for x in layer.values())
     cache = getattr(getattr(model.experts, "cache", None), "_copies", None)
     experts = cache.bytes if cache is not None else 0
