@@ -138,9 +138,10 @@ def _prepare_backbone(weights: Weights, fused: set[str] = frozenset()) -> None: 
     read by rows and stays as stored.  Memory-mapped vectors (norms, biases, routers) become plain ndarray
     views of the same bytes: an ``np.memmap`` costs a Python-level ``__array_finalize__`` per operation."""
     cfg = weights.config
+    views: dict[int, np.ndarray] = {}  # one view per array: a tied LM head stays the embedding itself
     for n, a in weights.tensors.items():
         if isinstance(a, np.memmap):
-            weights.tensors[n] = a.view(np.ndarray)
+            weights.tensors[n] = views.setdefault(id(a), a.view(np.ndarray))
     names = [n for n, a in weights.tensors.items() if a.ndim == 2 and (n != "embed" or cfg.tie_word_embeddings)
              and getattr(a.dtype, "kind", "f") not in "iu"  # not an index table (DeepSeek-V4's hash routing)
              and n not in fused]
