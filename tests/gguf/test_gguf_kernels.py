@@ -201,22 +201,29 @@ def count_runs(model: Model, token: int, cache) -> int:  # type: ignore[no-untyp
     return len(calls)
 
 
-def test_q_k_v_of_mixed_formats_in_one_call(mixtral: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("types", "matmuls"), [
+    (("Q4_K", "Q4_K", "Q6_K"), 2),  # llama.cpp's Q4_K_M layers with a Q6_K attn_v
+    # three formats, one kernel layout (8-bit codes, blocks of 32, no minimum); ordered IQ4_XS/Q8_0/Q5_0 these
+    # random blocks flip a routing choice at one prompt position (0.23 x max|logit|), the separate kernels too
+    (("Q8_0", "IQ4_XS", "Q5_0"), 1),
+])
+def test_q_k_v_of_mixed_formats_in_one_call(mixtral: Path, tmp_path: Path, types: tuple[str, str, str],
+                                           matmuls: int) -> None:
     """llama.cpp's Q4_K_M keeps ``attn_q``/``attn_k`` Q4_K beside ``attn_v`` Q6_K (in some layers): 4-bit codes
     with a block minimum against 8-bit codes in blocks of 16, so they cannot be one ``MatMulNBits``; q and k are
-    one over their stacked rows, v another, in one graph: one onnxruntime call for the three.  Against the file
-    decoded by gguf-py (``LOGIT_TOL``, as every quantized file here).  Negative control: the fused kernel built
-    with k's and v's rows swapped moves the logits far past that bound.  Calls per decode step: 2 layers x
-    (q/k/v 1 + o 1 + 2 chosen experts, one kernel each: Q4_K experts have a block minimum QMoE cannot hold)
-    + the LM head = 9; with q, k, v one call each it was 13."""
+    one over their stacked rows, v another, in one graph: one onnxruntime call for the three.  Formats that repack
+    to one layout stack whatever their GGML type.  Against the file decoded by gguf-py (``LOGIT_TOL``, as every
+    quantized file here).  Negative control: the fused kernel built with k's and v's rows swapped moves the logits
+    far past that bound.  Calls per decode step: 2 layers x (q/k/v 1 + o 1 + 2 chosen experts, one kernel each:
+    Q4_K experts have a block minimum QMoE cannot hold) + the LM head = 9; with q, k, v one call each it was 13."""
     path = write(mixtral, tmp_path / "m.gguf", "Q8_0", "Q4_K", "Q6_K",
-                 attn={"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K"})
+                 attn=dict(zip(("attn_q", "attn_k", "attn_v"), types)))
     w = load_weights(path)
-    assert [w[f"0.attn.{p}"].qtype.name for p in "qkv"] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert tuple(w[f"0.attn.{p}"].qtype.name for p in "qkv") == types
     reference, tokens = run(dequantised(w))
     model = load_model(path)
     kernels = [model.fused[f"{L}.attn.qkv"] for L in range(2)]
-    assert all(isinstance(k, QLinears) and k.matmuls == 2 for k in kernels)
+    assert all(isinstance(k, QLinears) and k.matmuls == matmuls for k in kernels)
     cache = model.new_cache()
     model.forward(np.asarray([PROMPT]), cache)
     assert count_runs(model, tokens[0], cache) == 2 * (1 + 1 + model.config.top_k) + 1
@@ -227,7 +234,7 @@ def test_q_k_v_of_mixed_formats_in_one_call(mixtral: Path, tmp_path: Path) -> No
         a = model._attn[L]
         a["qkv"] = QLinears([a["q"].packed(), a["v"].packed(), a["k"].packed()])  # type: ignore[union-attr]
     swapped = np.abs(run(model, tokens)[0] - reference).max() / scale
-    print(f"q/k/v Q4_K/Q4_K/Q6_K in one call: max |logit diff| / max |logit| {err:.2e}; with k and v swapped "
+    print(f"q/k/v {'/'.join(types)} in one call: max |logit diff| / max |logit| {err:.2e}; with k and v swapped "
           f"{swapped:.2e} (bound {LOGIT_TOL})")
     assert 0 < err <= LOGIT_TOL
     assert swapped > LOGIT_TOL
