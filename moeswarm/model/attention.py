@@ -47,9 +47,10 @@ class Rope:
         """positions (T,) -> cos, sin (T, dim/2), already multiplied by the attention factor (read-only: the
         last positions' tables are kept for the next layer of the same pass)."""
         key = positions.dtype.str.encode() + positions.tobytes()
-        if self._last is None or self._last[0] != key:
-            self._last = key, self._compute(positions)
-        return self._last[1]
+        last = self._last  # read once: another thread's pass may replace it meanwhile
+        if last is None or last[0] != key:
+            last = self._last = key, self._compute(positions)
+        return last[1]
 
     def _compute(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
