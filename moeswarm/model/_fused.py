@@ -27,10 +27,31 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._qkernels import Activation, Packed, QExpertFFN, QLinears, packable
+from ._ort_session import SESSION_NBYTES
+from ._qkernels import Activation, Packed, QExpertFFN, _Graph, packable
 from .config import ModelConfig
 
 QKV = ("q", "k", "v")
+
+
+class QLinears:
+    """``matmul(x (M, K)) -> x @ [W1; W2; ...].T (M, n1 + n2 + ...)`` float32 (plus ``bias``, if given): several
+    matrices on one input in one onnxruntime call, e.g. a layer's q, k and v projections (``_Graph.rows``: one
+    MatMulNBits per run of matrices of one layout).  ``widths``: each matrix's share of the output."""
+
+    def __init__(self, ps: Sequence[Packed], bias: np.ndarray | None = None) -> None:
+        self.widths = [p.n for p in ps]
+        self.n, self.k = sum(self.widths), ps[0].k
+        g = _Graph()
+        y = g.rows("X", ps)
+        if bias is not None:
+            y = g.op("Add", [y, g.const(np.asarray(bias, np.float32))])
+        self.matmuls = sum(node.op_type == "MatMulNBits" for node in g.nodes)  # one per run of equal layouts
+        self.session = g.build({"X": self.k}, y, self.n)
+        self.nbytes = sum(p.kernel_nbytes for p in ps) + SESSION_NBYTES + self.session.weights.nbytes
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        return self.session.run(x)
 
 
 def _packed(matrices: Sequence[object]) -> list[Packed] | None:

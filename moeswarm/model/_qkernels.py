@@ -390,26 +390,6 @@ class QLinear:
         return self.session.run(x)
 
 
-class QLinears:
-    """``matmul(x (M, K)) -> x @ [W1; W2; ...].T (M, n1 + n2 + ...)`` float32 (plus ``bias``, if given): several
-    matrices on one input in one onnxruntime call, e.g. a layer's q, k and v projections (``Graph.rows``: one
-    MatMulNBits for matrices of one layout).  ``widths``: each matrix's share of the output."""
-
-    def __init__(self, ps: Sequence[Packed], bias: np.ndarray | None = None) -> None:
-        self.widths = [p.n for p in ps]
-        self.n, self.k = sum(self.widths), ps[0].k
-        g = _Graph()
-        y = g.rows("X", ps)
-        if bias is not None:
-            y = g.op("Add", [y, g.const(np.asarray(bias, np.float32))])
-        self.matmuls = sum(node.op_type == "MatMulNBits" for node in g.nodes)  # one per run of equal layouts
-        self.session = g.build({"X": self.k}, y, self.n)
-        self.nbytes = sum(p.kernel_nbytes for p in ps) + SESSION_NBYTES + self.session.weights.nbytes
-
-    def matmul(self, x: np.ndarray) -> np.ndarray:
-        return self.session.run(x)
-
-
 @dataclass(frozen=True)
 class Activation:
     """The expert's gated activation: SiLU(gate) * up, or gpt-oss's clamped SwiGLU."""
@@ -491,5 +471,5 @@ class KernelExpert:
                     release()
         return self._ffn(x)
 
-__all__ = ["Activation", "IQ4_VALUES", "KernelExpert", "Packed", "QExpertFFN", "QLinear", "QLinears", "REPACKERS", "pack",
+__all__ = ["Activation", "IQ4_VALUES", "KernelExpert", "Packed", "QExpertFFN", "QLinear", "REPACKERS", "pack",
            "packable", "global_pool_active", "kernel_nbytes", "repack", "repacker", "same_layout", "set_threads"]

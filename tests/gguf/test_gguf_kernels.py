@@ -17,8 +17,9 @@ from gguf.quants import dequantize
 from gguf_reference import LOGIT_TOL, dequantised
 
 from moeswarm.model import SamplingParams, _ort_session, generate, load_model, load_weights
+from moeswarm.model._fused import QLinears
 from moeswarm.model._gguf_write import TensorPlan, plan, write_gguf
-from moeswarm.model._qkernels import KernelExpert, QLinear, QLinears
+from moeswarm.model._qkernels import KernelExpert, QLinear
 from moeswarm.model._qmoe import QLayerMoE
 from moeswarm.model.experts import F32Cache, expert_ffn
 from moeswarm.model.gguf import QuantizedTensor

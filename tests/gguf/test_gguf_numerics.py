@@ -272,7 +272,8 @@ def test_fused_backbone_calls_on_an_all_q8_0_file(oracle_checkpoints, gguf_check
     gate's and up's in the fused MLPs."""
     from test_gguf_kernels import count_runs  # type: ignore[import-not-found]
 
-    from moeswarm.model._qkernels import QExpertFFN, QLinears
+    from moeswarm.model._fused import QLinears
+    from moeswarm.model._qkernels import QExpertFFN
 
     _, ref = oracle_checkpoints.get("qwen2_moe", "per_expert")
     model = load_model(gguf_checkpoints.get("qwen2_moe", "Q8_0"))
