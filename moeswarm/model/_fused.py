@@ -7,9 +7,11 @@ quantization of the same activations again).  What fuses:
 * a GQA layer's **q, k and v** projections: one ``QLinears`` call over ``x``, one ``MatMulNBits`` over
   their rows stacked when they share a layout (format width, block, bias form: a Q8_0 or Q4_0 file), else
   one per run of equal layouts inside the same graph (llama.cpp's Q4_K_M keeps ``attn_v`` Q6_K in some
-  layers beside Q4_K q/k: two ``MatMulNBits``, still one call); the biases are added in the graph;
+  layers beside Q4_K q/k: two ``MatMulNBits``, still one call); the biases are added in the graph.  Measured
+  per layer (1024 wide, Q8_0 / Q4_0, weights cache-hot, load 7): stacked 36-38 / 21 us, three ``MatMulNBits``
+  in one graph 38-44 / 25 us, three sessions 48-51 / 31-32 us; the outputs are bitwise equal;
 * a **dense MLP and a shared expert**: gate, up, the activation and down in one ``QExpertFFN`` call
-  (gate and up one ``MatMulNBits`` where they share a layout).
+  (gate and up stay two ``MatMulNBits``: stacked they measured no faster).
 
 What does not: float (F32/F16/BF16) matrices, which would need a stacked float copy beside the stored
 ones; a layer whose three matrices are not all block-quantized (it keeps one call per matrix); attention

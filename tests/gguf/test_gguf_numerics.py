@@ -263,7 +263,7 @@ def test_every_writable_type_loads_and_runs(oracle_checkpoints, gguf_checkpoints
 def test_fused_backbone_calls_on_an_all_q8_0_file(oracle_checkpoints, gguf_checkpoints) -> None:
     """Qwen2-MoE with every matrix Q8_0 (q/k/v biases; layer 1 a dense MLP, layers 0 and 2 a shared expert):
     each layer's q, k and v are one kernel call (one MatMulNBits over their stacked rows, biases added in the
-    graph), each dense MLP and shared expert one (gate and up one MatMulNBits, SiLU, down).  Calls per decode
+    graph), each dense MLP and shared expert one (gate, up, SiLU, down in one graph).  Calls per decode
     step: 3 layers x (q/k/v + o) + the QMoE and shared expert of layers 0, 2 + the dense MLP of layer 1 + the LM
     head = 12 (one call per matrix: 24).  Logits against transformers within the all-Q8_0 bound
     (``assert_within_precision``, as ``test_every_writable_type_loads_and_runs``; against the file decoded by
