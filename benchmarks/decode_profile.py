@@ -56,13 +56,19 @@ def _child(model: str, tokens: int, threads: int) -> None:
 
         setattr(owner, name, wrapper)
 
-    original_run = _ort_session.Session.run
+    original_run, original_inputs = _ort_session.Session.run, _ort_session.Session.run_inputs
 
     def counted(self, x):  # type: ignore[no-untyped-def]
         runs[0] += 1
         return original_run(self, x)
 
+    def counted_inputs(self, feeds):  # type: ignore[no-untyped-def]  # a layer's QMoE call
+        runs[0] += 1
+        return original_inputs(self, feeds)
+
     _ort_session.Session.run = counted  # type: ignore[method-assign]
+    if hasattr(_ort_session.Session, "run_inputs"):
+        _ort_session.Session.run_inputs = counted_inputs  # type: ignore[method-assign]
     timed(transformer, "gqa", "attention")
     timed(transformer, "route", "router")
     timed(transformer.LocalExperts, "submit", "routed experts")

@@ -41,7 +41,7 @@ class QuantizedTensor:
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
                  rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> None:
-        self.raw = raw.view(np.uint8)  # (..., bytes per row): the encoded blocks, a view into the map
+        self.raw = np.asarray(raw).view(np.uint8)  # (..., bytes per row): the encoded blocks, a plain view of the map
         self.qtype = qtype
         self.shape = tuple(int(d) for d in shape)  # logical shape, e.g. (I, H)
         self.rows = rows  # (shape[0],) row order to apply after decoding, or None

@@ -139,11 +139,17 @@ class QLayerMoE:
             rows = [np.zeros(width, np.float32) if p[0] is None else np.asarray(p[0], np.float32) for p in parts]
         return g.const(np.stack(rows))  # type: ignore[no-any-return]
 
+    def holds(self, ids: np.ndarray) -> bool:
+        """Whether every id of ``ids`` is one of this kernel's experts."""
+        return not ids.size or (int(ids.min()) >= 0 and int(ids.max()) < len(self.column)
+                                and bool((self.column[ids] >= 0).all()))
+
     def __call__(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         T, E = x.shape[0], len(self.expert_ids)
-        cols = self.column[ids]  # (T, k); the caller checked every id is held
+        cols = self.column[ids]  # (T, k); the caller checked every id is held (``holds``)
+        rows = np.arange(T)[:, None]
         chosen = np.zeros((T, E), np.float32)
-        np.put_along_axis(chosen, cols, np.float32(1), axis=1)
+        chosen[rows, cols] = 1
         combine = np.zeros((T, E), np.float32)
-        np.put_along_axis(combine, cols, weights.astype(np.float32, copy=False), axis=1)
+        combine[rows, cols] = weights
         return self.session.run_inputs({"X": x, "R": chosen, "C": combine})

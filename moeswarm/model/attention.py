@@ -20,7 +20,7 @@ MLA_LATENT_EPS = 1e-6
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(np.square(x), axis=-1, keepdims=True)
+    var = np.square(x).sum(axis=-1, keepdims=True) / x.shape[-1]  # np.mean's arithmetic, without its Python layer
     return (x / np.sqrt(var + np.float32(eps))) * f32(w)
 
 
@@ -41,16 +41,28 @@ class Rope:
         self.interleaved = cfg.rope.interleaved
         # PhiMoE's longrope: a pass whose last position reaches past ``original`` scales by long_mscale
         self.long_scale, self.original = cfg.rope.long_mscale, cfg.rope.original_max_position
+        self._last: tuple[bytes, tuple[np.ndarray, np.ndarray]] | None = None  # every layer of a pass asks for the same
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """positions (T,) -> cos, sin (T, dim/2), already multiplied by the attention factor."""
+        """positions (T,) -> cos, sin (T, dim/2), already multiplied by the attention factor (read-only: the
+        last positions' tables are kept for the next layer of the same pass)."""
+        key = positions.dtype.str.encode() + positions.tobytes()
+        last = self._last  # read once: another thread's pass may replace it meanwhile
+        if last is None or last[0] != key:
+            last = self._last = key, self._compute(positions)
+        return last[1]
+
+    def _compute(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
         scale = self.scale
         if self.long_scale and len(positions) and int(positions.max()) + 1 > self.original:
             scale = self.long_scale
-        return (np.cos(freqs) * np.float32(scale)).astype(np.float32), (
+        cos, sin = (np.cos(freqs) * np.float32(scale)).astype(np.float32), (
             np.sin(freqs) * np.float32(scale)
         ).astype(np.float32)
+        cos.setflags(write=False)
+        sin.setflags(write=False)
+        return cos, sin
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x (B, heads, T, dim).  Halves layout rotates (x[:d/2], x[d/2:]); DeepSeek's interleaved
@@ -61,7 +73,8 @@ class Rope:
         if self.interleaved:
             a, b = x[..., 0::2], x[..., 1::2]
         else:
-            a, b = np.split(x, 2, axis=-1)
+            half = x.shape[-1] // 2
+            a, b = x[..., :half], x[..., half:]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
@@ -128,14 +141,15 @@ def _attend(
     g = nh // nkv
     qg = q.reshape(B, nkv, g, T, D)
     scores = np.matmul(qg, k[:, :, None].swapaxes(-1, -2)) * np.float32(scale)  # (B, nkv, g, T, S)
-    qpos = past + np.arange(T)[:, None]
-    kpos = np.arange(S)[None, :]
-    allowed = kpos <= qpos
-    if window is not None:
-        allowed &= kpos > qpos - window
-    if keep is not None:
-        allowed = allowed & keep[:, None, None]  # (B, 1, 1, T, S)
-    scores = np.where(allowed, scores, np.float32(-np.inf))
+    if T > 1 or past + 1 != S or (window is not None and window < S) or keep is not None:  # else: sees every key
+        qpos = past + np.arange(T)[:, None]
+        kpos = np.arange(S)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= kpos > qpos - window
+        if keep is not None:
+            allowed = allowed & keep[:, None, None]  # (B, 1, 1, T, S)
+        scores = np.where(allowed, scores, np.float32(-np.inf))
     if sinks is not None:
         sink = np.broadcast_to(f32(sinks).reshape(1, nkv, g, 1, 1), (B, nkv, g, T, 1))
         scores = np.concatenate([scores, sink], axis=-1)
@@ -164,10 +178,17 @@ def gqa(
 
 def gqa_qkv(w: dict[str, np.ndarray | None], x: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The row-wise half of ``gqa``: x (B, T, H) -> q (B, T, nh*hd), k, v (B, T, nkv*hd)
-    (a batch of sequences projects all its rows at once: ``moeswarm.model.batch``)."""
-    q = linear(x, w["q"], w.get("q_bias"))  # type: ignore[arg-type]
-    k = linear(x, w["k"], w.get("k_bias"))  # type: ignore[arg-type]
-    v = linear(x, w["v"], w.get("v_bias"))  # type: ignore[arg-type]
+    (a batch of sequences projects all its rows at once: ``moeswarm.model.batch``).  ``w["qkv"]``, where the
+    model fused them (``_fused``), computes the three (biases included) in one kernel call."""
+    fused = w.get("qkv")
+    if fused is not None:
+        y = fused.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)  # type: ignore[union-attr]
+        nq, nk, _ = fused.widths  # type: ignore[union-attr]
+        q, k, v = y[..., :nq], y[..., nq : nq + nk], y[..., nq + nk :]
+    else:
+        q = linear(x, w["q"], w.get("q_bias"))  # type: ignore[arg-type]
+        k = linear(x, w["k"], w.get("k_bias"))  # type: ignore[arg-type]
+        v = linear(x, w["v"], w.get("v_bias"))  # type: ignore[arg-type]
     if cfg.clip_qkv is not None:
         q, k, v = (np.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
     if cfg.qk_norm == "full":  # OLMoE: over the whole projection

@@ -357,8 +357,7 @@ def batched(store: Mapping[int, ExpertWeights], x: np.ndarray, ids: np.ndarray, 
 
 def auto(store: Mapping[int, ExpertWeights], x: np.ndarray, ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     kernel = _layer_kernel(store, cfg)
-    if kernel is not None:
-        _missing(store, ids)
+    if kernel is not None and kernel.holds(ids):
         return kernel(x, ids, weights)
     if x.shape[0] <= _AUTO_BATCHED_MAX_TOKENS and not (ids.size and _on_kernels(store, int(ids.flat[0]))):
         return batched(store, x, ids, weights, cfg)

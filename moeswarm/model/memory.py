@@ -117,6 +117,7 @@ def footprint(model) -> str:  # type: ignore[no-untyped-def]
         seen.add(id(a))
         stored += int(a.nbytes)
         backbone += int(getattr(a, "kernel_nbytes", 0))
+    backbone += sum(int(k.nbytes) for k in getattr(model, "fused", {}).values())  # q/k/v, MLPs in one call each
     stored += sum(x.nbytes for layer in w.experts.values() for x in layer.values())
     owner = getattr(model.experts, "cache", None)
     cache = getattr(owner, "_copies", None)

@@ -16,9 +16,11 @@ import numpy as np
 from ._attn_deltanet import DeltaNetState, deltanet, gated_attention
 from ._attn_dsa import DsaLayerCache, dsa_attention
 from ._attn_lightning import lightning, new_layer_cache
+from ._fused import fuse_backbone, fused_names
+from ._qkernels import Activation
 from .attention import KVCache, LayerCache, Rope, gqa, mla, rms_norm
 from .config import ModelConfig
-from .experts import DecodedOnce, F32Cache, dense_ffn, f32, get_backend, mm, oai_dense_ffn, sigmoid
+from .experts import DecodedOnce, F32Cache, activation, dense_ffn, f32, get_backend, mm, oai_dense_ffn, sigmoid
 from .routing import hash_route, route
 from .weights import ExpertWeights, Weights
 
@@ -129,13 +131,20 @@ class _Done:
 DECODE_AT_LOAD_MAX = 4 << 30  # float32 copies made at load (fp16/bf16 backbone, expert cache floor), bytes
 
 
-def _prepare_backbone(weights: Weights) -> None:
-    """Once, at load: repack quantized backbone matrices into kernels; wrap fp16/bf16 ones (up to
-    ``DECODE_AT_LOAD_MAX`` in float32) so that they are converted at their first use and kept, not
-    converted again by every token.  The embedding alone is only read by rows and stays as stored."""
+def _prepare_backbone(weights: Weights, fused: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    """Once, at load: repack quantized backbone matrices into kernels (except ``fused``: computed by the fused
+    kernels of ``_fused``); wrap fp16/bf16 ones (up to ``DECODE_AT_LOAD_MAX`` in float32) so that they are
+    converted at their first use and kept, not converted again by every token.  The embedding alone is only
+    read by rows and stays as stored.  Memory-mapped vectors (norms, biases, routers) become plain ndarray
+    views of the same bytes: an ``np.memmap`` costs a Python-level ``__array_finalize__`` per operation."""
     cfg = weights.config
+    views: dict[int, np.ndarray] = {}  # one view per array: a tied LM head stays the embedding itself
+    for n, a in weights.tensors.items():
+        if isinstance(a, np.memmap):
+            weights.tensors[n] = views.setdefault(id(a), a.view(np.ndarray))
     names = [n for n, a in weights.tensors.items() if a.ndim == 2 and (n != "embed" or cfg.tie_word_embeddings)
-             and getattr(a.dtype, "kind", "f") not in "iu"]  # not an index table (DeepSeek-V4's hash routing)
+             and getattr(a.dtype, "kind", "f") not in "iu"  # not an index table (DeepSeek-V4's hash routing)
+             and n not in fused]
     half = [n for n in names if weights.tensors[n].dtype != np.float32 and not hasattr(weights.tensors[n], "matmul")]
     if sum(weights.tensors[n].size * 4 for n in half) <= DECODE_AT_LOAD_MAX:
         wrapped = {n: DecodedOnce(weights.tensors[n]) for n in half}
@@ -146,6 +155,11 @@ def _prepare_backbone(weights: Weights) -> None:
         prepare = getattr(weights.tensors[n], "prepare", None)
         if prepare is not None:
             prepare()
+
+
+def _dense_activation(cfg: ModelConfig) -> Activation:
+    """The dense MLPs' and shared experts' activation, as ``dense_ffn`` / ``oai_dense_ffn`` compute it."""
+    return Activation("silu") if cfg.dense_activation == "swiglu" else activation(cfg)
 
 
 def _cache_size(experts: Mapping[int, Mapping[int, ExpertWeights]]) -> int:
@@ -232,11 +246,26 @@ class Model:
         self.observers: list[RouteObserver] = []  # (layer, expert ids (T, k)) once a MoE layer has routed
         self.state_observers: list[Callable[[int, np.ndarray], None]] = []  # (layer, residual (N, H)) before its MLP
         self.residual_form = RESIDUAL_FORMS[cfg.residual_form](cfg, weights)
-        _prepare_backbone(weights)
-        self._attn = [
-            {name.split(".", 2)[2]: a for name, a in weights.tensors.items() if name.startswith(f"{L}.attn.")}
-            for L in range(cfg.all_layers)  # the MTP layers' too
-        ]
+        # q/k/v, dense MLPs and shared experts of block-quantized matrices: one kernel call each (``_fused``)
+        self.fused = fuse_backbone(cfg, weights.tensors, self._attention_tensors(), _dense_activation(cfg),
+                                   [L for L in range(cfg.all_layers) if self._runs_gqa(L)])
+        _prepare_backbone(weights, fused_names(self.fused))
+        self._attn = self._attention_tensors()
+        for L, attn in enumerate(self._attn):
+            if f"{L}.attn.qkv" in self.fused:
+                attn["qkv"] = self.fused[f"{L}.attn.qkv"]  # gqa_qkv computes q, k, v with it
+
+    def _attention_tensors(self) -> list[dict[str, Any]]:
+        """Each layer's ``{L}.attn.*`` tensors by their short name, the MTP layers' too."""
+        tensors = self.weights.tensors
+        return [{name.split(".", 2)[2]: a for name, a in tensors.items() if name.startswith(f"{L}.attn.")}
+                for L in range(self.config.all_layers)]
+
+    def _runs_gqa(self, L: int) -> bool:
+        """Whether layer ``L``'s token mixing is ``attention.gqa`` as ``layer`` calls it."""
+        cfg = self.config
+        sparse = bool(cfg.sparse_layers) and L < len(cfg.sparse_layers) and bool(cfg.sparse_layers[L])
+        return cfg.attention == "gqa" and cfg.arch not in DECODER_LAYERS and not sparse
 
     def new_cache(self) -> KVCache:
         cfg = self.config
@@ -342,7 +371,8 @@ class Model:
         cfg, w = self.config, self.weights
         ffn = dense_ffn if cfg.dense_activation == "swiglu" else oai_dense_ffn(cfg)
         if not cfg.moe_layers[L]:
-            return ffn(w[f"{L}.mlp.gate"], w[f"{L}.mlp.up"], w[f"{L}.mlp.down"], h)
+            fused = self.fused.get(f"{L}.mlp")
+            return fused(h) if fused is not None else ffn(w[f"{L}.mlp.gate"], w[f"{L}.mlp.up"], w[f"{L}.mlp.down"], h)
         table = w.get(f"{L}.router_table")
         if table is not None:
             if tokens is None:
@@ -360,7 +390,9 @@ class Model:
             handle.result()
         shared = None
         if cfg.shared_intermediate_size:  # overlaps with remote experts in flight
-            shared = ffn(w[f"{L}.shared.gate"], w[f"{L}.shared.up"], w[f"{L}.shared.down"], h)
+            fused = self.fused.get(f"{L}.shared")
+            shared = fused(h) if fused is not None else ffn(w[f"{L}.shared.gate"], w[f"{L}.shared.up"],
+                                                            w[f"{L}.shared.down"], h)
             if cfg.shared_expert_gate:
                 shared = sigmoid(h @ f32(w[f"{L}.shared_gate"]).T) * shared
         out = handle.result()

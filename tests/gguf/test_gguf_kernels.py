@@ -14,8 +14,10 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+from gguf_reference import LOGIT_TOL, dequantised
 
-from moeswarm.model import SamplingParams, generate, load_model, load_weights
+from moeswarm.model import SamplingParams, _ort_session, generate, load_model, load_weights
+from moeswarm.model._fused import QLinears
 from moeswarm.model._gguf_write import TensorPlan, plan, write_gguf
 from moeswarm.model._qkernels import KernelExpert, QLinear
 from moeswarm.model._qmoe import QLayerMoE
@@ -24,8 +26,6 @@ from moeswarm.model.gguf import QuantizedTensor
 from moeswarm.model.synthetic import random_mixtral
 from moeswarm.model.transformer import Model
 from moeswarm.model.weights import ExpertWeights
-
-from gguf_reference import LOGIT_TOL, dequantised
 
 PROMPT = [3, 17, 250, 41, 9, 88, 123, 7, 301, 64, 2, 99, 480, 5, 16, 200]
 N_DECODE = 8
@@ -64,18 +64,22 @@ def random_blocks(name: str, shape: tuple[int, int], rng: np.random.Generator, s
     return raw.reshape(n, -1)
 
 
-def write(folder: Path, out: Path, backbone: str, gate_up: str | None = None, down: str | None = None) -> Path:
+def write(folder: Path, out: Path, backbone: str, gate_up: str | None = None, down: str | None = None,
+          attn: dict[str, str] | None = None) -> Path:
     """The converter's file of ``backbone`` type; with ``gate_up``/``down``, random blocks of those types for
-    the routed experts instead."""
+    the routed experts instead; with ``attn`` (e.g. ``{"attn_v": "Q6_K"}``), for those attention matrices."""
     w = load_weights(folder)
     plans = plan(w, backbone)
     rng = np.random.default_rng(0)
-    if gate_up is not None:
-        for i, p in enumerate(plans):
-            if "_exps.weight" in p.name:
-                name = down if "down" in p.name else gate_up
-                parts = tuple(random_blocks(name, p.shape[1:], rng, 1 / np.sqrt(p.shape[-1])) for _ in p.parts)
-                plans[i] = Encoded(p.name, Q[name], p.shape, parts)
+    for i, p in enumerate(plans):
+        if gate_up is not None and "_exps.weight" in p.name:
+            name = down if "down" in p.name else gate_up
+            parts = tuple(random_blocks(name, p.shape[1:], rng, 1 / np.sqrt(p.shape[-1])) for _ in p.parts)
+            plans[i] = Encoded(p.name, Q[name], p.shape, parts)
+        kind = p.name.split(".")[-2]
+        if attn is not None and kind in attn:
+            plans[i] = Encoded(p.name, Q[attn[kind]], p.shape, (random_blocks(attn[kind], p.shape, rng,
+                                                                             1 / np.sqrt(p.shape[-1])),))
     write_gguf(out, w, plans, {"config.json": (folder / "config.json").read_text()})
     return out
 
@@ -116,8 +120,11 @@ def test_engine_logits_match_the_dequantised_reference(mixtral: Path, tmp_path: 
     assert len(held) > 0 and all(isinstance(held.get(key), QLayerMoE if layer_call else KernelExpert)
                                  for key in held.keys())
     q = model.weights["0.attn.q"]
-    if backbone != "F16":
-        assert isinstance(q, QuantizedTensor) and isinstance(q._kernel, QLinear)
+    if backbone != "F16":  # q, k, v in one call (one MatMulNBits: one format), not three kernels; o its own
+        assert isinstance(q, QuantizedTensor) and q._kernel is None
+        assert all(isinstance(model.fused[f"{L}.attn.qkv"], QLinears) for L in range(2))
+        assert model.fused["0.attn.qkv"].matmuls == 1  # type: ignore[union-attr]
+        assert isinstance(model.weights["0.attn.o"]._kernel, QLinear)
     err = np.abs(logits - reference).max() / np.abs(reference).max()
     agree = float((logits.argmax(-1) == reference.argmax(-1)).mean())
     print(f"{backbone} + experts {gate_up or backbone}/{down or backbone}: max |logit diff| / max |logit| "
@@ -172,3 +179,63 @@ def test_decoding_a_quantized_file_allocates_no_float32_copies(tmp_path: Path) -
     print(f"{footprint(model)}; per decode step: {per_token:.0f} minor faults; RSS grew {grown / 2**20:.1f} MiB")
     assert per_token < 1024  # < 4 MiB of fresh pages per token, a quarter of the LM head alone in float32
     assert grown < 8 << 20
+
+
+def count_runs(model: Model, token: int, cache) -> int:  # type: ignore[no-untyped-def]
+    """onnxruntime calls (``Session.run`` and ``run_inputs``, the layer's QMoE) in one decode step."""
+    calls = []
+    run_one, run_many = _ort_session.Session.run, _ort_session.Session.run_inputs
+
+    def one(self, x):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return run_one(self, x)
+
+    def many(self, feeds):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return run_many(self, feeds)
+
+    _ort_session.Session.run, _ort_session.Session.run_inputs = one, many  # type: ignore[method-assign]
+    try:
+        model.forward(np.asarray([[token]]), cache)
+    finally:
+        _ort_session.Session.run, _ort_session.Session.run_inputs = run_one, run_many  # type: ignore[method-assign]
+    return len(calls)
+
+
+@pytest.mark.parametrize(("types", "matmuls"), [
+    (("Q4_K", "Q4_K", "Q6_K"), 2),  # llama.cpp's Q4_K_M layers with a Q6_K attn_v
+    # three formats, one kernel layout (8-bit codes, blocks of 32, no minimum); ordered IQ4_XS/Q8_0/Q5_0 these
+    # random blocks flip a routing choice at one prompt position (0.23 x max|logit|), the separate kernels too
+    (("Q8_0", "IQ4_XS", "Q5_0"), 1),
+])
+def test_q_k_v_of_mixed_formats_in_one_call(mixtral: Path, tmp_path: Path, types: tuple[str, str, str],
+                                           matmuls: int) -> None:
+    """llama.cpp's Q4_K_M keeps ``attn_q``/``attn_k`` Q4_K beside ``attn_v`` Q6_K (in some layers): 4-bit codes
+    with a block minimum against 8-bit codes in blocks of 16, so they cannot be one ``MatMulNBits``; q and k are
+    one over their stacked rows, v another, in one graph: one onnxruntime call for the three.  Formats that repack
+    to one layout stack whatever their GGML type.  Against the file decoded by gguf-py (``LOGIT_TOL``, as every
+    quantized file here).  Negative control: the fused kernel built with k's and v's rows swapped moves the logits
+    far past that bound.  Calls per decode step: 2 layers x (q/k/v 1 + o 1 + 2 chosen experts, one kernel each:
+    Q4_K experts have a block minimum QMoE cannot hold) + the LM head = 9; with q, k, v one call each it was 13."""
+    path = write(mixtral, tmp_path / "m.gguf", "Q8_0", "Q4_K", "Q6_K",
+                 attn=dict(zip(("attn_q", "attn_k", "attn_v"), types)))
+    w = load_weights(path)
+    assert tuple(w[f"0.attn.{p}"].qtype.name for p in "qkv") == types
+    reference, tokens = run(dequantised(w))
+    model = load_model(path)
+    kernels = [model.fused[f"{L}.attn.qkv"] for L in range(2)]
+    assert all(isinstance(k, QLinears) and k.matmuls == matmuls for k in kernels)
+    cache = model.new_cache()
+    model.forward(np.asarray([PROMPT]), cache)
+    assert count_runs(model, tokens[0], cache) == 2 * (1 + 1 + model.config.top_k) + 1
+    logits, _ = run(model, tokens)
+    scale = float(np.abs(reference).max())
+    err = np.abs(logits - reference).max() / scale
+    for L in range(2):  # negative control: k's rows where v's belong and v's where k's
+        a = model._attn[L]
+        a["qkv"] = QLinears([a["q"].packed(), a["v"].packed(), a["k"].packed()])  # type: ignore[union-attr]
+    swapped = np.abs(run(model, tokens)[0] - reference).max() / scale
+    print(f"q/k/v {'/'.join(types)} in one call: max |logit diff| / max |logit| {err:.2e}; with k and v swapped "
+          f"{swapped:.2e} (bound {LOGIT_TOL})")
+    assert 0 < err <= LOGIT_TOL
+    assert swapped > LOGIT_TOL

@@ -286,3 +286,42 @@ def test_f16_kernel_fed_the_wrong_bytes_is_caught(oracle_checkpoints, gguf_check
     if f16_matrices(model)[0] < 4:  # not an AssertionError: the xfail must come from the bound alone
         raise RuntimeError("the shifted kernel did not run")
     assert_within_precision(logits, ref, "F16", "qwen3_moe all-F16, kernel fed shifted rows")
+
+
+def test_fused_backbone_calls_on_an_all_q8_0_file(oracle_checkpoints, gguf_checkpoints) -> None:
+    """Qwen2-MoE with every matrix Q8_0 (q/k/v biases; layer 1 a dense MLP, layers 0 and 2 a shared expert):
+    each layer's q, k and v are one kernel call (one MatMulNBits over their stacked rows, biases added in the
+    graph), each dense MLP and shared expert one (gate, up, SiLU, down in one graph).  Calls per decode
+    step: 3 layers x (q/k/v + o) + the QMoE and shared expert of layers 0, 2 + the dense MLP of layer 1 + the LM
+    head = 12 (one call per matrix: 24).  Logits against transformers within the all-Q8_0 bound
+    (``assert_within_precision``, as ``test_every_writable_type_loads_and_runs``; against the file decoded by
+    gguf-py one decode position differs by 0.045 x max|logit| on main's code too: a routing choice the int8
+    activations flip).  Negative controls, each past that bound: k's and v's rows swapped in the fused q/k/v;
+    gate's and up's in the fused MLPs."""
+    from test_gguf_kernels import count_runs  # type: ignore[import-not-found]
+
+    from moeswarm.model._fused import QLinears
+    from moeswarm.model._qkernels import QExpertFFN
+
+    _, ref = oracle_checkpoints.get("qwen2_moe", "per_expert")
+    model = load_model(gguf_checkpoints.get("qwen2_moe", "Q8_0"))
+    assert all(isinstance(model.fused[f"{L}.attn.qkv"], QLinears) for L in range(3))
+    assert all(isinstance(model.fused[key], QExpertFFN) for key in ("0.shared", "1.mlp", "2.shared"))
+    assert model.weights["0.attn.q"]._kernel is None  # type: ignore[attr-defined]  # not also built alone
+    cache = model.new_cache()
+    model.forward(np.asarray([ref.prompt_ids]), cache)
+    assert count_runs(model, ref.decode_tokens[0], cache) == 12
+    assert_within_precision(run_logits(model, ref), ref, "Q8_0", "qwen2_moe all-Q8_0, fused backbone")
+    w = model.weights
+    for L in range(3):  # negative control 1: k's rows where v's belong and v's where k's
+        a = model._attn[L]
+        a["qkv"] = QLinears([a["q"].packed(), a["v"].packed(), a["k"].packed()],  # type: ignore[union-attr]
+                            np.concatenate([a["q_bias"], a["k_bias"], a["v_bias"]]))
+    with pytest.raises(AssertionError):
+        assert_within_precision(run_logits(model, ref), ref, "Q8_0", "k and v swapped")
+    model._attn = model._attention_tensors()  # the separate q, k, v matrices again
+    for key in ("0.shared", "1.mlp", "2.shared"):  # negative control 2: gate and up swapped
+        model.fused[key] = QExpertFFN(w[f"{key}.up"].packed(), w[f"{key}.gate"].packed(),  # type: ignore[union-attr]
+                                      w[f"{key}.down"].packed())  # type: ignore[union-attr]
+    with pytest.raises(AssertionError):
+        assert_within_precision(run_logits(model, ref), ref, "Q8_0", "gate and up swapped")
