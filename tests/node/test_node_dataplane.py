@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -38,7 +39,8 @@ class Node:
         self.server = ExpertServer(weights, self.identity, ExpertServerConfig(model_id, layers, experts))
         self.dataplane = DataPlaneServer(self.identity, self.server.handle,  # batched: as a v1.3 node serves
                                          batched_handler=self.server.handle_batched if batched else None,
-                                         receipts=self.server if batched else None)
+                                         receipts=self.server if batched else None,
+                                         fast_handler=self.server.answer_now)  # as a node serves
         self.layers, self.experts, self.model_id = layers, experts, model_id
 
     async def __aenter__(self) -> "Node":
@@ -177,6 +179,8 @@ def test_missing_experts_fail_loudly_or_fall_back(oracle_checkpoints) -> None:
 
 
 def test_bad_requests_get_protocol_errors_and_server_keeps_serving(oracle_checkpoints) -> None:
+    """Each bad request gets its specific error, answered at once by an idle server (``answer_now``)
+    and through the queue alike; the same good request gets the same outputs either way."""
     folder, ref = oracle_checkpoints.get("mixtral", "packed")
 
     async def main() -> None:
@@ -190,18 +194,15 @@ def test_bad_requests_get_protocol_errors_and_server_keeps_serving(oracle_checkp
                             experts=(ExpertRows(1, np.array([0, 1], np.uint32)),))
                 return ExpertRequest(**{**base, **kw})
 
-            for bad, code in [(req(model_id="other"), ErrorCode.UNKNOWN_EXPERT),
-                              (req(layer=5), ErrorCode.UNKNOWN_EXPERT),
-                              (req(experts=(ExpertRows(9, np.array([0, 1], np.uint32)),)), ErrorCode.UNKNOWN_EXPERT),
-                              (req(experts=(ExpertRows(1, np.array([0], np.uint32)),)), ErrorCode.BAD_FIELD),
-                              (req(hidden=np.ones((2, 63), np.float32)), ErrorCode.BAD_TENSOR),
-                              # finite but huge: the outputs overflow float32, which may not be sent
-                              (req(hidden=np.full((2, 64), 1e30, np.float32)), ErrorCode.NON_FINITE),
-                              # fine in float32, overflows when cast back to the request's float16
-                              (req(hidden=np.full((2, 64), 6e4, np.float16)), ErrorCode.NON_FINITE)]:
-                with pytest.raises(ProtocolError) as info:
-                    await client.call(bad, timeout=10)
-                assert info.value.code == code
+            outputs = []
+            for fast in (True, False):
+                node.dataplane.fast_handler = node.server.answer_now if fast else None
+                at_once = node.server.answered_at_once
+                await bad_requests_refused(client, req)
+                response = await client.call(req(hidden=np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64)), 10)
+                outputs.append(response.outputs)
+                assert (node.server.answered_at_once > at_once) == fast
+            assert np.array_equal(outputs[0], outputs[1])
             response = await client.call(req(), timeout=10)
             assert response.outputs.shape == (2, 64)
             assert await client.ping() > 0
@@ -209,6 +210,73 @@ def test_bad_requests_get_protocol_errors_and_server_keeps_serving(oracle_checkp
             with pytest.raises(ProtocolError):
                 await ExpertClient.connect(node.dataplane.endpoint, Identity.generate(),
                                            expected_peer=Identity.generate().peer_id)
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+async def bad_requests_refused(client: ExpertClient, req) -> None:  # type: ignore[no-untyped-def]
+    for bad, code in [(req(model_id="other"), ErrorCode.UNKNOWN_EXPERT),
+                      (req(layer=5), ErrorCode.UNKNOWN_EXPERT),
+                      (req(experts=(ExpertRows(9, np.array([0, 1], np.uint32)),)), ErrorCode.UNKNOWN_EXPERT),
+                      (req(experts=(ExpertRows(1, np.array([0], np.uint32)),)), ErrorCode.BAD_FIELD),
+                      (req(hidden=np.ones((2, 63), np.float32)), ErrorCode.BAD_TENSOR),
+                      # finite but huge: the outputs overflow float32, which may not be sent
+                      (req(hidden=np.full((2, 64), 1e30, np.float32)), ErrorCode.NON_FINITE),
+                      # fine in float32, overflows when cast back to the request's float16
+                      (req(hidden=np.full((2, 64), 6e4, np.float16)), ErrorCode.NON_FINITE)]:
+        with pytest.raises(ProtocolError) as info:
+            await client.call(bad, timeout=10)
+        assert info.value.code == code, (bad, info.value)
+
+
+def test_requests_arriving_while_a_batch_computes_are_batched_not_answered_at_once(oracle_checkpoints) -> None:
+    """The idle fast path (``answer_now``) leaves batching under load as it was: a large call computes
+    in a worker thread; small calls arriving meanwhile (each small enough to be answered at once on
+    an idle server) queue and are computed together in one batch after it, and every answer is
+    the one the same call gets alone."""
+    folder, _ = oracle_checkpoints.get("mixtral", "packed")
+    rng = np.random.default_rng(1)
+
+    async def main() -> None:
+        async with Node(folder, "m", (0, 1), (0, 7)) as node:
+            server = node.server
+            cfg = server.cfg
+            server.config = dataclasses.replace(server.config, inline_macs=3 * cfg.hidden_size * cfg.moe_intermediate_size)
+            batches: list[int] = []
+            release = threading.Event()
+            compute = server._compute
+
+            def slow_compute(jobs):  # type: ignore[no-untyped-def]
+                batches.append(len(jobs))
+                if len(batches) == 1:  # the large call: held in its thread until the small ones queued
+                    release.wait(30)
+                return compute(jobs)
+
+            server._compute = slow_compute  # type: ignore[method-assign]
+            client = await ExpertClient.connect(node.dataplane.endpoint, Identity.generate(),
+                                                expected_peer=node.identity.peer_id)
+
+            def req(rows: int) -> ExpertRequest:
+                return ExpertRequest(np.random.bytes(16), "m", 0, 1, rng.standard_normal((rows, 64)).astype(np.float32),
+                                     (ExpertRows(2, np.arange(rows, dtype=np.uint32)),))
+
+            large, small = req(8), [req(1) for _ in range(4)]
+            calls = [asyncio.ensure_future(client.call(large, 30))]
+            async with asyncio.timeout(30):
+                while not server._computing:  # the large call is in its thread
+                    await asyncio.sleep(0.001)
+            calls += [asyncio.ensure_future(client.call(r, 30)) for r in small]
+            async with asyncio.timeout(30):
+                while server._queue.qsize() < len(small):
+                    await asyncio.sleep(0.001)
+            release.set()
+            answers = await asyncio.gather(*calls)
+            assert batches == [1, len(small)] and server.answered_at_once == 0
+            server._compute = compute  # type: ignore[method-assign]
+            for r, a in zip([large, *small], answers):  # alone, on the now idle server: the small ones at once
+                assert np.array_equal((await client.call(r, 30)).outputs, a.outputs)
+            assert server.answered_at_once == len(small)  # the large one is over inline_macs: queued even so
             await client.aclose()
 
     asyncio.run(main())
