@@ -37,11 +37,15 @@ from ._tensor import tensor_canonical_parts, tensor_hash
 from ._wire import canonical, pack  # pack: for maps already in canonical order (receipt_body, statement_body)
 
 
+_EXPERTS_KEY = b"\x82" + pack("experts")  # a map of 2 entries, then its first key
+_HIDDEN_KEY = pack("hidden")
+
+
 def input_hash(hidden: np.ndarray, experts: Sequence[ExpertRows]) -> bytes:
     """SHA-256 of canonical ``{"experts": <request experts>, "hidden": <tensor map>}``."""
-    h = hashlib.sha256(b"\x82" + pack("experts"))
+    h = hashlib.sha256(_EXPERTS_KEY)
     h.update(pack([{"expert": int(e.expert), "rows": rows_bytes(e.rows)} for e in experts]))
-    h.update(pack("hidden"))
+    h.update(_HIDDEN_KEY)
     prefix, data, suffix = tensor_canonical_parts(hidden)
     h.update(prefix)
     h.update(data)

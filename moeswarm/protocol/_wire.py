@@ -33,8 +33,9 @@ _Timestamp = msgpack.Timestamp
 
 
 def sorted_map(items: Mapping[str, Any]) -> dict[str, Any]:
-    """A dict whose insertion order is the canonical key order (UTF-8 bytes, ascending)."""
-    return {k: items[k] for k in sorted(items, key=lambda k: k.encode("utf-8"))}
+    """A dict whose insertion order is the canonical key order (UTF-8 bytes, ascending): the order
+    of the keys' code points, which is how Python compares ``str`` (UTF-8 keeps code point order)."""
+    return {k: items[k] for k in sorted(items)}
 
 
 def _canon(obj: Any) -> Any:
