@@ -328,14 +328,11 @@ class RemoteExperts:
     async def _call(self, peer: bytes, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int],
                     y: np.ndarray) -> None:
         holder = self.table.holders[peer]
-        token_sets = [np.nonzero((ids == e).any(axis=1))[0] for e in experts]
-        rows_used = np.unique(np.concatenate(token_sets))
-        local_index = np.full(ids.shape[0], -1, np.int64)
-        local_index[rows_used] = np.arange(rows_used.size)
+        token_sets, slot_sets, hidden, rows = _routes(x, ids, experts)
         request = ExpertRequest(
             request_id=os.urandom(16), model_id=self.table.model_id, layer=layer, seq=next(self._seq),
-            hidden=x[rows_used].astype(self.config.wire_dtype),
-            experts=tuple(ExpertRows(e, local_index[t].astype(np.uint32)) for e, t in zip(experts, token_sets)),
+            hidden=hidden.astype(self.config.wire_dtype),  # a copy: the receipt's input hash is checked later
+            experts=tuple(ExpertRows(e, r) for e, r in zip(experts, rows)),
         )
         t0 = time.perf_counter()
         holder.in_flight += 1  # the queue term of its expected latency (Holder.score)
@@ -365,8 +362,7 @@ class RemoteExperts:
                 self._checking.discard((peer, request.request_id))
         self.calls += 1
         offset = 0
-        for e, tokens in zip(experts, token_sets):
-            slots = np.argmax(ids[tokens] == e, axis=1)
+        for tokens, slots in zip(token_sets, slot_sets):
             y[tokens, slots] = outputs[offset : offset + tokens.size]
             offset += tokens.size
         if honest:
@@ -521,6 +517,28 @@ class RemoteExperts:
         self.settle_receipts()
         await self.flush_receipts()
         await self.connections.aclose()
+
+
+_ROW0 = np.zeros(1, np.intp)
+_ROW0.setflags(write=False)
+_ROW0_U32 = np.zeros(1, np.uint32)
+_ROW0_U32.setflags(write=False)
+
+
+def _routes(x: np.ndarray, ids: np.ndarray, experts: list[int]
+            ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, list[np.ndarray]]:
+    """For one holder's ``experts`` of a layer routed by ``ids (T, k)``: each expert's tokens
+    (ascending) and the slot of ``ids`` it fills for each, the rows of ``x (T, H)`` the holder
+    needs, and each expert's rows among those (uint32, as ``ExpertRows`` takes them)."""
+    if ids.shape[0] == 1:  # a decode step: one token, no index arithmetic
+        row = ids[0].tolist()
+        return [_ROW0] * len(experts), [np.array([row.index(e)]) for e in experts], x, [_ROW0_U32] * len(experts)
+    token_sets = [np.nonzero((ids == e).any(axis=1))[0] for e in experts]
+    slot_sets = [np.argmax(ids[t] == e, axis=1) for e, t in zip(experts, token_sets)]
+    rows_used = np.unique(np.concatenate(token_sets))
+    local_index = np.full(ids.shape[0], -1, np.int64)
+    local_index[rows_used] = np.arange(rows_used.size)
+    return token_sets, slot_sets, x[rows_used], [local_index[t].astype(np.uint32) for t in token_sets]
 
 
 async def _ready(value: ExpertWeights | None) -> ExpertWeights | None:
