@@ -291,14 +291,15 @@ def _dec_expert_request(f: Fields) -> ExpertRequest:
 
 
 def receipt_body(r: Receipt) -> dict[str, Any]:
-    """The fields of a receipt that both signatures cover (everything but ``sig``)."""
-    return sorted_map({
+    """The fields of a receipt that both signatures cover (everything but ``sig``), written in
+    canonical key order (made on every call by both sides: no sort; tests check the order)."""
+    return {
         "client": r.client, "expert_flops": _u(r.expert_flops),
         "experts": [_u(e) for e in r.experts], "input_hash": r.input_hash,
         "layer": _u(r.layer), "model_id": r.model_id, "output_hash": r.output_hash,
         "pairs": _u(r.pairs), "request_id": r.request_id, "seq": _u(r.seq),
         "server": r.server, "time_ms": _u(r.time_ms), "tokens": _u(r.tokens),
-    })
+    }
 
 
 def _enc_receipt(r: Receipt) -> dict[str, Any]:
