@@ -139,6 +139,9 @@ def test_decode_on_the_event_loop_with_batched_receipts(oracle_checkpoints) -> N
             submitted_from: list[int] = []
             submit = executor.submit
             executor.submit = lambda *a: (submitted_from.append(threading.get_ident()), submit(*a))[1]  # type: ignore[method-assign]
+            sent_at_once: list[bool] = []
+            send_now = executor._send_now
+            executor._send_now = lambda *a: (lambda r: (sent_at_once.append(r is not None), r)[1])(send_now(*a))  # type: ignore[method-assign]
             try:
                 cache = model.new_cache()
                 out = [await asyncio.to_thread(lambda: model.forward(np.asarray([ref.prompt_ids]), cache)[0])]
@@ -146,6 +149,7 @@ def test_decode_on_the_event_loop_with_batched_receipts(oracle_checkpoints) -> N
                 for t in ref.decode_tokens:
                     out.append(await run_on_loop(lambda t=t: model.forward(np.asarray([[t]]), cache)[0]))
                 await executor.flush_receipts()
+                assert sent_at_once and all(sent_at_once)  # decode steps: requests written as the layer ran
                 return np.concatenate(out), executor, submitted_from[prefill_submits:], receipts, prefill_submits
             finally:
                 await executor.aclose()
@@ -160,6 +164,44 @@ def test_decode_on_the_event_loop_with_batched_receipts(oracle_checkpoints) -> N
     assert {type(r).__name__ for r in receipts} == {"BatchedReceipt"}
     for r in receipts:
         verify_record(r)
+
+
+def test_a_layer_written_from_the_forward_pass_is_sent_again_when_its_connection_dies(oracle_checkpoints) -> None:
+    """From a forward pass on the loop, a layer's requests are written as the layer runs
+    (``_send_now``); one whose connection breaks right after the write is sent again on a new
+    connection, and the layer's output is the same as over the connection that worked."""
+    folder, _ = oracle_checkpoints.get("mixtral", "packed")
+    cfg = load_weights(folder, keep_expert=lambda L, e: False).config
+    layer = next(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
+
+    async def main() -> None:
+        nodes = [Node(folder, "m", (0, cfg.num_layers - 1), r, batched=True) for r in split_ranges(cfg.num_experts, 2)]
+        async with nodes[0], nodes[1]:
+            table = SwarmTable("m")
+            for node in nodes:
+                table.update(node.announcement())
+            executor = RemoteExperts(cfg, Identity.generate(), table, asyncio.get_running_loop())
+            x = np.random.default_rng(2).standard_normal((1, cfg.hidden_size)).astype(np.float32)
+            ids, weights = np.array([[0, cfg.num_experts - 1]]), np.array([[0.7, 0.3]], np.float32)
+            step = lambda: executor.submit(layer, x, ids, weights).result()  # noqa: E731
+            first = await run_on_loop(step)  # dials both holders (the dispatch sends these requests)
+            peer = nodes[0].identity.peer_id
+            victim = executor.connections.open_client(peer)
+            assert victim is not None
+            write = victim.send_now
+
+            def write_then_break(request):  # type: ignore[no-untyped-def]
+                future = write(request)
+                victim.writer.transport.abort()
+                return future
+
+            victim.send_now = write_then_break  # type: ignore[method-assign]
+            again = await run_on_loop(step)
+            assert executor.connections.open_client(peer) not in (None, victim)
+            assert np.array_equal(first, again) and executor.calls == 4
+            await executor.aclose()
+
+    asyncio.run(main())
 
 
 def test_missing_experts_fail_loudly_or_fall_back(oracle_checkpoints) -> None:
