@@ -188,7 +188,7 @@ class RemoteExperts:
         or early warm-ups (their plans are made inside the dispatch)."""
         if self.tiers is not None or self._ahead or self._warmed:
             return None
-        experts = sorted({int(e) for e in np.unique(ids)})
+        experts = _experts_of(ids)
         plan, unheld = (self.verifier.plan(layer, experts, set()) if self.verifier is not None
                         else plan_dispatch(layer, experts, self.table.live()))
         clients = {peer: self.connections.open_client(peer) for peer in plan}
@@ -274,7 +274,7 @@ class RemoteExperts:
         """x (T, H), ids (T, k), weights (T, k) -> (T, H); ``sent``: the calls ``_send_now`` made."""
         T, k = ids.shape
         y = np.zeros((T, k, x.shape[1]), np.float32)  # each (token, slot) expert output
-        pending = sorted(set(int(e) for e in np.unique(ids)))
+        pending = _experts_of(ids)
         here: asyncio.Future[list[int]] | None = None
         reasons: list[str] = []
         if self.tiers is not None:  # the planner's local/fetched experts: computed here meanwhile
@@ -590,6 +590,11 @@ def _with_receipt_if_due(client: ExpertClient, request: ExpertRequest, response:
     if response.receipt is None and (client.version < 2 or request.signed):
         raise BadResponse("the answer carries no receipt (it must: v1.2 connection, or asked for)")
     return response
+
+
+def _experts_of(ids: np.ndarray) -> list[int]:
+    """The distinct experts of ``ids (T, k)``, ascending."""
+    return sorted(set(ids.ravel().tolist())) if ids.size <= 4096 else np.unique(ids).tolist()
 
 
 _ROW0 = np.zeros(1, np.intp)
