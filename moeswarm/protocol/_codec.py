@@ -72,6 +72,7 @@ MODEL_ID_RE: Final = re.compile(r"[A-Za-z0-9._@+-]+(?:/[A-Za-z0-9._@+-]+)*")
 ENDPOINT_RE: Final = re.compile(r"[a-z][a-z0-9+.-]*://[\x21-\x7e]+")
 SOFTWARE_RE: Final = re.compile(r"[\x20-\x7e]*")
 U16_MAX: Final = 2**16 - 1
+_U32: Final = np.dtype("<u4")
 
 
 # ---------------------------------------------------------------- shared field helpers
@@ -232,6 +233,8 @@ def _dec_config_response(f: Fields) -> ConfigResponse:
 
 
 def rows_bytes(rows: np.ndarray) -> bytes:
+    if type(rows) is np.ndarray and rows.dtype == _U32 and rows.ndim == 1:  # as decoded or as dispatch makes them
+        return rows.tobytes()
     arr = np.asarray(rows)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise ConfigError("ExpertRows.rows must be a 1-D integer array")
