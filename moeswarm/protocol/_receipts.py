@@ -86,7 +86,7 @@ def make_receipt(
     )
     if not sign:
         return unsigned
-    sig = identity.sign(SignatureKind.RECEIPT, canonical(receipt_body(unsigned)))
+    sig = identity.sign(SignatureKind.RECEIPT, pack(receipt_body(unsigned)))
     return replace(unsigned, sig=sig)
 
 
@@ -97,7 +97,7 @@ def _bad(message: str, code: int = ErrorCode.BAD_FIELD) -> BadResponse:
 def verify_receipt(receipt: Receipt) -> None:
     """Check the server's signature under the key inside ``receipt.server``; ``BadResponse`` 9."""
     key = public_key_from_peer_id(receipt.server)
-    if not verify(key, SignatureKind.RECEIPT, canonical(receipt_body(receipt)), receipt.sig):
+    if not verify(key, SignatureKind.RECEIPT, pack(receipt_body(receipt)), receipt.sig):
         raise _bad("receipt signature does not verify", ErrorCode.AUTH_FAILED)
 
 
@@ -105,7 +105,7 @@ def countersign(identity: Identity, receipt: Receipt) -> CountersignedReceipt:
     """The client's countersignature; check the receipt first (``check_response``)."""
     if receipt.client != identity.peer_id:
         raise ConfigError("only the receipt's client may countersign it")
-    payload = canonical(receipt_body(receipt)) + receipt.sig
+    payload = pack(receipt_body(receipt)) + receipt.sig
     return CountersignedReceipt(receipt, identity.sign(SignatureKind.RECEIPT_COUNTERSIGN, payload))
 
 
@@ -113,7 +113,7 @@ def verify_countersigned(cr: CountersignedReceipt) -> None:
     """Check both signatures; ``BadResponse`` code 9 if either fails."""
     verify_receipt(cr.receipt)
     key = public_key_from_peer_id(cr.receipt.client)
-    payload = canonical(receipt_body(cr.receipt)) + cr.receipt.sig
+    payload = pack(receipt_body(cr.receipt)) + cr.receipt.sig
     if not verify(key, SignatureKind.RECEIPT_COUNTERSIGN, payload, cr.client_sig):
         raise _bad("client countersignature does not verify", ErrorCode.AUTH_FAILED)
 
