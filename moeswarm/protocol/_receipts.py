@@ -148,18 +148,18 @@ def check_outputs(request: ExpertRequest, response: ExpertResponse) -> None:
 def check_receipt(request: ExpertRequest, outputs: np.ndarray, r: Receipt, *, client: bytes, server: bytes) -> None:
     """Every field of receipt ``r`` but its signature matches ``request`` and the ``outputs``
     received; ``BadResponse`` 4 naming the first field that does not."""
-    tokens = request.hidden.shape[0]
-    pairs = request.pairs
-    expected = {
-        "request_id": request.request_id, "client": client, "server": server,
-        "model_id": request.model_id, "layer": request.layer,
-        "experts": tuple(int(e.expert) for e in request.experts), "tokens": tokens,
-        "pairs": pairs, "seq": request.seq,
-        "input_hash": input_hash(request.hidden, request.experts),
-        "output_hash": output_hash(outputs),
-    }
-    for name, value in expected.items():
-        if getattr(r, name) != value:
+    checks = (  # in this order: the first that fails is named; the hashes only when all else matched
+        ("request_id", lambda: r.request_id == request.request_id), ("client", lambda: r.client == client),
+        ("server", lambda: r.server == server), ("model_id", lambda: r.model_id == request.model_id),
+        ("layer", lambda: r.layer == request.layer),
+        ("experts", lambda: r.experts == tuple(int(e.expert) for e in request.experts)),
+        ("tokens", lambda: r.tokens == request.hidden.shape[0]), ("pairs", lambda: r.pairs == request.pairs),
+        ("seq", lambda: r.seq == request.seq),
+        ("input_hash", lambda: r.input_hash == input_hash(request.hidden, request.experts)),
+        ("output_hash", lambda: r.output_hash == output_hash(outputs)),
+    )
+    for name, holds in checks:
+        if not holds():
             raise _bad(f"receipt.{name} does not match the request")
 
 

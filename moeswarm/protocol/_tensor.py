@@ -60,6 +60,8 @@ def wire_dtype(array: np.ndarray) -> str:
 
 def _raw_bytes(array: np.ndarray, name: str) -> memoryview:
     """The little-endian element bytes of ``array`` in C order, without a copy if possible."""
+    if _LITTLE and name != "bf16" and array.flags.c_contiguous:  # the array's own memory, as bytes (no numpy steps)
+        return memoryview(array).cast("B")
     if name == BYTES_DTYPE:
         return memoryview(np.ascontiguousarray(array).reshape(-1).data)
     bits = _BITS[name][0]
