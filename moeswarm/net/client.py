@@ -143,7 +143,7 @@ class ExpertClient:
             raise ProtocolError("a weights_response answered an expert_request", code=ErrorCode.UNEXPECTED_MESSAGE)
         return response
 
-    def send_now(self, request: ExpertRequest) -> "asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse] | None":
+    def send_now(self, request: ExpertRequest) -> asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse] | None:
         """Write ``request`` at once, from synchronous code on the loop (a forward pass run by
         ``onloop.run_on_loop``), and return the future its answer will complete: hand both to
         ``answer``. ``None`` (nothing sent) if another write is under way (then ``call``).
@@ -164,7 +164,7 @@ class ExpertClient:
             raise NetworkError(f"connection failed while writing a frame: {e}") from e
         return future
 
-    async def answer(self, request: ExpertRequest, future: "asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse]",
+    async def answer(self, request: ExpertRequest, future: asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse],
                      timeout: float) -> ExpertResponse:
         """The answer to a request sent by ``send_now``."""
         try:

@@ -11,8 +11,7 @@ from moeswarm.errors import ConfigError, NetworkError, ProtocolError
 
 from ._codec import decode, encode, to_wire
 from ._limits import DEFAULT_MAX_FRAME, FRAME_HEADER_SIZE, ErrorCode
-from ._messages import Message
-from ._messages import ExpertRequest, ExpertResponse, WeightsResponse
+from ._messages import ExpertRequest, ExpertResponse, Message, WeightsResponse
 from ._wire import LARGE_BIN, pack_parts
 
 _TENSOR_FIELD = {ExpertRequest: "hidden", ExpertResponse: "outputs", WeightsResponse: "data"}  # messages with a tensor

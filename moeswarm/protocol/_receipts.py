@@ -34,7 +34,7 @@ from ._messages import (
     ReceiptBatch,
 )
 from ._tensor import tensor_canonical_parts, tensor_hash
-from ._wire import canonical, pack  # pack: for maps already in canonical order (receipt_body, statement_body)
+from ._wire import pack  # for maps already in canonical order (receipt_body, statement_body): their canonical bytes
 
 
 _EXPERTS_KEY = b"\x82" + pack("experts")  # a map of 2 entries, then its first key
