@@ -43,6 +43,7 @@ from ..protocol import (
     WeightsRequest,
     WeightsResponse,
     decode,
+    frame,
     peek_request_id,
     read_frame,
     read_message,
@@ -142,6 +143,45 @@ class ExpertClient:
             raise ProtocolError("a weights_response answered an expert_request", code=ErrorCode.UNEXPECTED_MESSAGE)
         return response
 
+    def send_now(self, request: ExpertRequest) -> asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse] | None:
+        """Write ``request`` at once, from synchronous code on the loop (a forward pass run by
+        ``onloop.run_on_loop``), and return the future its answer will complete: hand both to
+        ``answer``. ``None`` (nothing sent) if another write is under way (then ``call``).
+        ``Unreachable`` if the connection is closed, ``ConfigError`` if it does not fit a frame."""
+        if self._closed is not None:
+            raise Unreachable(f"connection is closed: {self._closed}")
+        if self._write_lock.locked():
+            return None
+        if self.on_batch is None and self.version >= 2 and not request.signed:
+            request = dataclasses.replace(request, signed=True)  # nobody here would take a batch
+        data = frame(request, max_size=self.max_frame)
+        future: asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse] = asyncio.get_running_loop().create_future()
+        self._pending[request.request_id] = future
+        try:
+            self.writer.write(data)  # whole frames only: a concurrent call's frame goes before or after it
+        except (ConnectionError, OSError, RuntimeError) as e:
+            del self._pending[request.request_id]
+            raise NetworkError(f"connection failed while writing a frame: {e}") from e
+        return future
+
+    async def answer(self, request: ExpertRequest, future: asyncio.Future[ExpertResponse | WeightsResponse | ConfigResponse],
+                     timeout: float) -> ExpertResponse:
+        """The answer to a request sent by ``send_now``."""
+        try:
+            async with self._write_lock:  # flow control: wait as ``call`` would for the buffer to drain
+                await self.writer.drain()
+            async with asyncio.timeout(timeout):
+                response = await future
+        except TimeoutError:
+            raise Timeout(f"expert call timed out after {timeout:.1f}s") from None
+        except (ConnectionError, OSError) as e:
+            raise NetworkError(f"connection failed while writing a frame: {e}") from e
+        finally:
+            self._pending.pop(request.request_id, None)
+        if not isinstance(response, ExpertResponse):
+            raise ProtocolError("a weights_response answered an expert_request", code=ErrorCode.UNEXPECTED_MESSAGE)
+        return response
+
     async def fetch(self, request: WeightsRequest, timeout: float) -> WeightsResponse:
         """Rows of one tensor of one expert (``moeswarm.node.fetch`` assembles whole experts)."""
         response = await self._request(request, timeout, "weight fetch")
@@ -208,7 +248,7 @@ class ExpertClient:
                         fut.set_exception(BadResponse(f"the server's answer is invalid: {e}", code=e.code))
                     continue
                 if isinstance(msg, (ExpertResponse, WeightsResponse, ConfigResponse)):
-                    fut = self._pending.get(msg.request_id)
+                    fut = self._pending.pop(msg.request_id, None)  # answered: nothing left behind
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
                 elif isinstance(msg, Error):
@@ -296,6 +336,11 @@ class Connections:
                 self._clients[holder.peer_id] = client
                 return client
             raise error or NetworkError("holder announced no endpoint")
+
+    def open_client(self, peer: bytes) -> ExpertClient | None:
+        """The open connection to ``peer``, if there is one (no dial)."""
+        client = self._clients.get(peer)
+        return client if client is not None and not client.closed else None
 
     def open_clients(self) -> list[ExpertClient]:
         return [c for c in self._clients.values() if not c.closed]

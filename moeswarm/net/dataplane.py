@@ -8,7 +8,9 @@ config.json of a model served here, for the swarm catalogue).  On a connection o
 ``receipts`` source's ``receipt_batch``es are sent on the client's connections (and before any
 ``pong``, so a ping tells a client its receipts are all in).  A bad frame gets an ``Error`` with the
 spec's code; after a fatal code the connection is closed, otherwise it keeps going; the server
-keeps serving other connections either way.  ``ExpertClient`` is one authenticated,
+keeps serving other connections either way.  With a ``fast_handler`` an expert request that reaches
+a server with no other expert request in hand is answered by the connection's task itself
+(``ExpertService.answer_now``), without a task of its own.  ``ExpertClient`` is one authenticated,
 multiplexed connection: many calls in flight, answered by ``request_id``.
 
 Endpoints are written ``tcp+tls://HOST:PORT`` (or ``tcp://HOST:PORT`` without TLS, tests only).
@@ -67,6 +69,10 @@ BatchedHandler = Callable[[bytes, ExpertRequest, object], Awaitable[ExpertRespon
 """v1.3: (client, request, channel): the answer without a receipt, which follows in a
 ``receipt_batch`` on ``channel`` (the connection, handed back to ``DataPlaneServer.send_batch``)."""
 WeightsHandler = Callable[[bytes, WeightsRequest], Awaitable[WeightsResponse]]
+FastHandler = Callable[[bytes, ExpertRequest, object], "ExpertResponse | None"]
+"""(client, request, channel): the answer at once, computed on the connection's own task, or
+``None`` when it must wait its turn (``ExpertService.answer_now``: an idle server, a small call);
+``channel`` is ``None`` where the answer must carry its receipt (v1.2), else as ``BatchedHandler``'s."""
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
@@ -110,11 +116,14 @@ class ServerConfig:
 class DataPlaneServer:
     def __init__(self, identity: Identity, handler: Handler, config: ServerConfig = ServerConfig(),
                  weights_handler: WeightsHandler | None = None, configs: Mapping[str, bytes] | None = None,
-                 *, batched_handler: BatchedHandler | None = None, receipts: "ExpertService | None" = None) -> None:
+                 *, batched_handler: BatchedHandler | None = None, receipts: "ExpertService | None" = None,
+                 fast_handler: FastHandler | None = None) -> None:
         self.identity = identity
         self.configs = dict(configs or {})  # model id -> the config bytes its id hashes (config_request)
         self.handler = handler
         self.batched_handler = batched_handler  # v1.3 connections: answers without receipts (None: handler)
+        self.fast_handler = fast_handler  # answers computed at once when nothing waits (None: always a handler task)
+        self.answering = 0  # expert requests handed to a handler task and not yet answered, all connections
         self.receipts = receipts  # v1.3: whose receipt batches go to clients (its batch_sink is set here)
         if receipts is not None:
             receipts.batch_sink = self.send_batch
@@ -346,9 +355,23 @@ class _ServerConnection:
                 if len(self.in_flight) >= self.server.config.max_in_flight:
                     await self.send(Error(ErrorCode.OVERLOADED, "too many requests in flight", msg.request_id))
                     continue
-                task = asyncio.create_task(self._answer(client, msg, self.version >= BATCHED_RECEIPTS_VERSION))
+                batched = self.version >= BATCHED_RECEIPTS_VERSION
+                expert = isinstance(msg, ExpertRequest)
+                if expert and self.server.fast_handler is not None and not self.server.answering:
+                    try:  # an idle server answers here: no task, no queue (under load the queue batches as ever)
+                        reply = self.server.fast_handler(client, msg, self if batched and self.server.batched_handler
+                                                         is not None else None)
+                    except Exception as e:  # noqa: BLE001 - the peer is told, the connection keeps going
+                        reply = _error_reply(e, msg.request_id)
+                    if reply is not None:
+                        await self._reply(reply, msg.request_id)
+                        continue
+                task = asyncio.create_task(self._answer(client, msg, batched))
                 self.in_flight.add(task)
                 task.add_done_callback(self.in_flight.discard)
+                if expert:
+                    self.server.answering += 1
+                    task.add_done_callback(self._answered)
             elif isinstance(msg, Ping):
                 if self.version >= BATCHED_RECEIPTS_VERSION and self.server.receipts is not None:
                     await asyncio.sleep(0)  # answers already computed are sent before their receipts
@@ -365,6 +388,9 @@ class _ServerConnection:
                 await self.send(Error(ErrorCode.UNEXPECTED_MESSAGE, f"unexpected {type(msg).__name__}"))
                 return
 
+    def _answered(self, task: asyncio.Task[None]) -> None:
+        self.server.answering -= 1
+
     async def _answer(self, client: bytes, request: ExpertRequest | WeightsRequest, batched: bool) -> None:
         try:
             if isinstance(request, WeightsRequest):
@@ -375,21 +401,28 @@ class _ServerConnection:
                 reply = await self.server.batched_handler(client, request, self)
             else:
                 reply = await self.server.handler(client, request)
-        except ProtocolError as e:
-            reply = Error(e.code, str(e), request.request_id)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the handler failed: the peer is told, the server keeps serving
-            log.exception("expert request failed")
-            reply = Error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:1000], request.request_id)
+        except Exception as e:  # noqa: BLE001 - the peer is told, the server keeps serving
+            reply = _error_reply(e, request.request_id)
+        await self._reply(reply, request.request_id)
+
+    async def _reply(self, reply: object, request_id: bytes) -> None:
         try:
             await self.send(reply)
         except ConfigError as e:  # the answer does not fit a frame: say so instead of going silent
             with contextlib.suppress(NetworkError, ConfigError):
-                await self.send(Error(ErrorCode.BAD_FIELD, f"the answer does not fit a frame: {e}"[:1000],
-                                      request.request_id))
+                await self.send(Error(ErrorCode.BAD_FIELD, f"the answer does not fit a frame: {e}"[:1000], request_id))
         except NetworkError:
             pass
+
+
+def _error_reply(e: Exception, request_id: bytes) -> Error:
+    """The ``Error`` answering a request whose handler raised ``e``."""
+    if isinstance(e, ProtocolError):
+        return Error(e.code, str(e), request_id)
+    log.error("expert request failed", exc_info=e)  # the handler failed: the peer is told, the server keeps serving
+    return Error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:1000], request_id)
 
 
 async def close_writer(writer: asyncio.StreamWriter, timeout: float = 2.0) -> None:

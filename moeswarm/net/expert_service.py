@@ -7,7 +7,9 @@ a subclass giving ``_experts`` and ``_compute``: ``moeswarm.node.expert_server.E
 Requests that arrive while a batch is computing wait in a queue; the worker then takes all queued
 requests at once and hands them to the backend together, so concurrent backbones share one matmul
 per expert.  Large batches compute in a worker thread; the event loop only decodes, queues and
-answers.
+answers.  A small request reaching an idle server (nothing queued, computing or being handed
+over) skips the queue: ``answer_now`` computes it on the connection's own task, which sends the
+answer at once (no task, future or worker wake-up on the way); anything concurrent still queues.
 
 On a v1.3 connection (``handle_batched``) the answer goes out without a receipt: once it is sent,
 the receipt's body (its two hashes) is made on the event loop, and the client's receipts are
@@ -75,6 +77,16 @@ class Job:
     channel: object = None  # v1.3: the connection whose receipt_batch carries this call's receipt (None: signed inline)
 
 
+class _NoFuture:
+    """The future of a job answered at once (``answer_now``): nobody waits on it."""
+
+    def done(self) -> bool:
+        return False
+
+
+_NO_FUTURE: Any = _NoFuture()
+
+
 class ExpertService:
     """Queue, batch, validate and sign; subclasses compute (``_experts``, ``_compute``)."""
 
@@ -84,8 +96,10 @@ class ExpertService:
         self.config = config
         self._queue: asyncio.Queue[Job] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
+        self._computing = False  # a queued batch is being computed (maybe in a thread): newcomers queue behind it
         self.pairs_served = 0
         self.requests_served = 0
+        self.answered_at_once = 0  # of those, answered by ``answer_now`` (an idle server), not through the queue
         self._rate = 0.0  # (expert, token) pairs per second of compute, smoothed
         self._to_receipt: list[tuple[Job, np.ndarray, int, int]] = []  # answered, receipt body not yet made
         self._unbatched: dict[object, tuple[bytes, list[Receipt]]] = {}  # channel -> (client, receipts not batched)
@@ -163,6 +177,27 @@ class ExpertService:
         ``receipt_batch`` sent on ``channel`` (the connection the request came on: ``batch_sink``)."""
         return await self._handle(client, request, None if request.signed else channel)
 
+    def answer_now(self, client: bytes, request: ExpertRequest, channel: object) -> ExpertResponse | None:
+        """The answer computed at once, on the caller's task, if the server is idle (nothing queued,
+        no batch computing) and the request is small enough for the event loop (``inline_macs``);
+        else ``None``: it must go through the queue (``handle``/``handle_batched``), where it is
+        batched with whatever else waits. ``channel`` as ``handle_batched`` takes it (``None``:
+        the receipt is signed into the answer). ``ProtocolError`` for a request refused or
+        an answer that cannot be sent (``NON_FINITE``)."""
+        self.validate(request)
+        if not self._queue.empty() or self._computing or self._macs(request.pairs) > self.config.inline_macs:
+            return None
+        job = Job(client, request, _NO_FUTURE, self._experts(request.layer),
+                  channel=None if request.signed else channel)
+        t0 = time.perf_counter()
+        response = self._compute([job])[0]
+        self._served([job], time.perf_counter() - t0)
+        self.answered_at_once += 1
+        if isinstance(response, ProtocolError):
+            raise response
+        self._answered(job, response)
+        return response
+
     async def _handle(self, client: bytes, request: ExpertRequest, channel: object) -> ExpertResponse:
         self.validate(request)
         if self._queue.qsize() >= self.config.max_queue:
@@ -171,6 +206,9 @@ class ExpertService:
                   channel=channel)
         self._queue.put_nowait(job)
         return await job.future
+
+    def _macs(self, pairs: int) -> int:
+        return pairs * 3 * self.cfg.hidden_size * self.cfg.moe_intermediate_size
 
     async def _work(self) -> None:
         while True:
@@ -189,9 +227,9 @@ class ExpertService:
             if not live:
                 continue
             t0 = time.perf_counter()
-            macs = sum(j.request.pairs for j in live) * 3 * self.cfg.hidden_size * self.cfg.moe_intermediate_size
+            self._computing = True
             try:
-                if macs <= self.config.inline_macs:  # a thread hop costs more than this much math
+                if self._macs(sum(j.request.pairs for j in live)) <= self.config.inline_macs:  # a thread hop costs more than this much math
                     responses = self._compute(live)
                 else:
                     responses = await asyncio.to_thread(self._compute, live)
@@ -200,12 +238,9 @@ class ExpertService:
                     if not job.future.done():
                         job.future.set_exception(e)
                 continue
-            seconds = time.perf_counter() - t0
-            pairs = sum(job.request.pairs for job in live)
-            self._rate = 0.8 * self._rate + 0.2 * (pairs / max(seconds, 1e-6)) if self._rate else pairs / max(seconds, 1e-6)
-            self.pairs_served += pairs
-            self.requests_served += len(live)
-            now_ms = int(time.time() * 1000)
+            finally:
+                self._computing = False
+            self._served(live, time.perf_counter() - t0)
             for job, response in zip(live, responses):
                 if job.future.done():
                     continue
@@ -213,10 +248,24 @@ class ExpertService:
                     job.future.set_exception(response)
                 else:
                     job.future.set_result(response)
-                    if response.receipt is None:
-                        self._to_receipt.append((job, response.outputs, self._flops(job.request), now_ms))
-            if self._to_receipt:  # after the answers: their tasks send them first
-                asyncio.get_running_loop().call_soon(self._make_receipts)
+                    self._answered(job, response)
+
+    def _served(self, jobs: Sequence[Job], seconds: float) -> None:
+        """Counters and the smoothed compute rate, after a batch was computed."""
+        pairs = sum(job.request.pairs for job in jobs)
+        rate = pairs / max(seconds, 1e-6)
+        self._rate = 0.8 * self._rate + 0.2 * rate if self._rate else rate
+        self.pairs_served += pairs
+        self.requests_served += len(jobs)
+
+    def _answered(self, job: Job, response: ExpertResponse) -> None:
+        """v1.3: an answer without a receipt gets its receipt body made once the answer is sent
+        (a callback after the caller's task, which sends it, has run)."""
+        if response.receipt is not None:
+            return
+        if not self._to_receipt:
+            asyncio.get_running_loop().call_soon(self._make_receipts)
+        self._to_receipt.append((job, response.outputs, self._flops(job.request), int(time.time() * 1000)))
 
     # ------------------------------------------------------------------ v1.3 receipt batches
 

@@ -46,7 +46,7 @@ from .._tasks import cancel_and_wait
 from ..errors import BadResponse, ConfigError, NetworkError, ProtocolError, SwarmError
 from ..model import ExpertWeights, ModelConfig, Weights, expert_ffn
 from ..model.experts import F32Cache
-from ..net.client import Connections
+from ..net.client import Connections, ExpertClient
 from ..net.routing_table import Holder, SwarmTable, plan_dispatch
 from .onloop import on_loop_greenlet, wait_on
 from ..protocol import (
@@ -97,6 +97,19 @@ class DispatchConfig:
 ReceiptSink = Callable[[CountersignedReceipt | BatchedReceipt], None]
 AuditHook = Callable[[ExpertRequest, np.ndarray, CountersignedReceipt | BatchedReceipt], None]
 """Offered every countersigned call: the request, the outputs as received (P, H), the receipt."""
+
+
+@dataclass
+class _Sent:
+    """A call ``RemoteExperts._send_now`` wrote: what ``_call`` needs to finish it."""
+
+    experts: list[int]
+    request: ExpertRequest
+    token_sets: list[np.ndarray]  # each expert's tokens ...
+    slot_sets: list[np.ndarray]  # ... and the slot of ids it fills for each
+    client: ExpertClient
+    future: asyncio.Future | None  # type: ignore[type-arg]  # the answer (ExpertClient.send_now; None: not written yet)
+    t0: float  # perf_counter when it was written
 
 
 class _Handle:
@@ -156,8 +169,9 @@ class RemoteExperts:
         no thread is involved: the requests are sent (the forward yields to the loop until they
         are) and ``result`` waits on the loop. From a worker thread: two thread hops."""
         if on_loop_greenlet() and _on_loop(self.loop):
-            task = self.loop.create_task(self.dispatch(layer, x, ids, weights))
-            for _ in range(2):  # the dispatch starts, then its calls write their requests
+            sent = self._send_now(layer, x, ids)  # the requests leave now, as this code runs
+            task = self.loop.create_task(self.dispatch(layer, x, ids, weights, sent))
+            for _ in range(0 if sent is not None else 2):  # else the dispatch starts, then its calls write
                 if task.done():
                     break
                 wait_on(asyncio.sleep(0))
@@ -166,6 +180,33 @@ class RemoteExperts:
             raise ConfigError("run the model's forward pass in a worker thread or with onloop.run_on_loop, "
                               "not directly on the event loop")
         return _Handle(asyncio.run_coroutine_threadsafe(self.dispatch(layer, x, ids, weights), self.loop))
+
+    def _send_now(self, layer: int, x: np.ndarray, ids: np.ndarray) -> dict[bytes, _Sent] | None:
+        """On the loop, from a forward pass (``submit``): plan the layer's calls and write their
+        requests at once, where every holder planned has an open connection (the usual case while
+        decoding); else ``None`` and the dispatch task plans and sends them itself. Not with tiers
+        or early warm-ups (their plans are made inside the dispatch)."""
+        if self.tiers is not None or self._ahead or self._warmed:
+            return None
+        experts = _experts_of(ids)
+        plan, unheld = (self.verifier.plan(layer, experts, set()) if self.verifier is not None
+                        else plan_dispatch(layer, experts, self.table.live()))
+        clients = {peer: self.connections.open_client(peer) for peer in plan}
+        if unheld or not plan or any(c is None for c in clients.values()):
+            return None
+        sent: dict[bytes, _Sent] = {}
+        for peer, held in plan.items():
+            token_sets, slot_sets, request = self._request(layer, x, ids, held)
+            client = clients[peer]
+            assert client is not None
+            try:
+                future = client.send_now(request)
+            except (NetworkError, ConfigError) as e:  # the dispatch retries it like any failed call
+                future = self.loop.create_future()
+                future.set_exception(e if isinstance(e, NetworkError) else NetworkError(str(e)))
+            self.table.holders[peer].in_flight += 1
+            sent[peer] = _Sent(held, request, token_sets, slot_sets, client, future, time.perf_counter())
+        return sent
 
     def hint(self, routes: dict[int, np.ndarray]) -> None:
         """Before a forward pass: the experts (T, k) of its hash-routed layers, from the token ids
@@ -228,11 +269,12 @@ class RemoteExperts:
         self.warmups += 1
         self._unchecked.append((request, response, peer))  # a call like any other: its receipt is settled
 
-    async def dispatch(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """x (T, H), ids (T, k), weights (T, k) -> (T, H)."""
+    async def dispatch(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                       sent: dict[bytes, _Sent] | None = None) -> np.ndarray:
+        """x (T, H), ids (T, k), weights (T, k) -> (T, H); ``sent``: the calls ``_send_now`` made."""
         T, k = ids.shape
         y = np.zeros((T, k, x.shape[1]), np.float32)  # each (token, slot) expert output
-        pending = sorted(set(int(e) for e in np.unique(ids)))
+        pending = _experts_of(ids)
         here: asyncio.Future[list[int]] | None = None
         reasons: list[str] = []
         if self.tiers is not None:  # the planner's local/fetched experts: computed here meanwhile
@@ -241,7 +283,7 @@ class RemoteExperts:
                 pending = [e for e in pending if e not in mine]
                 here = asyncio.ensure_future(self._compute_here(layer, x, ids, mine, y, reasons))
         try:
-            pending = await self._call_holders(layer, x, ids, pending, y, reasons)
+            pending = await self._call_holders(layer, x, ids, pending, y, reasons, sent)
         except BaseException:
             if here is not None:
                 here.cancel()
@@ -258,22 +300,26 @@ class RemoteExperts:
         return (weights[:, :, None] * y).sum(axis=1, dtype=np.float32) if k > 1 else weights * y[:, 0]
 
     async def _call_holders(self, layer: int, x: np.ndarray, ids: np.ndarray, pending: list[int], y: np.ndarray,
-                            reasons: list[str]) -> list[int]:
-        """Call holders for ``pending`` experts, retrying failures on other replicas; returns the
-        experts nobody computed."""
+                            reasons: list[str], sent: dict[bytes, _Sent] | None = None) -> list[int]:
+        """Call holders for ``pending`` experts (the first attempt's calls already ``sent``, if
+        given), retrying failures on other replicas; returns the experts nobody computed."""
         tried: dict[int, set[bytes]] = {e: set() for e in pending}
         warmed = self._warmed.pop(layer, None)  # the holders warmed for this layer, if it was
         for _ in range(self.config.attempts):
             if not pending:
                 break
             exclude = set().union(*(tried[e] for e in pending))
-            if warmed is not None and self._still_fits(warmed, pending, exclude):
+            if sent is not None:
+                plan, unheld = {peer: call.experts for peer, call in sent.items()}, []
+            elif warmed is not None and self._still_fits(warmed, pending, exclude):
                 plan, unheld = warmed, []
             else:
                 plan, unheld = (self.verifier.plan(layer, pending, exclude) if self.verifier is not None
                                 else plan_dispatch(layer, pending, self.table.live(), exclude=exclude))
             warmed = None
-            calls = [asyncio.ensure_future(self._call(peer, layer, x, ids, experts, y)) for peer, experts in plan.items()]
+            calls = [asyncio.ensure_future(self._call(peer, layer, x, ids, experts, y, sent and sent[peer]))
+                     for peer, experts in plan.items()]
+            sent = None
             self._warm_next(layer)  # the next hash-routed layer, behind these requests
             results = await asyncio.gather(*calls, return_exceptions=True)
             failed = list(unheld)
@@ -325,22 +371,29 @@ class RemoteExperts:
             self.local_pairs += int(np.isin(ids, ok).sum())
         return failed
 
-    async def _call(self, peer: bytes, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int],
-                    y: np.ndarray) -> None:
-        holder = self.table.holders[peer]
-        token_sets = [np.nonzero((ids == e).any(axis=1))[0] for e in experts]
-        rows_used = np.unique(np.concatenate(token_sets))
-        local_index = np.full(ids.shape[0], -1, np.int64)
-        local_index[rows_used] = np.arange(rows_used.size)
+    def _request(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int]
+                 ) -> tuple[list[np.ndarray], list[np.ndarray], ExpertRequest]:
+        """One holder's request for ``experts``, and where their outputs go (tokens, slots of ``ids``)."""
+        token_sets, slot_sets, hidden, rows = _routes(x, ids, experts)
         request = ExpertRequest(
             request_id=os.urandom(16), model_id=self.table.model_id, layer=layer, seq=next(self._seq),
-            hidden=x[rows_used].astype(self.config.wire_dtype),
-            experts=tuple(ExpertRows(e, local_index[t].astype(np.uint32)) for e, t in zip(experts, token_sets)),
+            hidden=hidden.astype(self.config.wire_dtype),  # a copy: the receipt's input hash is checked later
+            experts=tuple(ExpertRows(e, r) for e, r in zip(experts, rows)),
         )
-        t0 = time.perf_counter()
-        holder.in_flight += 1  # the queue term of its expected latency (Holder.score)
+        return token_sets, slot_sets, request
+
+    async def _call(self, peer: bytes, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int],
+                    y: np.ndarray, sent: _Sent | None = None) -> None:
+        holder = self.table.holders[peer]
+        if sent is None:
+            token_sets, slot_sets, request = self._request(layer, x, ids, experts)
+            t0 = time.perf_counter()
+            holder.in_flight += 1  # the queue term of its expected latency (Holder.score)
+        else:  # written by _send_now, which counted it in flight
+            token_sets, slot_sets, request, t0 = sent.token_sets, sent.slot_sets, sent.request, sent.t0
         try:
-            response: ExpertResponse = await self._call_once_or_reconnect(holder, request)
+            response: ExpertResponse = await (self._call_once_or_reconnect(holder, request) if sent is None
+                                              else self._answer_sent(holder, sent))
             if response.outputs.shape != (request.pairs, x.shape[1]):
                 raise BadResponse(f"outputs have shape {list(response.outputs.shape)}, expected "
                                   f"[{request.pairs}, {x.shape[1]}]", code=ErrorCode.BAD_TENSOR)
@@ -365,8 +418,7 @@ class RemoteExperts:
                 self._checking.discard((peer, request.request_id))
         self.calls += 1
         offset = 0
-        for e, tokens in zip(experts, token_sets):
-            slots = np.argmax(ids[tokens] == e, axis=1)
+        for tokens, slots in zip(token_sets, slot_sets):
             y[tokens, slots] = outputs[offset : offset + tokens.size]
             offset += tokens.size
         if honest:
@@ -472,9 +524,20 @@ class RemoteExperts:
             await self.connections.drop(holder.peer_id)
             client = await self.connections.get(holder, self.config.timeout_s)
             response = await client.call(request, self.config.timeout_s)
-        if response.receipt is None and (client.version < 2 or request.signed):
-            raise BadResponse("the answer carries no receipt (it must: v1.2 connection, or asked for)")
-        return response
+        return _with_receipt_if_due(client, request, response)
+
+    async def _answer_sent(self, holder: Holder, sent: _Sent) -> ExpertResponse:
+        """The answer to a request ``_send_now`` wrote; if its connection failed, it is sent once
+        more on a new one (as ``_call_once_or_reconnect`` does for a connection in use)."""
+        client = sent.client
+        try:
+            response = await (client.answer(sent.request, sent.future, self.config.timeout_s) if sent.future is not None
+                              else client.call(sent.request, self.config.timeout_s))  # its write had to wait
+        except NetworkError:
+            await self.connections.drop(holder.peer_id)
+            client = await self.connections.get(holder, self.config.timeout_s)
+            response = await client.call(sent.request, self.config.timeout_s)
+        return _with_receipt_if_due(client, sent.request, response)
 
     def _compute_locally(self, layer: int, x: np.ndarray, ids: np.ndarray, experts: list[int], y: np.ndarray,
                          source: Callable[[int, int], ExpertWeights | None] | None = None) -> None:
@@ -521,6 +584,39 @@ class RemoteExperts:
         self.settle_receipts()
         await self.flush_receipts()
         await self.connections.aclose()
+
+
+def _with_receipt_if_due(client: ExpertClient, request: ExpertRequest, response: ExpertResponse) -> ExpertResponse:
+    if response.receipt is None and (client.version < 2 or request.signed):
+        raise BadResponse("the answer carries no receipt (it must: v1.2 connection, or asked for)")
+    return response
+
+
+def _experts_of(ids: np.ndarray) -> list[int]:
+    """The distinct experts of ``ids (T, k)``, ascending."""
+    return sorted(set(ids.ravel().tolist())) if ids.size <= 4096 else np.unique(ids).tolist()
+
+
+_ROW0 = np.zeros(1, np.intp)
+_ROW0.setflags(write=False)
+_ROW0_U32 = np.zeros(1, np.uint32)
+_ROW0_U32.setflags(write=False)
+
+
+def _routes(x: np.ndarray, ids: np.ndarray, experts: list[int]
+            ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray, list[np.ndarray]]:
+    """For one holder's ``experts`` of a layer routed by ``ids (T, k)``: each expert's tokens
+    (ascending) and the slot of ``ids`` it fills for each, the rows of ``x (T, H)`` the holder
+    needs, and each expert's rows among those (uint32, as ``ExpertRows`` takes them)."""
+    if ids.shape[0] == 1:  # a decode step: one token, no index arithmetic
+        row = ids[0].tolist()
+        return [_ROW0] * len(experts), [np.array([row.index(e)]) for e in experts], x, [_ROW0_U32] * len(experts)
+    token_sets = [np.nonzero((ids == e).any(axis=1))[0] for e in experts]
+    slot_sets = [np.argmax(ids[t] == e, axis=1) for e, t in zip(experts, token_sets)]
+    rows_used = np.unique(np.concatenate(token_sets))
+    local_index = np.full(ids.shape[0], -1, np.int64)
+    local_index[rows_used] = np.arange(rows_used.size)
+    return token_sets, slot_sets, x[rows_used], [local_index[t].astype(np.uint32) for t in token_sets]
 
 
 async def _ready(value: ExpertWeights | None) -> ExpertWeights | None:

@@ -44,23 +44,33 @@ class ExpertServer(ExpertService):
             self._f32 = F32Cache(self.config.f32_cache_bytes)
 
     def _compute(self, jobs: Sequence[Job]) -> list[ExpertResponse | ProtocolError]:
-        """Thread: one matmul chain per (layer, expert) over all jobs' rows, then sign."""
+        """Thread: one matmul chain per (layer, expert) over all jobs' rows, then sign. A job's
+        one expert over all its rows (a decode step's usual call) reads its hidden states and
+        answers with the expert's output as they are, no gathering or scattering copies."""
         t0 = time.perf_counter()
         inputs = [j.request.hidden.astype(np.float32, copy=False) for j in jobs]
-        outputs = [np.empty((j.request.pairs, self.cfg.hidden_size), np.float32) for j in jobs]
+        outputs: list[np.ndarray | None] = [None] * len(jobs)
         work: dict[tuple[int, int], list[tuple[int, np.ndarray, int]]] = defaultdict(list)
         for i, job in enumerate(jobs):
             offset = 0
             for e in job.request.experts:
                 work[(job.request.layer, int(e.expert))].append((i, e.rows, offset))
                 offset += len(e.rows)
-        for (layer, expert), parts in work.items():
-            x = np.concatenate([inputs[i][rows] for i, rows, _ in parts])
-            held = jobs[parts[0][0]].held  # validated to hold this expert, even if a move dropped it since
-            with np.errstate(over="ignore", invalid="ignore"):  # overflow is answered as NON_FINITE below
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is answered as NON_FINITE (_respond)
+            for (layer, expert), parts in work.items():
+                whole = [inputs[i] if len(rows) == len(inputs[i]) else inputs[i][rows] for i, rows, _ in parts]
+                x = whole[0] if len(whole) == 1 else np.concatenate(whole)
+                held = jobs[parts[0][0]].held  # validated to hold this expert, even if a move dropped it since
                 y = expert_ffn(self._f32.layer(layer, held, self.on_access)[expert], x, self.cfg)
-            start = 0
-            for i, rows, offset in parts:
-                outputs[i][offset : offset + len(rows)] = y[start : start + len(rows)]
-                start += len(rows)
-        return self._respond(jobs, outputs, t0)
+                start = 0
+                for i, rows, offset in parts:
+                    pairs = jobs[i].request.pairs
+                    if len(rows) == pairs:  # the job's only expert
+                        outputs[i] = y[start : start + pairs]
+                    else:
+                        out = outputs[i]
+                        if out is None:
+                            out = outputs[i] = np.empty((pairs, self.cfg.hidden_size), np.float32)
+                        out[offset : offset + len(rows)] = y[start : start + len(rows)]
+                    start += len(rows)
+        return self._respond(jobs, outputs, t0)  # type: ignore[arg-type]

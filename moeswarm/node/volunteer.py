@@ -105,7 +105,8 @@ async def run_node(config: NodeConfig, on_ready: Callable[[dict[str, Any]], None
                                         serve_weights, server.weights, model_id, request))
                                     if config.serve_weights else None,
                                     configs={model_id: config_bytes(sc.model_dir)},
-                                    batched_handler=batched_handler, receipts=server)
+                                    batched_handler=batched_handler, receipts=server,
+                                    fast_handler=server.answer_now if gate is None else None)  # the gate asks first
         await server.start()
         await dataplane.start()
         try:

@@ -72,6 +72,7 @@ MODEL_ID_RE: Final = re.compile(r"[A-Za-z0-9._@+-]+(?:/[A-Za-z0-9._@+-]+)*")
 ENDPOINT_RE: Final = re.compile(r"[a-z][a-z0-9+.-]*://[\x21-\x7e]+")
 SOFTWARE_RE: Final = re.compile(r"[\x20-\x7e]*")
 U16_MAX: Final = 2**16 - 1
+_U32: Final = np.dtype("<u4")
 
 
 # ---------------------------------------------------------------- shared field helpers
@@ -232,6 +233,8 @@ def _dec_config_response(f: Fields) -> ConfigResponse:
 
 
 def rows_bytes(rows: np.ndarray) -> bytes:
+    if type(rows) is np.ndarray and rows.dtype == _U32 and rows.ndim == 1:  # as decoded or as dispatch makes them
+        return rows.tobytes()
     arr = np.asarray(rows)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise ConfigError("ExpertRows.rows must be a 1-D integer array")
@@ -254,8 +257,15 @@ def _enc_expert_request(m: ExpertRequest) -> dict[str, Any]:
     return out
 
 
+_ROW0: Final = np.zeros(1, _U32)
+_ROW0.setflags(write=False)
+
+
 def _dec_rows(f: Fields, tokens: int, covered: np.ndarray) -> np.ndarray:
     raw = f.bin("rows")
+    if tokens == 1 and raw == b"\0\0\0\0":  # a decode step's one row: the only valid rows there
+        covered[0] = True
+        return _ROW0
     if not 4 <= len(raw) <= 4 * tokens or len(raw) % 4:
         bad(f"rows must be 1..{tokens} little-endian uint32 values")
     rows = np.frombuffer(raw, dtype="<u4")
@@ -291,14 +301,15 @@ def _dec_expert_request(f: Fields) -> ExpertRequest:
 
 
 def receipt_body(r: Receipt) -> dict[str, Any]:
-    """The fields of a receipt that both signatures cover (everything but ``sig``)."""
-    return sorted_map({
+    """The fields of a receipt that both signatures cover (everything but ``sig``), written in
+    canonical key order (made on every call by both sides: no sort; tests check the order)."""
+    return {
         "client": r.client, "expert_flops": _u(r.expert_flops),
         "experts": [_u(e) for e in r.experts], "input_hash": r.input_hash,
         "layer": _u(r.layer), "model_id": r.model_id, "output_hash": r.output_hash,
         "pairs": _u(r.pairs), "request_id": r.request_id, "seq": _u(r.seq),
         "server": r.server, "time_ms": _u(r.time_ms), "tokens": _u(r.tokens),
-    })
+    }
 
 
 def _enc_receipt(r: Receipt) -> dict[str, Any]:

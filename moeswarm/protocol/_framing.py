@@ -9,9 +9,12 @@ import asyncio
 
 from moeswarm.errors import ConfigError, NetworkError, ProtocolError
 
-from ._codec import decode, encode
+from ._codec import decode, encode, to_wire
 from ._limits import DEFAULT_MAX_FRAME, FRAME_HEADER_SIZE, ErrorCode
-from ._messages import Message
+from ._messages import ExpertRequest, ExpertResponse, Message, WeightsResponse
+from ._wire import LARGE_BIN, pack_parts
+
+_TENSOR_FIELD = {ExpertRequest: "hidden", ExpertResponse: "outputs", WeightsResponse: "data"}  # messages with a tensor
 
 
 def frame_body(body: bytes, *, max_size: int = DEFAULT_MAX_FRAME) -> bytes:
@@ -22,8 +25,23 @@ def frame_body(body: bytes, *, max_size: int = DEFAULT_MAX_FRAME) -> bytes:
 
 
 def frame(msg: Message, *, max_size: int = DEFAULT_MAX_FRAME) -> bytes:
-    """The complete frame (length prefix + canonical body) of ``msg``."""
-    return frame_body(encode(msg), max_size=max_size)
+    """The complete frame (length prefix + canonical body) of ``msg``. A message carrying a large
+    tensor is assembled in one buffer, the tensor's bytes copied into it once from its own array
+    (``pack_parts``); small ones are packed whole (fewer Python steps)."""
+    tensor = getattr(msg, _TENSOR_FIELD.get(type(msg), ""), None)
+    if tensor is None or tensor.nbytes < LARGE_BIN:
+        return frame_body(encode(msg), max_size=max_size)
+    wire = to_wire(msg)
+    parts: list[bytes | memoryview] = [b""]
+    try:
+        pack_parts(wire, parts)
+    except ConfigError as exc:
+        raise ConfigError(f"cannot encode message: {exc}") from exc
+    length = sum(len(p) if type(p) is bytes else p.nbytes for p in parts)
+    if not 1 <= length <= max_size:
+        raise ConfigError(f"frame body of {length} bytes is outside 1..{max_size}")
+    parts[0] = length.to_bytes(FRAME_HEADER_SIZE, "big")
+    return b"".join(parts)
 
 
 def parse_frame_header(header: bytes, *, max_size: int = DEFAULT_MAX_FRAME) -> int:

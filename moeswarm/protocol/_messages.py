@@ -7,7 +7,7 @@ Construction does not validate; ``decode`` does, and ``encode`` writes what it i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, TypeAlias
 
 import numpy as np
@@ -68,11 +68,10 @@ class ExpertRequest:
     experts: tuple[ExpertRows, ...]  # distinct experts, in the order outputs come back
     deadline_ms: int | None = None  # budget from arrival to start of compute, milliseconds
     signed: bool = False  # v1.3: ask for a signed receipt in the response, not in a later receipt_batch
+    pairs: int = field(init=False, repr=False)  # P, the (expert, token) pairs = rows of the response
 
-    @property
-    def pairs(self) -> int:
-        """P, the number of (expert, token) pairs = rows of the response."""
-        return sum(len(e.rows) for e in self.experts)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pairs", sum(len(e.rows) for e in self.experts))  # read ~5 times a call
 
 
 @dataclass(frozen=True, slots=True)

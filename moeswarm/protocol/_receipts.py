@@ -34,14 +34,18 @@ from ._messages import (
     ReceiptBatch,
 )
 from ._tensor import tensor_canonical_parts, tensor_hash
-from ._wire import canonical, pack  # pack: for maps already in canonical order (receipt_body, statement_body)
+from ._wire import pack  # for maps already in canonical order (receipt_body, statement_body): their canonical bytes
+
+
+_EXPERTS_KEY = b"\x82" + pack("experts")  # a map of 2 entries, then its first key
+_HIDDEN_KEY = pack("hidden")
 
 
 def input_hash(hidden: np.ndarray, experts: Sequence[ExpertRows]) -> bytes:
     """SHA-256 of canonical ``{"experts": <request experts>, "hidden": <tensor map>}``."""
-    h = hashlib.sha256(b"\x82" + pack("experts"))
+    h = hashlib.sha256(_EXPERTS_KEY)
     h.update(pack([{"expert": int(e.expert), "rows": rows_bytes(e.rows)} for e in experts]))
-    h.update(pack("hidden"))
+    h.update(_HIDDEN_KEY)
     prefix, data, suffix = tensor_canonical_parts(hidden)
     h.update(prefix)
     h.update(data)
@@ -82,7 +86,7 @@ def make_receipt(
     )
     if not sign:
         return unsigned
-    sig = identity.sign(SignatureKind.RECEIPT, canonical(receipt_body(unsigned)))
+    sig = identity.sign(SignatureKind.RECEIPT, pack(receipt_body(unsigned)))
     return replace(unsigned, sig=sig)
 
 
@@ -93,7 +97,7 @@ def _bad(message: str, code: int = ErrorCode.BAD_FIELD) -> BadResponse:
 def verify_receipt(receipt: Receipt) -> None:
     """Check the server's signature under the key inside ``receipt.server``; ``BadResponse`` 9."""
     key = public_key_from_peer_id(receipt.server)
-    if not verify(key, SignatureKind.RECEIPT, canonical(receipt_body(receipt)), receipt.sig):
+    if not verify(key, SignatureKind.RECEIPT, pack(receipt_body(receipt)), receipt.sig):
         raise _bad("receipt signature does not verify", ErrorCode.AUTH_FAILED)
 
 
@@ -101,7 +105,7 @@ def countersign(identity: Identity, receipt: Receipt) -> CountersignedReceipt:
     """The client's countersignature; check the receipt first (``check_response``)."""
     if receipt.client != identity.peer_id:
         raise ConfigError("only the receipt's client may countersign it")
-    payload = canonical(receipt_body(receipt)) + receipt.sig
+    payload = pack(receipt_body(receipt)) + receipt.sig
     return CountersignedReceipt(receipt, identity.sign(SignatureKind.RECEIPT_COUNTERSIGN, payload))
 
 
@@ -109,7 +113,7 @@ def verify_countersigned(cr: CountersignedReceipt) -> None:
     """Check both signatures; ``BadResponse`` code 9 if either fails."""
     verify_receipt(cr.receipt)
     key = public_key_from_peer_id(cr.receipt.client)
-    payload = canonical(receipt_body(cr.receipt)) + cr.receipt.sig
+    payload = pack(receipt_body(cr.receipt)) + cr.receipt.sig
     if not verify(key, SignatureKind.RECEIPT_COUNTERSIGN, payload, cr.client_sig):
         raise _bad("client countersignature does not verify", ErrorCode.AUTH_FAILED)
 
@@ -144,18 +148,18 @@ def check_outputs(request: ExpertRequest, response: ExpertResponse) -> None:
 def check_receipt(request: ExpertRequest, outputs: np.ndarray, r: Receipt, *, client: bytes, server: bytes) -> None:
     """Every field of receipt ``r`` but its signature matches ``request`` and the ``outputs``
     received; ``BadResponse`` 4 naming the first field that does not."""
-    tokens = request.hidden.shape[0]
-    pairs = request.pairs
-    expected = {
-        "request_id": request.request_id, "client": client, "server": server,
-        "model_id": request.model_id, "layer": request.layer,
-        "experts": tuple(int(e.expert) for e in request.experts), "tokens": tokens,
-        "pairs": pairs, "seq": request.seq,
-        "input_hash": input_hash(request.hidden, request.experts),
-        "output_hash": output_hash(outputs),
-    }
-    for name, value in expected.items():
-        if getattr(r, name) != value:
+    checks = (  # in this order: the first that fails is named; the hashes only when all else matched
+        ("request_id", lambda: r.request_id == request.request_id), ("client", lambda: r.client == client),
+        ("server", lambda: r.server == server), ("model_id", lambda: r.model_id == request.model_id),
+        ("layer", lambda: r.layer == request.layer),
+        ("experts", lambda: r.experts == tuple(int(e.expert) for e in request.experts)),
+        ("tokens", lambda: r.tokens == request.hidden.shape[0]), ("pairs", lambda: r.pairs == request.pairs),
+        ("seq", lambda: r.seq == request.seq),
+        ("input_hash", lambda: r.input_hash == input_hash(request.hidden, request.experts)),
+        ("output_hash", lambda: r.output_hash == output_hash(outputs)),
+    )
+    for name, holds in checks:
+        if not holds():
             raise _bad(f"receipt.{name} does not match the request")
 
 

@@ -60,6 +60,8 @@ def wire_dtype(array: np.ndarray) -> str:
 
 def _raw_bytes(array: np.ndarray, name: str) -> memoryview:
     """The little-endian element bytes of ``array`` in C order, without a copy if possible."""
+    if _LITTLE and name != "bf16" and array.flags.c_contiguous:  # the array's own memory, as bytes (no numpy steps)
+        return memoryview(array).cast("B")
     if name == BYTES_DTYPE:
         return memoryview(np.ascontiguousarray(array).reshape(-1).data)
     bits = _BITS[name][0]
@@ -77,6 +79,10 @@ def tensor_to_wire(array: np.ndarray) -> dict[str, Any]:
     return {"data": _raw_bytes(array, name), "dtype": name, "shape": [int(d) for d in array.shape]}
 
 
+_DATA_KEY: Final = b"\x83" + pack("data")  # a tensor map of 3 entries, then its first key
+_DTYPE_FIELD: Final = {name: pack("dtype") + pack(name) + pack("shape") for name in (*WIRE_DTYPES, BYTES_DTYPE)}
+
+
 def tensor_canonical_parts(array: np.ndarray) -> tuple[bytes, memoryview, bytes]:
     """``(prefix, data, suffix)`` whose concatenation is the canonical tensor map.
 
@@ -91,9 +97,7 @@ def tensor_canonical_parts(array: np.ndarray) -> tuple[bytes, memoryview, bytes]
         header = b"\xc5" + n.to_bytes(2, "big")
     else:
         header = b"\xc6" + n.to_bytes(4, "big")
-    prefix = b"\x83" + pack("data") + header
-    suffix = pack("dtype") + pack(wire["dtype"]) + pack("shape") + pack(wire["shape"])
-    return prefix, data, suffix
+    return _DATA_KEY + header, data, _DTYPE_FIELD[wire["dtype"]] + pack(wire["shape"])
 
 
 def tensor_hash(array: np.ndarray) -> bytes:
@@ -107,6 +111,10 @@ def tensor_hash(array: np.ndarray) -> bytes:
 
 def check_finite(array: np.ndarray, name: str, field: str = "tensor") -> None:
     """Raise code 6 if any element is NaN or infinite (exponent bits all ones)."""
+    if name == "f32":  # numpy's own test is ~3x faster than the bit test for float32 (not for 16-bit floats)
+        if not np.isfinite(array).all():
+            raise _bad(f"{field} holds NaN or Inf", ErrorCode.NON_FINITE)
+        return
     bits, mask = _BITS[name]
     u = array.reshape(-1).view(bits.newbyteorder("="))
     if np.any((u & mask) == mask):

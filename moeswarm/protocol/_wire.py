@@ -33,8 +33,9 @@ _Timestamp = msgpack.Timestamp
 
 
 def sorted_map(items: Mapping[str, Any]) -> dict[str, Any]:
-    """A dict whose insertion order is the canonical key order (UTF-8 bytes, ascending)."""
-    return {k: items[k] for k in sorted(items, key=lambda k: k.encode("utf-8"))}
+    """A dict whose insertion order is the canonical key order (UTF-8 bytes, ascending): the order
+    of the keys' code points, which is how Python compares ``str`` (UTF-8 keeps code point order)."""
+    return {k: items[k] for k in sorted(items)}
 
 
 def _canon(obj: Any) -> Any:
@@ -71,6 +72,42 @@ def pack(obj: Any) -> bytes:
     except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as exc:
         raise ConfigError(f"cannot encode message: {exc}") from exc
     return out
+
+
+LARGE_BIN = 512 << 10
+"""Bytes from which ``pack_parts`` leaves a ``bin``'s payload where it is instead of copying it."""
+
+
+def _container_header(n: int, fix: int, b16: int, b32: int) -> bytes:
+    if n <= 15:
+        return bytes((fix | n,))
+    return bytes((b16,)) + n.to_bytes(2, "big") if n < 2**16 else bytes((b32,)) + n.to_bytes(4, "big")
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 2**8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    return b"\xc5" + n.to_bytes(2, "big") if n < 2**16 else b"\xc6" + n.to_bytes(4, "big")
+
+
+def pack_parts(obj: Any, parts: list[bytes | memoryview]) -> None:
+    """Append to ``parts`` pieces whose concatenation is ``pack(obj)``: each ``bin`` of at least
+    ``LARGE_BIN`` bytes given as a memoryview is appended as it is (a tensor's own memory), so a
+    frame is assembled with one copy of it (``frame``) instead of three."""
+    if type(obj) is dict:
+        parts.append(_container_header(len(obj), 0x80, 0xDE, 0xDF))
+        for key, value in obj.items():
+            parts.append(pack(key))
+            pack_parts(value, parts)
+    elif type(obj) is list:
+        parts.append(_container_header(len(obj), 0x90, 0xDC, 0xDD))
+        for value in obj:
+            pack_parts(value, parts)
+    elif type(obj) is memoryview and obj.nbytes >= LARGE_BIN:
+        parts.append(_bin_header(obj.nbytes))
+        parts.append(obj.cast("B"))
+    else:
+        parts.append(pack(obj))
 
 
 # ---------------------------------------------------------------- defensive decoding

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -38,7 +39,8 @@ class Node:
         self.server = ExpertServer(weights, self.identity, ExpertServerConfig(model_id, layers, experts))
         self.dataplane = DataPlaneServer(self.identity, self.server.handle,  # batched: as a v1.3 node serves
                                          batched_handler=self.server.handle_batched if batched else None,
-                                         receipts=self.server if batched else None)
+                                         receipts=self.server if batched else None,
+                                         fast_handler=self.server.answer_now)  # as a node serves
         self.layers, self.experts, self.model_id = layers, experts, model_id
 
     async def __aenter__(self) -> "Node":
@@ -137,6 +139,15 @@ def test_decode_on_the_event_loop_with_batched_receipts(oracle_checkpoints) -> N
             submitted_from: list[int] = []
             submit = executor.submit
             executor.submit = lambda *a: (submitted_from.append(threading.get_ident()), submit(*a))[1]  # type: ignore[method-assign]
+            sent_at_once: list[bool] = []
+            send_now = executor._send_now
+
+            def spy_send_now(*a):  # type: ignore[no-untyped-def]
+                sent = send_now(*a)
+                sent_at_once.append(sent is not None)
+                return sent
+
+            executor._send_now = spy_send_now  # type: ignore[method-assign]
             try:
                 cache = model.new_cache()
                 out = [await asyncio.to_thread(lambda: model.forward(np.asarray([ref.prompt_ids]), cache)[0])]
@@ -144,6 +155,7 @@ def test_decode_on_the_event_loop_with_batched_receipts(oracle_checkpoints) -> N
                 for t in ref.decode_tokens:
                     out.append(await run_on_loop(lambda t=t: model.forward(np.asarray([[t]]), cache)[0]))
                 await executor.flush_receipts()
+                assert sent_at_once and all(sent_at_once)  # decode steps: requests written as the layer ran
                 return np.concatenate(out), executor, submitted_from[prefill_submits:], receipts, prefill_submits
             finally:
                 await executor.aclose()
@@ -158,6 +170,46 @@ def test_decode_on_the_event_loop_with_batched_receipts(oracle_checkpoints) -> N
     assert {type(r).__name__ for r in receipts} == {"BatchedReceipt"}
     for r in receipts:
         verify_record(r)
+
+
+def test_a_layer_written_from_the_forward_pass_is_sent_again_when_its_connection_dies(oracle_checkpoints) -> None:
+    """From a forward pass on the loop, a layer's requests are written as the layer runs
+    (``_send_now``); one whose connection breaks right after the write is sent again on a new
+    connection, and the layer's output is the same as over the connection that worked."""
+    folder, _ = oracle_checkpoints.get("mixtral", "packed")
+    cfg = load_weights(folder, keep_expert=lambda L, e: False).config
+    layer = next(L for L in range(cfg.num_layers) if cfg.moe_layers[L])
+
+    async def main() -> None:
+        nodes = [Node(folder, "m", (0, cfg.num_layers - 1), r, batched=True) for r in split_ranges(cfg.num_experts, 2)]
+        async with nodes[0], nodes[1]:
+            table = SwarmTable("m")
+            for node in nodes:
+                table.update(node.announcement())
+            executor = RemoteExperts(cfg, Identity.generate(), table, asyncio.get_running_loop())
+            x = np.random.default_rng(2).standard_normal((1, cfg.hidden_size)).astype(np.float32)
+            ids, weights = np.array([[0, cfg.num_experts - 1]]), np.array([[0.7, 0.3]], np.float32)
+            def step() -> np.ndarray:
+                return executor.submit(layer, x, ids, weights).result()
+
+            first = await run_on_loop(step)  # dials both holders (the dispatch sends these requests)
+            peer = nodes[0].identity.peer_id
+            victim = executor.connections.open_client(peer)
+            assert victim is not None
+            write = victim.send_now
+
+            def write_then_break(request):  # type: ignore[no-untyped-def]
+                future = write(request)
+                victim.writer.transport.abort()
+                return future
+
+            victim.send_now = write_then_break  # type: ignore[method-assign]
+            again = await run_on_loop(step)
+            assert executor.connections.open_client(peer) not in (None, victim)
+            assert np.array_equal(first, again) and executor.calls == 4
+            await executor.aclose()
+
+    asyncio.run(main())
 
 
 def test_missing_experts_fail_loudly_or_fall_back(oracle_checkpoints) -> None:
@@ -177,6 +229,8 @@ def test_missing_experts_fail_loudly_or_fall_back(oracle_checkpoints) -> None:
 
 
 def test_bad_requests_get_protocol_errors_and_server_keeps_serving(oracle_checkpoints) -> None:
+    """Each bad request gets its specific error, answered at once by an idle server (``answer_now``)
+    and through the queue alike; the same good request gets the same outputs either way."""
     folder, ref = oracle_checkpoints.get("mixtral", "packed")
 
     async def main() -> None:
@@ -190,18 +244,15 @@ def test_bad_requests_get_protocol_errors_and_server_keeps_serving(oracle_checkp
                             experts=(ExpertRows(1, np.array([0, 1], np.uint32)),))
                 return ExpertRequest(**{**base, **kw})
 
-            for bad, code in [(req(model_id="other"), ErrorCode.UNKNOWN_EXPERT),
-                              (req(layer=5), ErrorCode.UNKNOWN_EXPERT),
-                              (req(experts=(ExpertRows(9, np.array([0, 1], np.uint32)),)), ErrorCode.UNKNOWN_EXPERT),
-                              (req(experts=(ExpertRows(1, np.array([0], np.uint32)),)), ErrorCode.BAD_FIELD),
-                              (req(hidden=np.ones((2, 63), np.float32)), ErrorCode.BAD_TENSOR),
-                              # finite but huge: the outputs overflow float32, which may not be sent
-                              (req(hidden=np.full((2, 64), 1e30, np.float32)), ErrorCode.NON_FINITE),
-                              # fine in float32, overflows when cast back to the request's float16
-                              (req(hidden=np.full((2, 64), 6e4, np.float16)), ErrorCode.NON_FINITE)]:
-                with pytest.raises(ProtocolError) as info:
-                    await client.call(bad, timeout=10)
-                assert info.value.code == code
+            outputs = []
+            for fast in (True, False):
+                node.dataplane.fast_handler = node.server.answer_now if fast else None
+                at_once = node.server.answered_at_once
+                await bad_requests_refused(client, req)
+                response = await client.call(req(hidden=np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64)), 10)
+                outputs.append(response.outputs)
+                assert (node.server.answered_at_once > at_once) == fast
+            assert np.array_equal(outputs[0], outputs[1])
             response = await client.call(req(), timeout=10)
             assert response.outputs.shape == (2, 64)
             assert await client.ping() > 0
@@ -209,6 +260,73 @@ def test_bad_requests_get_protocol_errors_and_server_keeps_serving(oracle_checkp
             with pytest.raises(ProtocolError):
                 await ExpertClient.connect(node.dataplane.endpoint, Identity.generate(),
                                            expected_peer=Identity.generate().peer_id)
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+async def bad_requests_refused(client: ExpertClient, req) -> None:  # type: ignore[no-untyped-def]
+    for bad, code in [(req(model_id="other"), ErrorCode.UNKNOWN_EXPERT),
+                      (req(layer=5), ErrorCode.UNKNOWN_EXPERT),
+                      (req(experts=(ExpertRows(9, np.array([0, 1], np.uint32)),)), ErrorCode.UNKNOWN_EXPERT),
+                      (req(experts=(ExpertRows(1, np.array([0], np.uint32)),)), ErrorCode.BAD_FIELD),
+                      (req(hidden=np.ones((2, 63), np.float32)), ErrorCode.BAD_TENSOR),
+                      # finite but huge: the outputs overflow float32, which may not be sent
+                      (req(hidden=np.full((2, 64), 1e30, np.float32)), ErrorCode.NON_FINITE),
+                      # fine in float32, overflows when cast back to the request's float16
+                      (req(hidden=np.full((2, 64), 6e4, np.float16)), ErrorCode.NON_FINITE)]:
+        with pytest.raises(ProtocolError) as info:
+            await client.call(bad, timeout=10)
+        assert info.value.code == code, (bad, info.value)
+
+
+def test_requests_arriving_while_a_batch_computes_are_batched_not_answered_at_once(oracle_checkpoints) -> None:
+    """The idle fast path (``answer_now``) leaves batching under load as it was: a large call computes
+    in a worker thread; small calls arriving meanwhile (each small enough to be answered at once on
+    an idle server) queue and are computed together in one batch after it, and every answer is
+    the one the same call gets alone."""
+    folder, _ = oracle_checkpoints.get("mixtral", "packed")
+    rng = np.random.default_rng(1)
+
+    async def main() -> None:
+        async with Node(folder, "m", (0, 1), (0, 7)) as node:
+            server = node.server
+            cfg = server.cfg
+            server.config = dataclasses.replace(server.config, inline_macs=3 * cfg.hidden_size * cfg.moe_intermediate_size)
+            batches: list[int] = []
+            release = threading.Event()
+            compute = server._compute
+
+            def slow_compute(jobs):  # type: ignore[no-untyped-def]
+                batches.append(len(jobs))
+                if len(batches) == 1:  # the large call: held in its thread until the small ones queued
+                    release.wait(30)
+                return compute(jobs)
+
+            server._compute = slow_compute  # type: ignore[method-assign]
+            client = await ExpertClient.connect(node.dataplane.endpoint, Identity.generate(),
+                                                expected_peer=node.identity.peer_id)
+
+            def req(rows: int) -> ExpertRequest:
+                return ExpertRequest(np.random.bytes(16), "m", 0, 1, rng.standard_normal((rows, 64)).astype(np.float32),
+                                     (ExpertRows(2, np.arange(rows, dtype=np.uint32)),))
+
+            large, small = req(8), [req(1) for _ in range(4)]
+            calls = [asyncio.ensure_future(client.call(large, 30))]
+            async with asyncio.timeout(30):
+                while not server._computing:  # the large call is in its thread
+                    await asyncio.sleep(0.001)
+            calls += [asyncio.ensure_future(client.call(r, 30)) for r in small]
+            async with asyncio.timeout(30):
+                while server._queue.qsize() < len(small):
+                    await asyncio.sleep(0.001)
+            release.set()
+            answers = await asyncio.gather(*calls)
+            assert batches == [1, len(small)] and server.answered_at_once == 0
+            server._compute = compute  # type: ignore[method-assign]
+            for r, a in zip([large, *small], answers):  # alone, on the now idle server: the small ones at once
+                assert np.array_equal((await client.call(r, 30)).outputs, a.outputs)
+            assert server.answered_at_once == len(small)  # the large one is over inline_macs: queued even so
             await client.aclose()
 
     asyncio.run(main())

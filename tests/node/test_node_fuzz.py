@@ -55,7 +55,7 @@ class Harness:
         self.identity = Identity.generate()
         server = ExpertServer(load_weights(folder), self.identity, ExpertServerConfig("m", (0, 1), (0, 7)))
         self.expert_server = server
-        self.dataplane = DataPlaneServer(self.identity, server.handle)
+        self.dataplane = DataPlaneServer(self.identity, server.handle, fast_handler=server.answer_now)  # as nodes serve
 
     async def raw_connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         host, port, _ = parse_endpoint(self.dataplane.endpoint)

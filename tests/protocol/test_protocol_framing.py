@@ -6,6 +6,7 @@ import asyncio
 import socket
 import struct
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -112,3 +113,29 @@ def test_write_and_read_over_a_socket_pair() -> None:
             await other.wait_closed()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("rows", [1, 127, 128, 300])  # 4 KiB rows: 128 of them are LARGE_BIN, in one piece
+def test_a_large_tensor_frame_is_the_canonical_encoding_built_in_one_buffer(rows: int) -> None:
+    """``frame`` assembles a message with a large tensor from pieces (the tensor's bytes copied once):
+    the frame is exactly the length prefix and the one codec's body (msgpack's own packing of the
+    wire map), for requests, responses and weight fetches, float32 and float16, and it decodes back."""
+    from moeswarm.protocol._wire import LARGE_BIN
+
+    assert 127 * 4096 < LARGE_BIN <= 128 * 4096
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 1024)).astype(np.float32)
+    messages = [
+        p.ExpertRequest(bytes(16), "m", 1, 7, x, (p.ExpertRows(3, np.arange(rows, dtype=np.uint32)),), signed=True),
+        p.ExpertResponse(bytes(range(16)), x, None, 12, 3),
+        p.ExpertResponse(bytes(range(16)), np.concatenate([x, x]).astype(np.float16), None, 1, 0),
+        p.WeightsResponse(bytes(16), x),
+    ]
+    for msg in messages:
+        data = p.frame(msg)
+        body = msgpack.packb(p.to_wire(msg), use_bin_type=True)
+        assert data == len(body).to_bytes(4, "big") + body
+        again = p.decode(data[4:])
+        assert type(again) is type(msg)
+    with pytest.raises(ConfigError, match="outside"):
+        p.frame(messages[1], max_size=len(p.encode(messages[1])) - 1)

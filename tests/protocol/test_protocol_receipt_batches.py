@@ -115,3 +115,14 @@ def test_a_batch_of_someone_else_is_not_ours_to_countersign() -> None:
     _, _, batch = _batch(2)
     with pytest.raises(Exception, match="only the batch's client"):
         p.countersign_batch(OTHER, batch)
+
+
+def test_receipt_bodies_are_written_in_canonical_key_order() -> None:
+    """``receipt_body`` writes its keys in order instead of sorting them (it is made for every
+    call, twice a side): that order is the canonical one, so its bytes are the canonical encoding."""
+    from moeswarm.protocol._codec import receipt_body
+
+    _, _, batch = _batch(1)
+    body = receipt_body(batch.receipts[0])
+    assert list(body) == sorted(body, key=lambda k: k.encode("utf-8"))
+    assert msgpack.packb(body, use_bin_type=True) == p.canonical(body)
