@@ -81,9 +81,9 @@ def test_early_dispatch_through_a_swarm_gives_single_process_tokens(dsv4_checkpo
                 calls, warmups = [], []
                 call, warm_call = ex._call, ex._warm_call
 
-                async def record_call(peer, layer, x, ids, experts, y):  # type: ignore[no-untyped-def]
+                async def record_call(peer, layer, x, ids, experts, y, sent=None):  # type: ignore[no-untyped-def]
                     calls.append((peer, layer, tuple(experts)))
-                    await call(peer, layer, x, ids, experts, y)
+                    await call(peer, layer, x, ids, experts, y, sent)
 
                 async def record_warm_call(peer, layer, experts, delay):  # type: ignore[no-untyped-def]
                     warmups.append((peer, layer, tuple(experts)))
