@@ -21,7 +21,9 @@ def within_float32_summation(y: np.ndarray, x: np.ndarray, w64: np.ndarray) -> b
 
 
 def test_this_cpu_runs_the_kernel() -> None:
-    assert _f16.available(), "moeswarm.model._f16c is not built, or this CPU lacks AVX2 + F16C + FMA"
+    assert _f16.available(), ("moeswarm.model._f16c is not built (pip install compiles moeswarm/model/_f16c.c where a C "
+                              "compiler and Python's headers are present: apt install gcc python3-dev), or this CPU "
+                              "lacks AVX2 + F16C + FMA")
 
 
 @pytest.mark.parametrize("isa", sorted({1, _f16.ISA}))
