@@ -172,6 +172,17 @@ class ExpertLRU:
         return True
 
 
+def kernels_nbytes(experts: Mapping[int, Mapping[int, ExpertWeights]], cfg: ModelConfig) -> int:
+    """What ``F32Cache`` holds once every quantized expert of ``experts`` (layer -> expert -> weights) has run: a
+    layer's ``QLayerMoE`` where its formats fit one, else a ``KernelExpert`` per expert (``kernel_nbytes``)."""
+    total = 0
+    for layer in experts.values():
+        ws = [w for w in layer.values() if all(packable(a) for a in (w.gate, w.up, w.down))]
+        if ws:
+            total += kernel_nbytes(ws) if fits(ws, activation(cfg)) else sum(KernelExpert(w).nbytes for w in ws)
+    return total
+
+
 class F32Cache:
     """LRU of float32 copies of experts (or, for quantized ones, their repacked kernels), bounded in
     bytes (0 disables it).  F16/BF16 experts are computed from their stored bytes where the F16 kernel is built:

@@ -51,6 +51,17 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def available_bytes() -> int:
+    """Memory the kernel says a new workload can take without swapping (``MemAvailable``); 0 where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _status() -> dict[str, int]:
     """/proc/self/status memory fields, in bytes."""
     out = {}

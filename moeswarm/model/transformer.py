@@ -20,7 +20,9 @@ from ._fused import fuse_backbone, fused_names
 from ._qkernels import Activation
 from .attention import KVCache, LayerCache, Rope, gqa, mla, rms_norm
 from .config import ModelConfig
-from .experts import DecodedOnce, F32Cache, activation, dense_ffn, f32, get_backend, mm, oai_dense_ffn, sigmoid
+from .experts import (DecodedOnce, F32Cache, activation, dense_ffn, f32, get_backend, kernels_nbytes, mm, oai_dense_ffn,
+                      sigmoid)
+from .memory import available_bytes
 from .routing import hash_route, route
 from .weights import ExpertWeights, Weights
 
@@ -129,6 +131,7 @@ class _Done:
 
 
 DECODE_AT_LOAD_MAX = 4 << 30  # float32 copies made at load (fp16/bf16 backbone, expert cache floor), bytes
+KERNELS_RESERVE = 2 << 30  # memory left to everything else when the default expert cache sizes itself for kernels
 
 
 def _prepare_backbone(weights: Weights, fused: set[str] = frozenset()) -> None:  # type: ignore[assignment]
@@ -162,11 +165,16 @@ def _dense_activation(cfg: ModelConfig) -> Activation:
     return Activation("silu") if cfg.dense_activation == "swiglu" else activation(cfg)
 
 
-def _cache_size(experts: Mapping[int, Mapping[int, ExpertWeights]]) -> int:
-    """Default expert cache: 512 MiB, or all float32 copies of fp16/bf16 experts if up to DECODE_AT_LOAD_MAX."""
-    need = sum(sum(a.size * 4 for a in w.arrays()) for layer in experts.values() for w in layer.values()
-               if w.gate.dtype != np.float32 and not hasattr(w.gate, "kernel_format"))
-    return max(512 << 20, need) if need <= DECODE_AT_LOAD_MAX else 512 << 20
+def _cache_size(experts: Mapping[int, Mapping[int, ExpertWeights]], cfg: ModelConfig) -> int:
+    """Default expert cache (no ``--memory-budget``): room for every float32 copy of an fp16/bf16 expert (up to
+    ``DECODE_AT_LOAD_MAX``) and every quantized expert's kernel (up to the memory available at load, less
+    ``KERNELS_RESERVE``), as llama.cpp keeps the whole file resident; 512 MiB at least.  A 512 MiB cap alone left
+    a real-depth model (8 layers of 128 Q8_0 experts) rebuilding 54 onnxruntime sessions a token: 1.8 tok/s."""
+    copies = sum(sum(a.size * 4 for a in w.arrays()) for layer in experts.values() for w in layer.values()
+                 if w.gate.dtype != np.float32 and not hasattr(w.gate, "kernel_format"))
+    kernels = kernels_nbytes(experts, cfg)
+    return max(512 << 20, (copies if copies <= DECODE_AT_LOAD_MAX else 0)
+               + (kernels if kernels <= available_bytes() - KERNELS_RESERVE else 0))
 
 
 class LocalExperts:
@@ -178,7 +186,7 @@ class LocalExperts:
         self.cfg = cfg
         self.backend = get_backend(backend)
         self.backend_name = backend
-        self.cache = cache or F32Cache(_cache_size(experts))
+        self.cache = cache or F32Cache(_cache_size(experts, cfg))
         self.on_access: Callable[[int, int], None] | None = None  # called before each expert is computed
 
     def submit(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> ExpertHandle:

@@ -140,3 +140,32 @@ def test_one_call_per_layer() -> None:
         _ort_session.Session.run_inputs = original  # type: ignore[method-assign]
     with pytest.raises(ConfigError, match=r"experts \[3\] are not held"):
         auto(store, x, np.array([[3, 10]] * T), weights, cfg)
+
+
+def test_the_default_cache_sizes_itself_for_every_layer_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``--memory-budget`` the expert cache makes room for every layer's kernel (as llama.cpp keeps the whole
+    file resident) where the memory available at load allows: ``kernels_nbytes`` predicts what the cache holds
+    once every layer ran (one ``QLayerMoE`` each, none evicted), and ``_cache_size`` grants it.  With the old fixed
+    512 MiB, a real-depth model (8 layers of 128 Q8_0 experts, 0.7 GiB of kernels a layer) evicted its layer
+    kernels and rebuilt 54 onnxruntime sessions a token (benchmarks/llamacpp.py --depth real: 1.8 tok/s)."""
+    from moeswarm.model import transformer
+    from moeswarm.model.experts import kernels_nbytes
+    from moeswarm.model.transformer import LocalExperts
+
+    cfg = ModelConfig.from_hf({"model_type": "mixtral", "vocab_size": 8, "hidden_size": H, "num_hidden_layers": 3,
+                               "num_attention_heads": 4, "num_local_experts": E, "num_experts_per_tok": K,
+                               "intermediate_size": I})
+    layers = {L: experts("Q8_0") for L in range(3)}
+    local = LocalExperts(layers, cfg)
+    rng = np.random.default_rng(3)
+    for L in range(3):
+        x = rng.standard_normal((4, H)).astype(np.float32)
+        local.submit(L, x, *choose(rng, 4)).result()
+    assert local.cache.layer_kernels_fit and local.cache._copies.bytes == kernels_nbytes(layers, cfg)
+
+    big = 24 << 30  # a real-depth model's kernels
+    monkeypatch.setattr(transformer, "kernels_nbytes", lambda experts, cfg: big)
+    monkeypatch.setattr(transformer, "available_bytes", lambda: 32 << 30)
+    assert transformer._cache_size(layers, cfg) == big
+    monkeypatch.setattr(transformer, "available_bytes", lambda: 16 << 30)  # does not fit: the 512 MiB floor
+    assert transformer._cache_size(layers, cfg) == 512 << 20
