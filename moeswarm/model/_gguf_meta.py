@@ -203,7 +203,9 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensors: set[str], garch: s
         "eos_token_id": meta.get(Keys.Tokenizer.EOS_ID),
         "pad_token_id": meta.get(Keys.Tokenizer.PAD_ID),
         "num_experts_per_tok": int(get(L.EXPERT_USED_COUNT)),
-        "norm_topk_prob": bool(get(L.EXPERT_WEIGHTS_NORM, arch == "mixtral")),
+        # without the key, what llama.cpp's graph hard-codes (build_moe_ffn's norm_w): Mixtral and Qwen3-MoE
+        # renormalise (src/models/qwen3moe.cpp; its converter never writes the key), Qwen2-MoE and OLMoE do not
+        "norm_topk_prob": bool(get(L.EXPERT_WEIGHTS_NORM, arch in ("mixtral", "qwen3_moe"))),
         "rope_parameters": _rope(get, R),
         "head_dim": int(get(A.KEY_LENGTH, 0)) or None,
     }
