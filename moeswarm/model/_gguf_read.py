@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from functools import lru_cache
@@ -102,10 +103,30 @@ class _Reader(gguf.GGUFReader):
         self._fits("array items", n, item_bytes, orig_offs + 12)
         if n > MAX_GGUF_ARRAY_ITEMS:
             raise CheckpointError(f"GGUF metadata array of {n} items (at most {MAX_GGUF_ARRAY_ITEMS})", path=self._path)
-        if nptype is None:  # strings, nested arrays: gguf's own reader, one part per item
+        if itype == GGUFValueType.STRING and self.byte_order in ("I", "<") and sys.byteorder == "little":
+            return self._string_array(orig_offs, n)
+        if nptype is None:  # nested arrays: gguf's own reader, one part per item
             return super()._get_field_parts(orig_offs, raw_type)
         values = self._get(orig_offs + 12, nptype, n)  # numbers: one view for the array, not one per item
         return 12 + int(values.nbytes), [item_type, count, values], [2], [GGUFValueType.ARRAY, itype]
+
+    def _string_array(self, orig_offs: int, n: int) -> tuple[int, list[Any], list[int], list[Any]]:
+        """The parts gguf's reader makes of an array of ``n`` strings (a length and a bytes view per item), from
+        plain ndarray slices: its own path makes ``np.memmap`` views through four Python calls an item, 9.5 of
+        the 13 s it took to open a file carrying Qwen's 151,936-token vocabulary and 151,387 merges."""
+        plain, raw = self.data.view(np.ndarray), memoryview(self.data)
+        parts: list[Any] = [plain[orig_offs : orig_offs + 4].view(np.uint32), plain[orig_offs + 4 : orig_offs + 12]
+                            .view(np.uint64)]
+        idxs: list[int] = []
+        offs = orig_offs + 12
+        for _ in range(n):
+            self._fits("string length bytes", 8, 1, offs)
+            slen = int.from_bytes(raw[offs : offs + 8], "little")
+            self._fits("string bytes", slen, 1, offs + 8)
+            parts += (plain[offs : offs + 8].view(np.uint64), plain[offs + 8 : offs + 8 + slen])
+            idxs.append(len(parts) - 1)
+            offs += 8 + slen
+        return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY, GGUFValueType.STRING] if n else [GGUFValueType.ARRAY]
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         size = len(self.data)

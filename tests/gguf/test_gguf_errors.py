@@ -149,3 +149,34 @@ def test_convert_cli_errors(oracle_checkpoints, tmp_path: Path) -> None:
     r = runner.invoke(convert_gguf, ["--model", str(empty), "--out", str(tmp_path / "x.gguf")])
     assert r.exit_code == 2 and r.output.startswith("error: ") and "config.json" in r.output
     assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written
+
+
+def test_string_arrays_read_as_gguf_reads_them_and_a_cut_one_is_refused(tmp_path: Path) -> None:
+    """Arrays of strings (a vocabulary, merges) are read by the fast path of ``_Reader`` into the same parts and
+    contents as gguf-py's own reader (which took 9.5 s of a 13 s load for Qwen's 151,936 tokens); a file cut
+    inside such an array is refused with the same clear error."""
+    import gguf
+
+    from moeswarm.model._gguf_read import _Reader
+
+    words = ["", "a", "Ġthe", "日本語", "x" * 300] * 50
+    path = tmp_path / "strings.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", words)
+    w.add_string("one", "single")
+    w.add_tensor("t", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = _Reader(str(path)), gguf.GGUFReader(str(path))
+    for key in ("tokenizer.ggml.tokens", "one"):
+        a, b = ours.fields[key], theirs.fields[key]
+        assert a.types == b.types and a.data == b.data and a.contents() == b.contents(), key
+        assert [(p.dtype, p.tobytes()) for p in a.parts] == [(p.dtype, p.tobytes()) for p in b.parts], key
+    assert ours.fields["tokenizer.ggml.tokens"].contents() == words
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: data.index("Ġthe".encode()) + 2])  # inside the third string
+    with pytest.raises(CheckpointError, match="cut short or damaged"):
+        _Reader(str(cut))
