@@ -88,7 +88,10 @@ class ModelGossip:
 
     async def rendezvous(self) -> list[str]:
         """Peers of the topic: those connected that said so, else holders found in the DHT
-        (connected to, so that GossipSub grafts them into the mesh)."""
+        (connected to, so that GossipSub grafts them into the mesh).  None for a node connected to
+        nobody (a swarm's first node): there is no one to wait for or to ask."""
+        if not await self.node.connected_peers():
+            return []
         peers = await self._topic_peers()
         if peers:
             return peers
