@@ -113,7 +113,7 @@ def test_fp8_nodes_keep_the_stored_bytes_and_a_fetching_backbone_gets_them(fp8_m
     for before, after in zip(ready, served):
         grown = after["VmRSS"] - before["VmRSS"]
         print(f"node RSS grew {grown / 2**20:.0f} MiB (file {after['RssFile'] / 2**20:.0f} MiB); its experts: "
-              f"{per_node_stored / 2**20:.0f} MiB stored, {per_node_float / 2**20:.0f} MiB as float32")
+              f"{per_node_stored / 2**20:.0f} MiB stored, {per_node_float / 2**20:.0f} MiB as float32; anon +{(after['RssAnon'] - before['RssAnon']) / 2**20:.1f} MiB")
         one_float = 4 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
         assert after["RssFile"] - before["RssFile"] <= per_node_stored + (4 << 20)  # its experts' pages, as stored
         # anonymous memory: the float32 cache (budget / 8), one conversion in flight, buffers
