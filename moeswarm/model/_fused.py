@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._ort_session import SESSION_NBYTES
+from ._pages import release_stored
 from ._qkernels import Activation, Packed, QExpertFFN, _Graph, packable
 from .config import ModelConfig
 
@@ -63,14 +64,6 @@ def _packed(matrices: Sequence[object]) -> list[Packed] | None:
     return [a.packed() for a in matrices]  # type: ignore[attr-defined]
 
 
-def _release(matrices: Sequence[object]) -> None:
-    """The stored bytes are not read again: their pages leave this process (the file keeps them)."""
-    for a in matrices:
-        release = getattr(a, "release_pages", None)
-        if release is not None:
-            release()
-
-
 def fuse_qkv(attn: dict[str, object]) -> QLinears | None:
     """One layer's q, k, v (``attn`` holds its ``attn.*`` tensors) as one ``QLinears``, or None."""
     if any(attn.get(p) is None for p in QKV):
@@ -84,7 +77,7 @@ def fuse_qkv(attn: dict[str, object]) -> QLinears | None:
         bias = np.concatenate([np.zeros(p.n, np.float32) if b is None else np.asarray(b, np.float32).reshape(-1)
                                for b, p in zip(biases, ps)])
     kernel = QLinears(ps, bias)
-    _release([attn[p] for p in QKV])
+    release_stored([attn[p] for p in QKV])
     return kernel
 
 
@@ -94,7 +87,7 @@ def fuse_ffn(gate: object, up: object, down: object, act: Activation) -> QExpert
     if ps is None:
         return None
     kernel = QExpertFFN(*ps, act=act)
-    _release([gate, up, down])
+    release_stored([gate, up, down])
     return kernel
 
 

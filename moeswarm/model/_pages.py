@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -24,3 +25,12 @@ def release_pages(a: object) -> None:
     start, end = -(-low // mmap.PAGESIZE) * mmap.PAGESIZE, (low + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
     if end > start:
         mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def release_stored(tensors: Iterable[object]) -> None:
+    """Each stored tensor's mapped pages leave the process (``release_pages`` of a ``QuantizedTensor``), once a
+    kernel holds its values and the stored bytes are not read again (the file keeps them)."""
+    for a in tensors:
+        release = getattr(a, "release_pages", None)
+        if release is not None:
+            release()

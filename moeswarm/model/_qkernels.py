@@ -39,6 +39,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ._ort_session import (SESSION_NBYTES, Lazy, Session, global_pool_active, placeholder, release_mapped,
                            set_threads)
+from ._pages import release_stored
 
 
 @dataclass(frozen=True)
@@ -456,10 +457,7 @@ class KernelExpert:
             w = self.weights
             biases = tuple(None if b is None else np.asarray(b, np.float32) for b in (w.gate_bias, w.up_bias, w.down_bias))
             self._ffn = QExpertFFN(w.gate.packed(), w.up.packed(), w.down.packed(), act, biases)  # type: ignore[arg-type]
-            for a in (w.gate, w.up, w.down):  # the stored bytes are not read again: leave them to the file
-                release = getattr(a, "release_pages", None)
-                if release is not None:
-                    release()
+            release_stored((w.gate, w.up, w.down))  # the stored bytes are not read again: leave them to the file
         return self._ffn(x)
 
 __all__ = ["Activation", "IQ4_VALUES", "KernelExpert", "Packed", "QExpertFFN", "QLinear", "REPACKERS", "pack",

@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import ConfigError
 from ._f16 import StoredLinear, stored_linear
 from ._ort_session import release_mapped
-from ._pages import release_pages
+from ._pages import release_pages, release_stored
 from ._qkernels import Activation, KernelExpert, packable
 from ._qmoe import QLayerMoE, fits, kernel_nbytes
 from .config import ModelConfig
@@ -220,11 +220,7 @@ class F32Cache:
                 if a is not None:
                     release_mapped(a)
         del matrices
-        for w in ws:  # the stored bytes are not read again: leave them to the file
-            for a in (w.gate, w.up, w.down):
-                release = getattr(a, "release_pages", None)
-                if release is not None:
-                    release()
+        release_stored(a for w in ws for a in (w.gate, w.up, w.down))  # not read again: leave them to the file
         self._copies.put(key, kernel)
         self._layer_kernels.add(key)
         if any(k not in self._copies for k in self._layer_kernels):
