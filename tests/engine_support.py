@@ -147,6 +147,32 @@ def run_batched(model: Model, seqs: list[list[list[int] | None]], pool: Any) -> 
     return [np.concatenate(o) for o in out]
 
 
+def around(rng: np.random.Generator, vocab: int, steps: int) -> list[list[list[int] | None]]:
+    """Sequences batched around one of ``steps`` passes: longer chunks, a late joiner, one that leaves early."""
+    return [
+        [rng.integers(3, vocab, 9).tolist(), rng.integers(3, vocab, 1).tolist(), rng.integers(3, vocab, 6).tolist()],
+        [None, None, rng.integers(3, vocab, 20).tolist()] + [rng.integers(3, vocab, 1).tolist()] * (steps - 3),
+        [rng.integers(3, vocab, 2).tolist()] * steps,
+    ]
+
+
+def assert_batched_as_alone_and_as_transformers(
+        model: Model, ref: Any, pool: Any, first: int = 3,
+        others: Callable[[np.random.Generator, int, int], list[list[list[int] | None]]] = around, tol: float = 1e-4,
+) -> None:
+    """``ref``'s sequence as a chunked prefill (``first`` ids, then the rest of the prompt) and one token a pass,
+    batched (``forward_batch`` over ``pool``) beside ``others(rng, vocab, passes)``: its logits equal its logits
+    alone and transformers' within ``tol``, and every block of ``pool`` comes back."""
+    ids, T = ref.sequence_ids, len(ref.prompt_ids)
+    mine = [ids[:first], ids[first:T]] + [[t] for t in ids[T:]]
+    seqs = others(np.random.default_rng(0), model.config.vocab_size, len(mine))
+    batched = run_batched(model, [mine, *seqs], pool)[0]
+    alone = run_batched(model, [mine], pool)[0]
+    assert pool.free == pool.num_blocks  # every block came back
+    assert np.abs(batched - alone).max() <= tol
+    assert np.abs(batched - ref.all_logits).max() <= tol
+
+
 def assert_same_weights(source: Weights, exact: Weights) -> None:
     """``exact`` (a lossless conversion of ``source``) holds the same tensors and experts, bit for bit:
     every backbone tensor, and every expert's matrices and biases (where the source has biases)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_support import run_batched
+from engine_support import assert_batched_as_alone_and_as_transformers
 from scipy import stats
 
 from moeswarm.errors import ConfigError
@@ -23,21 +23,7 @@ def test_batched_logits_match_transformers_and_running_alone(oracle_checkpoints,
     folder, ref = oracle_checkpoints.get(arch, "packed")
     model = load_model(folder)
     pool = CachePool(layer_specs(model.config), 4 << 20, block_tokens=4)  # small blocks: many per sequence
-    ids = ref.sequence_ids
-    T = len(ref.prompt_ids)
-    mine = [ids[:3], ids[3:T]] + [[t] for t in ids[T:]]  # a chunked prefill, then one token per step
-    rng = np.random.default_rng(0)
-    V = model.config.vocab_size
-    others = [  # sequences around it: longer chunks, a late joiner, one that leaves early
-        [rng.integers(3, V, 9).tolist(), rng.integers(3, V, 1).tolist(), rng.integers(3, V, 6).tolist()],
-        [None, None, rng.integers(3, V, 20).tolist()] + [rng.integers(3, V, 1).tolist()] * (len(mine) - 3),
-        [rng.integers(3, V, 2).tolist()] * len(mine),
-    ]
-    batched = run_batched(model, [mine, *others], pool)[0]
-    alone = run_batched(model, [mine], pool)[0]
-    assert pool.free == pool.num_blocks  # every block came back
-    assert np.abs(batched - alone).max() <= TOL
-    assert np.abs(batched - ref.all_logits).max() <= TOL
+    assert_batched_as_alone_and_as_transformers(model, ref, pool, tol=TOL)
 
 
 def test_the_pool_refuses_what_it_cannot_hold(oracle_checkpoints) -> None:

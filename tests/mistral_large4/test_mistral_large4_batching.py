@@ -7,7 +7,7 @@ one, a late joiner) give transformers' logits and the logits alone."""
 from __future__ import annotations
 
 import numpy as np
-from engine_support import run_batched
+from engine_support import assert_batched_as_alone_and_as_transformers
 
 from moeswarm.model import load_model
 from moeswarm.model.batch import CachePool, layer_specs
@@ -19,16 +19,9 @@ def test_batched_logits_match_transformers_and_running_alone(ml4_checkpoints) ->
     folder, ref = ml4_checkpoints.get("packed")
     model = load_model(folder)
     pool = CachePool(layer_specs(model.config), 64 << 20)
-    ids, T = ref.sequence_ids, len(ref.prompt_ids)
-    mine = [ids[:7], ids[7:T]] + [[t] for t in ids[T:]]
-    rng = np.random.default_rng(0)
-    V = model.config.vocab_size
-    others = [
-        [rng.integers(3, V, 12).tolist()] + [rng.integers(3, V, 1).tolist()] * (len(mine) - 1),
-        [None, None, rng.integers(3, V, 9).tolist()] + [rng.integers(3, V, 1).tolist()] * (len(mine) - 3),
-    ]
-    batched = run_batched(model, [mine, *others], pool)[0]
-    alone = run_batched(model, [mine], pool)[0]
-    assert pool.free == pool.num_blocks
-    assert np.abs(batched - alone).max() <= TOL
-    assert np.abs(batched - ref.all_logits).max() <= TOL
+
+    def others(rng: np.random.Generator, vocab: int, steps: int) -> list[list[list[int] | None]]:
+        return [[rng.integers(3, vocab, 12).tolist()] + [rng.integers(3, vocab, 1).tolist()] * (steps - 1),
+                [None, None, rng.integers(3, vocab, 9).tolist()] + [rng.integers(3, vocab, 1).tolist()] * (steps - 3)]
+
+    assert_batched_as_alone_and_as_transformers(model, ref, pool, first=7, others=others, tol=TOL)
